@@ -1,0 +1,1 @@
+"""kvfence: a PD-disaggregated LLM serving engine with tenant-fenced KV pages."""

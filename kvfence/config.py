@@ -1,0 +1,52 @@
+"""EngineConfig: the one frozen, validated configuration of an engine node (flags named like SGLang's)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+DTYPES = ("float32", "bfloat16", "float16")
+KV_CACHE_DTYPES = ("auto", "float32", "bfloat16", "float16")
+
+
+class ConfigError(ValueError):
+    """A flag value that cannot work; the message names the flag."""
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    model: str
+    device: str = "cpu"
+    dtype: str = "float32"
+    kv_cache_dtype: str = "auto"
+    context_length: int | None = None  # None: the model's max_position_embeddings
+    page_size: int = 16
+    kv_pool_tokens: int | None = None  # wins over mem_fraction_static when set
+    mem_fraction_static: float = 0.5
+    chunked_prefill_size: int = 512
+    max_running_requests: int = 64
+    seed: int = 0
+    served_model_name: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.device != "cpu" and not self.device.startswith("cuda"):
+            raise ConfigError(f"--device {self.device!r}: expected cpu or cuda[:N]")
+        if self.dtype not in DTYPES:
+            raise ConfigError(f"--dtype {self.dtype!r}: expected one of {', '.join(DTYPES)}")
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ConfigError(f"--kv-cache-dtype {self.kv_cache_dtype!r}: expected one of {', '.join(KV_CACHE_DTYPES)}")
+        if self.page_size < 1:
+            raise ConfigError(f"--page-size {self.page_size}: must be >= 1")
+        if self.context_length is not None and self.context_length < 2:
+            raise ConfigError(f"--context-length {self.context_length}: must be >= 2")
+        if self.kv_pool_tokens is not None and self.kv_pool_tokens < 1:
+            raise ConfigError(f"--kv-pool-tokens {self.kv_pool_tokens}: must be >= 1")
+        if not 0.0 < self.mem_fraction_static <= 1.0:
+            raise ConfigError(f"--mem-fraction-static {self.mem_fraction_static}: must be in (0, 1]")
+        if self.chunked_prefill_size < 1:
+            raise ConfigError(f"--chunked-prefill-size {self.chunked_prefill_size}: must be >= 1")
+        if self.max_running_requests < 1:
+            raise ConfigError(f"--max-running-requests {self.max_running_requests}: must be >= 1")
+
+    @property
+    def effective_kv_cache_dtype(self) -> str:
+        return self.dtype if self.kv_cache_dtype == "auto" else self.kv_cache_dtype

@@ -1,0 +1,84 @@
+"""Request-side value types: sampling parameters, what a caller submits, and what the engine emits."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    max_tokens: int | None = None  # None: context_length - prompt_len (decided at admission)
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1  # -1 or 0: off
+    seed: int | None = None
+    stop: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+    logprobs: int | None = None  # None: off; k >= 0: chosen token's logprob plus the top k
+
+    def __post_init__(self) -> None:
+        if self.max_tokens is not None and self.max_tokens < 1:
+            raise ValueError("max_tokens must be >= 1")
+        if self.temperature < 0:
+            raise ValueError("temperature must be >= 0")
+        if not 0.0 < self.top_p <= 1.0:
+            raise ValueError("top_p must be in (0, 1]")
+        if self.logprobs is not None and not 0 <= self.logprobs <= 20:
+            raise ValueError("logprobs must be in [0, 20]")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+
+@dataclass(frozen=True)
+class GenerateRequest:
+    """One generation as the HTTP layer hands it to the engine. tenant comes from the credential."""
+
+    request_id: str
+    tenant: str
+    prompt_token_ids: tuple[int, ...]
+    sampling: SamplingParams
+
+
+class FinishReason(enum.StrEnum):
+    STOP = "stop"  # EOS, stop token id or stop string
+    LENGTH = "length"  # max_tokens reached
+    ABORT = "abort"  # client went away or operator aborted
+    ERROR = "error"  # the engine failed this request closed; see RequestOutput.error
+
+
+@dataclass(frozen=True)
+class TokenLogprob:
+    token_id: int
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()
+
+
+@dataclass(frozen=True)
+class RequestOutput:
+    """An increment of one request's answer; the last one has finish_reason set."""
+
+    request_id: str
+    new_token_ids: tuple[int, ...]
+    new_text: str
+    finish_reason: FinishReason | None
+    prompt_tokens: int
+    completion_tokens: int
+    logprobs: tuple[TokenLogprob, ...] = ()
+    error: str | None = None  # set with FinishReason.ERROR: the reason the client sees
+    error_code: str | None = None
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclass
+class RequestStats:
+    arrival: float
+    first_token: float | None = None
+    finished: float | None = None
+    extra: dict[str, float] = field(default_factory=dict)

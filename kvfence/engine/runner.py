@@ -1,0 +1,107 @@
+"""ModelRunner: turns a step's scheduled chunks into batched tensors, checks page ownership (I2),
+runs the model and samples. It owns no scheduling state."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from kvfence.engine.scheduler import ScheduledChunk
+from kvfence.kv.pool import KVPool
+from kvfence.model.attention import AttentionMetadata, build_group
+from kvfence.model.llama import CausalLM
+from kvfence.model.sampling import SampleResult, SamplingBatch, sample
+
+
+@dataclass
+class StepResult:
+    sampled: list[ScheduledChunk]  # chunks that produced a token, in `samples` row order
+    samples: SampleResult | None
+    rejected: list[ScheduledChunk]  # failed the ownership check: fail closed, not run
+
+
+class ModelRunner:
+    def __init__(self, model: CausalLM, pool: KVPool, device: torch.device, seed: int) -> None:
+        self.model = model
+        self.pool = pool
+        self.device = device
+        self.sliding_window = model.config.sliding_window
+        self.generator = torch.Generator(device=device).manual_seed(seed)
+
+    def run(self, chunks: list[ScheduledChunk]) -> StepResult:
+        chunks, rejected = self._check_ownership(chunks)
+        if not chunks:
+            return StepResult([], None, rejected)
+        page_table = self._page_table(chunks)
+        starts = torch.tensor([c.start for c in chunks], dtype=torch.int64)
+        lengths = torch.tensor([c.length for c in chunks], dtype=torch.int64)
+        flat_offsets = torch.cumsum(lengths, 0) - lengths
+        total = int(lengths.sum())
+        row = torch.repeat_interleave(torch.arange(len(chunks)), lengths)
+        positions = starts[row] + torch.arange(total) - flat_offsets[row]
+        ps = self.pool.page_size
+        slots = page_table[row, positions // ps] * ps + positions % ps
+        input_ids = torch.tensor(
+            [t for c in chunks for t in c.seq.token_ids[c.start : c.start + c.length]],
+            dtype=torch.int64,
+        )
+        groups = []
+        for is_decode in (True, False):
+            idx = [i for i, c in enumerate(chunks) if (c.length == 1) == is_decode]
+            if idx:
+                sel = torch.tensor(idx, dtype=torch.int64)
+                ctx = (starts[sel] + lengths[sel]).tolist()
+                pages_needed = max(self.pool.pages_for(n) for n in ctx)
+                groups.append(build_group(
+                    flat_offsets[sel].tolist(), lengths[sel].tolist(), ctx,
+                    page_table[sel, :pages_needed], ps, self.sliding_window, self.device,
+                ))
+        meta = AttentionMetadata(positions.to(self.device), slots.to(self.device), groups)
+        hidden = self.model(input_ids.to(self.device), meta, self.pool)
+        sampled = [c for c in chunks if c.samples]
+        if not sampled:
+            return StepResult([], None, rejected)
+        last = torch.tensor(
+            [int(flat_offsets[i]) + c.length - 1 for i, c in enumerate(chunks) if c.samples],
+            device=self.device,
+        )
+        logits = self.model.logits(hidden[last])
+        return StepResult(sampled, sample(logits, self._sampling_batch(sampled), self.generator), rejected)
+
+    def _page_table(self, chunks: list[ScheduledChunk]) -> torch.Tensor:
+        width = max(len(c.seq.pages) for c in chunks)
+        return torch.tensor(
+            [c.seq.pages + [0] * (width - len(c.seq.pages)) for c in chunks], dtype=torch.int64
+        )
+
+    def _check_ownership(
+        self, chunks: list[ScheduledChunk]
+    ) -> tuple[list[ScheduledChunk], list[ScheduledChunk]]:
+        """I2: every page a chunk reads or writes must be owned by its grant and tenant."""
+        if not chunks:
+            return chunks, []
+        table = self._page_table(chunks).to(self.device)
+        counts = torch.tensor([len(c.seq.pages) for c in chunks], device=self.device)
+        valid = torch.arange(table.shape[1], device=self.device)[None, :] < counts[:, None]
+        grants = torch.tensor([c.seq.grant.grant_id for c in chunks], device=self.device)
+        tenants = torch.tensor([c.seq.grant.tenant_id for c in chunks], device=self.device)
+        bad = self.pool.check_owned(table, grants, tenants, valid).tolist()
+        if not any(bad):
+            return chunks, []
+        return [c for c, b in zip(chunks, bad, strict=True) if not b], [
+            c for c, b in zip(chunks, bad, strict=True) if b
+        ]
+
+    def _sampling_batch(self, chunks: list[ScheduledChunk]) -> SamplingBatch:
+        params = [c.seq.admitted.request.sampling for c in chunks]
+        lp = [p.logprobs for p in params if p.logprobs is not None]
+        return SamplingBatch(
+            temperature=torch.tensor([p.temperature for p in params], dtype=torch.float32),
+            top_p=torch.tensor([p.top_p for p in params], dtype=torch.float32),
+            top_k=torch.tensor([p.top_k for p in params], dtype=torch.int64),
+            generators=[c.seq.generator for c in chunks],
+            needs_filter=any(p.top_p < 1.0 or p.top_k > 0 for p in params),
+            all_greedy=all(p.greedy for p in params),
+            max_logprobs=max(lp) if lp else None,
+        )

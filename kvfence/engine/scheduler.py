@@ -1,0 +1,118 @@
+"""Scheduler: continuous batching with chunked prefill, FIFO entry to the pool, and preemption
+by recompute (newest first) when a running sequence needs a page and none is free."""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+
+from kvfence.engine.sequence import Sequence, SeqStatus
+from kvfence.kv.pool import KVPool
+
+
+@dataclass(frozen=True)
+class ScheduledChunk:
+    seq: Sequence
+    start: int  # first token index computed this step
+    length: int  # tokens computed this step
+
+    @property
+    def samples(self) -> bool:
+        """The chunk reaches the last known token, so the step samples the next one."""
+        return self.start + self.length == len(self.seq.token_ids)
+
+
+@dataclass
+class SchedulerLimits:
+    chunked_prefill_size: int
+    max_running_requests: int
+
+
+class Scheduler:
+    def __init__(self, pool: KVPool, limits: SchedulerLimits) -> None:
+        self.pool = pool
+        self.limits = limits
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []  # arrival order
+        self.num_preemptions = 0
+
+    def add(self, seq: Sequence) -> None:
+        self.waiting.append(seq)
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def remove(self, seq: Sequence) -> None:
+        """Take seq out of the queues and return its pages (it is finished or aborted)."""
+        if seq.status is SeqStatus.RUNNING:
+            self.running.remove(seq)
+            self._release(seq)
+        elif seq.status is SeqStatus.WAITING:
+            self.waiting.remove(seq)
+        seq.status = SeqStatus.FINISHED
+
+    def schedule(self) -> list[ScheduledChunk]:
+        chunks: list[ScheduledChunk] = []
+        preempted_before = self.num_preemptions
+        decoding = [s for s in self.running if s.in_decode]
+        for seq in decoding:
+            if seq.status is not SeqStatus.RUNNING:
+                continue  # preempted by an earlier sequence in this loop
+            if self._ensure_slot(seq):
+                chunks.append(ScheduledChunk(seq, seq.num_computed, 1))
+        budget = self.limits.chunked_prefill_size
+        for seq in self.running:
+            if budget == 0:
+                break
+            if not seq.in_decode and seq.status is SeqStatus.RUNNING:
+                n = min(seq.num_uncomputed, budget)
+                chunks.append(ScheduledChunk(seq, seq.num_computed, n))
+                budget -= n
+        # After a preemption the pool is short: admitting now would only thrash.
+        may_admit = self.num_preemptions == preempted_before
+        while (
+            may_admit and budget > 0 and self.waiting
+            and len(self.running) < self.limits.max_running_requests
+        ):
+            seq = self.waiting[0]
+            needed = self.pool.pages_for(len(seq.token_ids))
+            if needed > self.pool.num_free:
+                break  # FIFO: later arrivals never overtake the head of the queue
+            self.waiting.popleft()
+            seq.grant = self.pool.new_grant(seq.tenant, seq.request_id)
+            seq.pages = self.pool.allocate(seq.grant, needed)
+            seq.status = SeqStatus.RUNNING
+            self.running.append(seq)
+            n = min(seq.num_uncomputed, budget)
+            chunks.append(ScheduledChunk(seq, seq.num_computed, n))
+            budget -= n
+        return chunks
+
+    def _ensure_slot(self, seq: Sequence) -> bool:
+        """Make sure seq has a page for its next token, preempting newer sequences if needed.
+        False when seq itself had to be preempted."""
+        if seq.num_computed < len(seq.pages) * self.pool.page_size:
+            return True
+        while self.pool.num_free == 0:
+            victim = self.running[-1]
+            self._preempt(victim)
+            if victim is seq:
+                return False
+        assert seq.grant is not None
+        seq.pages.extend(self.pool.allocate(seq.grant, 1))
+        return True
+
+    def _preempt(self, seq: Sequence) -> None:
+        self.running.remove(seq)
+        self._release(seq)
+        seq.num_computed = 0
+        seq.status = SeqStatus.WAITING
+        seq.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(seq)
+
+    def _release(self, seq: Sequence) -> None:
+        assert seq.grant is not None
+        self.pool.free(seq.grant, seq.pages)
+        seq.pages = []
+        seq.grant = None

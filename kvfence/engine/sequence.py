@@ -1,0 +1,72 @@
+"""Sequence: the engine's live state of one admitted request (tokens, pages, grant, status)."""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+
+from kvfence.engine.admission import Admitted
+from kvfence.engine.request import FinishReason, RequestOutput, TokenLogprob
+from kvfence.kv.pool import Grant
+from kvfence.model.tokenizer import IncrementalDetokenizer
+
+
+class SeqStatus(enum.Enum):
+    WAITING = "waiting"  # queued, holds no pages
+    RUNNING = "running"  # holds pages under its grant
+    FINISHED = "finished"  # pages returned; its sink has seen the final output
+
+
+@dataclass(eq=False)
+class Sequence:
+    admitted: Admitted
+    sink: Callable[[RequestOutput], None]
+    arrival: int  # FIFO order; preempted sequences keep theirs
+    detok: IncrementalDetokenizer
+    generator: torch.Generator | None = None
+    status: SeqStatus = SeqStatus.WAITING
+    grant: Grant | None = None
+    pages: list[int] = field(default_factory=list)
+    token_ids: list[int] = field(default_factory=list)  # prompt + generated
+    num_computed: int = 0  # tokens whose K/V are in the pool
+    text: str = ""  # generated text not yet sent (held back while a stop string may be forming)
+    sent_text_len: int = 0
+    sent_ids: int = 0  # output tokens already reported to the sink
+    finish_reason: FinishReason | None = None
+    pending_logprobs: list[TokenLogprob] = field(default_factory=list)
+    num_preemptions: int = 0
+
+    def __post_init__(self) -> None:
+        if not self.token_ids:
+            self.token_ids = list(self.admitted.request.prompt_token_ids)
+
+    @property
+    def request_id(self) -> str:
+        return self.admitted.request.request_id
+
+    @property
+    def tenant(self) -> str:
+        return self.admitted.request.tenant
+
+    @property
+    def prompt_len(self) -> int:
+        return self.admitted.prompt_len
+
+    @property
+    def num_output(self) -> int:
+        return len(self.token_ids) - self.prompt_len
+
+    @property
+    def output_ids(self) -> list[int]:
+        return self.token_ids[self.prompt_len :]
+
+    @property
+    def num_uncomputed(self) -> int:
+        return len(self.token_ids) - self.num_computed
+
+    @property
+    def in_decode(self) -> bool:
+        return self.num_uncomputed == 1 and self.num_computed > 0

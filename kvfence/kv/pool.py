@@ -1,0 +1,120 @@
+"""KVPool: paged K/V tensors plus the ownership side tables (I2, I4). Pages are never zeroed on free.
+
+A page is free or owned by exactly one Grant. The side tables (owner grant, owner tenant,
+generation) are tensors so a batch's ownership check is one vectorised compare. The generation of
+a page bumps on every free, so a page table entry taken before a free can never validate after it.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections import deque
+from dataclasses import dataclass
+
+import torch
+
+FREE = -1
+
+
+@dataclass(frozen=True)
+class Grant:
+    """Ownership of a set of pages: (tenant, request, generation). grant_id is never reused."""
+
+    grant_id: int
+    tenant_id: int
+    request_id: str
+
+
+class PoolExhausted(Exception):
+    """Not enough free pages; the caller must wait or preempt. Nothing was allocated."""
+
+
+class OwnershipError(Exception):
+    """A page was used by a grant that does not own it."""
+
+
+class KVPool:
+    def __init__(
+        self,
+        *,
+        num_layers: int,
+        num_pages: int,
+        page_size: int,
+        num_kv_heads: int,
+        head_dim: int,
+        dtype: torch.dtype,
+        device: torch.device | str,
+    ) -> None:
+        self.num_layers = num_layers
+        self.num_pages = num_pages
+        self.page_size = page_size
+        self.device = torch.device(device)
+        shape = (num_layers, num_pages * page_size, num_kv_heads, head_dim)
+        # torch.empty, not zeros: safety must not depend on what a free page happens to hold.
+        self.k = torch.empty(shape, dtype=dtype, device=self.device)
+        self.v = torch.empty(shape, dtype=dtype, device=self.device)
+        self.owner_grant = torch.full((num_pages,), FREE, dtype=torch.int64, device=self.device)
+        self.owner_tenant = torch.full((num_pages,), FREE, dtype=torch.int64, device=self.device)
+        self.generation = torch.zeros((num_pages,), dtype=torch.int64, device=self.device)
+        self._free: deque[int] = deque(range(num_pages))
+        self._grant_ids = itertools.count(1)
+        self._tenant_ids: dict[str, int] = {}
+
+    @property
+    def capacity_tokens(self) -> int:
+        return self.num_pages * self.page_size
+
+    @property
+    def num_free(self) -> int:
+        return len(self._free)
+
+    @property
+    def num_used(self) -> int:
+        return self.num_pages - len(self._free)
+
+    def pages_for(self, n_tokens: int) -> int:
+        return -(-n_tokens // self.page_size)
+
+    def tenant_id(self, tenant: str) -> int:
+        return self._tenant_ids.setdefault(tenant, len(self._tenant_ids))
+
+    def new_grant(self, tenant: str, request_id: str) -> Grant:
+        return Grant(next(self._grant_ids), self.tenant_id(tenant), request_id)
+
+    def allocate(self, grant: Grant, n_pages: int) -> list[int]:
+        """Take n_pages for grant, all or nothing. Returns the page ids."""
+        if n_pages > len(self._free):
+            raise PoolExhausted(f"need {n_pages} pages, {len(self._free)} free")
+        pages = [self._free.popleft() for _ in range(n_pages)]
+        if pages:
+            idx = torch.tensor(pages, dtype=torch.int64, device=self.device)
+            assert bool((self.owner_grant[idx] == FREE).all()), "allocating an owned page"
+            self.owner_grant[idx] = grant.grant_id
+            self.owner_tenant[idx] = grant.tenant_id
+        return pages
+
+    def free(self, grant: Grant, pages: list[int]) -> None:
+        """Return grant's pages. Callers guarantee no writer can still write them (I4)."""
+        if not pages:
+            return
+        idx = torch.tensor(pages, dtype=torch.int64, device=self.device)
+        if not bool((self.owner_grant[idx] == grant.grant_id).all()):
+            raise OwnershipError(f"grant {grant.grant_id} frees pages it does not own")
+        self.owner_grant[idx] = FREE
+        self.owner_tenant[idx] = FREE
+        self.generation[idx] += 1
+        self._free.extend(pages)
+
+    def check_owned(
+        self, page_ids: torch.Tensor, grant_ids: torch.Tensor, tenant_ids: torch.Tensor,
+        valid: torch.Tensor,
+    ) -> torch.Tensor:
+        """Rows whose pages are not all owned by the row's grant and tenant: one compare per batch.
+
+        page_ids [B, P] (padding anywhere `valid` is False), grant_ids [B], tenant_ids [B].
+        Returns a bool tensor [B], True where the row must fail closed.
+        """
+        ok = (self.owner_grant[page_ids] == grant_ids[:, None]) & (
+            self.owner_tenant[page_ids] == tenant_ids[:, None]
+        )
+        return ~(ok | ~valid).all(dim=1)

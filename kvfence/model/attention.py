@@ -1,0 +1,79 @@
+"""Paged attention over the KV pool: write new K/V by slot, gather each sequence's pages, SDPA.
+
+A step's tokens are flat [T]. Sequences are split into groups of similar query length (decode:
+1, prefill: a chunk) and each group runs as one padded, masked SDPA call, so the hot path is a
+handful of tensor ops per layer, never a Python loop over tokens or pages.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+
+@dataclass
+class AttentionGroup:
+    q_index: torch.Tensor  # [B, Lq] int64 into the flat token dim (padding -> 0)
+    q_valid: torch.Tensor  # [B, Lq] bool
+    kv_slots: torch.Tensor  # [B, Lk] int64 into the pool's flat slot dim (padding -> 0)
+    mask: torch.Tensor  # [B, 1, Lq, Lk] bool, True = may attend
+    flat_valid_index: torch.Tensor  # [N] q_index[q_valid], precomputed once per step
+
+
+@dataclass
+class AttentionMetadata:
+    positions: torch.Tensor  # [T]
+    slot_mapping: torch.Tensor  # [T] where each token's K/V is written
+    groups: list[AttentionGroup]
+
+
+def build_group(
+    q_starts: list[int], q_lens: list[int], ctx_lens: list[int], page_table: torch.Tensor,
+    page_size: int, sliding_window: int | None, device: torch.device,
+) -> AttentionGroup:
+    """One padded group. Row i has q_lens[i] queries at flat offset q_starts[i], which are the
+    last q_lens[i] of its ctx_lens[i] context tokens; page_table[i] (CPU, padded with 0) holds
+    that context's pages in order."""
+    b = len(q_lens)
+    lq, lk = max(q_lens), max(ctx_lens)
+    q_start = torch.tensor(q_starts, dtype=torch.int64)
+    q_len = torch.tensor(q_lens, dtype=torch.int64)
+    ctx = torch.tensor(ctx_lens, dtype=torch.int64)
+    ar_q = torch.arange(lq)
+    q_valid = ar_q[None, :] < q_len[:, None]
+    q_index = torch.where(q_valid, q_start[:, None] + ar_q[None, :], 0)
+    offsets = torch.arange(page_size, dtype=torch.int64)
+    kv_slots = (page_table[:, :, None] * page_size + offsets).reshape(b, -1)[:, :lk]
+    q_pos = (ctx - q_len)[:, None] + ar_q[None, :]  # absolute position of each query
+    k_pos = torch.arange(lk)
+    mask = (k_pos[None, None, :] <= q_pos[:, :, None]) & (k_pos[None, None, :] < ctx[:, None, None])
+    if sliding_window is not None:
+        mask &= k_pos[None, None, :] > q_pos[:, :, None] - sliding_window
+    # Padding queries attend to slot 0 only so SDPA never sees an all-masked row (NaN); dropped.
+    mask[:, :, 0] |= ~q_valid
+    return AttentionGroup(
+        q_index=q_index.to(device),
+        q_valid=q_valid.to(device),
+        kv_slots=kv_slots.to(device),
+        mask=mask.unsqueeze(1).to(device),
+        flat_valid_index=q_index[q_valid].to(device),
+    )
+
+
+def paged_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+    meta: AttentionMetadata, scale: float,
+) -> torch.Tensor:
+    """q [T, H, D], k/v [T, KVH, D]; caches [slots, KVH, D] of one layer. Returns [T, H, D]."""
+    k_cache.index_copy_(0, meta.slot_mapping, k)
+    v_cache.index_copy_(0, meta.slot_mapping, v)
+    out = torch.empty_like(q)
+    for g in meta.groups:
+        qg = q[g.q_index].transpose(1, 2)  # [B, H, Lq, D]
+        kg = k_cache[g.kv_slots].transpose(1, 2)  # [B, KVH, Lk, D]
+        vg = v_cache[g.kv_slots].transpose(1, 2)
+        o = F.scaled_dot_product_attention(qg, kg, vg, attn_mask=g.mask, scale=scale, enable_gqa=True)
+        out[g.flat_valid_index] = o.transpose(1, 2)[g.q_valid]
+    return out

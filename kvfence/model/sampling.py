@@ -1,0 +1,69 @@
+"""Batched sampling: greedy, temperature, top-k, top-p, per-request seeds, optional logprobs."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class SamplingBatch:
+    temperature: torch.Tensor  # [B] float32; 0 = greedy
+    top_p: torch.Tensor  # [B]
+    top_k: torch.Tensor  # [B] int64; <= 0 = off
+    generators: list[torch.Generator | None]  # per row; None = the engine's shared generator
+    needs_filter: bool  # any top-k or top-p in effect
+    all_greedy: bool
+    max_logprobs: int | None  # largest top-k logprobs any row asked for; None = no row asked
+
+
+@dataclass
+class SampleResult:
+    token_ids: torch.Tensor  # [B] int64 (CPU)
+    chosen_logprobs: torch.Tensor | None  # [B]
+    top_ids: torch.Tensor | None  # [B, K]
+    top_logprobs: torch.Tensor | None
+
+
+def sample(logits: torch.Tensor, sb: SamplingBatch, shared: torch.Generator) -> SampleResult:
+    """logits [B, V] float32."""
+    greedy_ids = logits.argmax(dim=-1)
+    if sb.all_greedy:
+        ids = greedy_ids
+    else:
+        temp = sb.temperature.to(logits.device)
+        scaled = logits / torch.where(temp > 0, temp, 1.0)[:, None]
+        if sb.needs_filter:
+            scaled = _filter_top_k_top_p(scaled, sb.top_k.to(logits.device), sb.top_p.to(logits.device))
+        probs = scaled.softmax(dim=-1)
+        # Exponential-race sampling: argmax(p / E) with E ~ Exp(1) draws from p, and lets each
+        # seeded row use its own generator while unseeded rows share one draw.
+        noise = torch.empty_like(probs).exponential_(generator=shared)
+        for i, gen in enumerate(sb.generators):
+            if gen is not None:
+                noise[i] = torch.empty(probs.shape[1], device=probs.device).exponential_(generator=gen)
+        sampled = (probs / noise).argmax(dim=-1)
+        ids = torch.where(temp > 0, sampled, greedy_ids)
+    result = SampleResult(ids.cpu(), None, None, None)
+    if sb.max_logprobs is not None:
+        logp = logits.log_softmax(dim=-1)
+        result.chosen_logprobs = logp.gather(1, ids[:, None]).squeeze(1).cpu()
+        if sb.max_logprobs > 0:
+            top = logp.topk(sb.max_logprobs, dim=-1)
+            result.top_ids, result.top_logprobs = top.indices.cpu(), top.values.cpu()
+    return result
+
+
+def _filter_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    sorted_logits, order = logits.sort(dim=-1, descending=True)
+    vocab = logits.shape[-1]
+    ranks = torch.arange(vocab, device=logits.device)[None, :]
+    k = torch.where(top_k > 0, top_k.clamp(max=vocab), vocab)
+    drop = ranks >= k[:, None]
+    probs = sorted_logits.masked_fill(drop, float("-inf")).softmax(dim=-1)
+    # Keep a token while the mass before it is < top_p, so the first token always survives.
+    mass_before = probs.cumsum(dim=-1) - probs
+    drop |= mass_before >= top_p[:, None]
+    sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
+    return torch.empty_like(logits).scatter_(1, order, sorted_logits)

@@ -1,0 +1,112 @@
+"""Tokenizer: tokenizer.json via `tokenizers`, chat templates via a sandboxed jinja2, and
+incremental detokenization for streaming."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from jinja2.exceptions import TemplateError
+from jinja2.sandbox import ImmutableSandboxedEnvironment
+from tokenizers import Tokenizer as HFTokenizer
+
+from kvfence.model.config import UnsupportedModelError
+
+
+class ChatTemplateError(ValueError):
+    """The messages could not be rendered by the model's chat template."""
+
+
+def _token_str(value: Any) -> str | None:
+    if isinstance(value, dict):
+        return value.get("content")
+    return value
+
+
+def _raise(message: str) -> None:
+    raise ChatTemplateError(message)
+
+
+class Tokenizer:
+    def __init__(self, model_dir: str | Path) -> None:
+        model_dir = Path(model_dir)
+        path = model_dir / "tokenizer.json"
+        if not path.is_file():
+            raise UnsupportedModelError(f"{model_dir}: no tokenizer.json")
+        self._tok = HFTokenizer.from_file(str(path))
+        cfg_path = model_dir / "tokenizer_config.json"
+        cfg: dict[str, Any] = json.loads(cfg_path.read_text()) if cfg_path.is_file() else {}
+        self.bos_token = _token_str(cfg.get("bos_token"))
+        self.eos_token = _token_str(cfg.get("eos_token"))
+        self.add_bos_token = bool(cfg.get("add_bos_token", False))
+        template = cfg.get("chat_template")
+        tpl_file = model_dir / "chat_template.jinja"
+        if template is None and tpl_file.is_file():
+            template = tpl_file.read_text()
+        if isinstance(template, list):  # named templates: take "default"
+            template = next((t["template"] for t in template if t.get("name") == "default"), None)
+        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+        env.globals["raise_exception"] = _raise
+        self._template = env.from_string(template) if template else None
+        self.eos_token_ids: set[int] = set()
+        if self.eos_token is not None and (tid := self._tok.token_to_id(self.eos_token)) is not None:
+            self.eos_token_ids.add(tid)
+
+    @property
+    def vocab_size(self) -> int:
+        return self._tok.get_vocab_size(with_added_tokens=True)
+
+    @property
+    def has_chat_template(self) -> bool:
+        return self._template is not None
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        ids = self._tok.encode(text, add_special_tokens=add_special_tokens).ids
+        if add_special_tokens and self.add_bos_token and self.bos_token is not None:
+            bos = self._tok.token_to_id(self.bos_token)
+            if bos is not None and (not ids or ids[0] != bos):
+                ids = [bos, *ids]
+        return ids
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        return self._tok.decode(ids, skip_special_tokens=skip_special_tokens)
+
+    def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> str:
+        if self._template is None:
+            raise ChatTemplateError("this model has no chat template; use /v1/completions")
+        try:
+            return self._template.render(
+                messages=messages,
+                add_generation_prompt=add_generation_prompt,
+                bos_token=self.bos_token or "",
+                eos_token=self.eos_token or "",
+            )
+        except TemplateError as e:
+            raise ChatTemplateError(f"chat template failed: {e}") from e
+
+
+@dataclass
+class IncrementalDetokenizer:
+    """Emits only text that can no longer change (vLLM-style prefix/read offsets), so a
+    multi-byte character split across tokens is never sent half-done."""
+
+    tokenizer: Tokenizer
+    prefix_offset: int = 0
+    read_offset: int = 0
+
+    def step(self, all_ids: list[int]) -> str:
+        prefix = self.tokenizer.decode(all_ids[self.prefix_offset : self.read_offset])
+        full = self.tokenizer.decode(all_ids[self.prefix_offset :])
+        if len(full) > len(prefix) and not full.endswith("\ufffd"):
+            self.prefix_offset = self.read_offset
+            self.read_offset = len(all_ids)
+            return full[len(prefix) :]
+        return ""
+
+    def flush(self, all_ids: list[int]) -> str:
+        prefix = self.tokenizer.decode(all_ids[self.prefix_offset : self.read_offset])
+        full = self.tokenizer.decode(all_ids[self.prefix_offset :])
+        self.prefix_offset = self.read_offset = len(all_ids)
+        return full[len(prefix) :] if len(full) > len(prefix) else ""

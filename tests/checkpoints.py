@@ -1,0 +1,63 @@
+"""Tiny random Hugging Face checkpoints of every supported architecture, built with transformers."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+ARCHES = ("llama", "mistral", "qwen2", "qwen3")
+
+
+def build_checkpoint(arch: str, out: Path, *, vocab: int = 256, seed: int = 0, **overrides) -> Path:
+    import transformers as tf
+
+    common = dict(
+        vocab_size=vocab, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+        rms_norm_eps=1e-6, tie_word_embeddings=False, eos_token_id=vocab - 1, bos_token_id=0,
+    )
+    common.update(overrides)
+    if arch == "llama":
+        cfg, cls = tf.LlamaConfig(**common), tf.LlamaForCausalLM
+    elif arch == "mistral":
+        cfg, cls = tf.MistralConfig(**common), tf.MistralForCausalLM
+    elif arch == "qwen2":
+        cfg, cls = tf.Qwen2Config(**common), tf.Qwen2ForCausalLM
+    elif arch == "qwen3":
+        cfg, cls = tf.Qwen3Config(head_dim=16, **common), tf.Qwen3ForCausalLM
+    else:
+        raise ValueError(arch)
+    torch.manual_seed(seed)
+    model = cls(cfg).eval()
+    # Random init gives near-uniform logits; scale up so greedy ties are rare.
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" not in name:
+                p.mul_(4.0 if "embed" in name or "lm_head" in name else 2.0)
+    model.save_pretrained(out, safe_serialization=True)
+    write_byte_tokenizer(out, vocab)
+    return out
+
+
+def write_byte_tokenizer(out: Path, vocab: int) -> None:
+    """A byte-level BPE trained on a little text so encode/decode and chat templates work."""
+    import json
+
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab, special_tokens=["<s>", "</s>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False,
+    )
+    text = ["the quick brown fox jumps over the lazy dog. hello world, key: value"] * 20
+    tok.train_from_iterator(text, trainer)
+    tok.save(str(out / "tokenizer.json"))
+    (out / "tokenizer_config.json").write_text(json.dumps({
+        "bos_token": "<s>", "eos_token": "</s>", "add_bos_token": False,
+        "chat_template": "{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}\n{% endfor %}"
+                         "{% if add_generation_prompt %}<assistant>{% endif %}",
+    }))
