@@ -1,4 +1,4 @@
-"""EngineConfig: the one frozen, validated configuration of an engine node (flags named like SGLang's)."""
+"""EngineConfig: one frozen, validated configuration per engine node (flags named like SGLang's)."""
 
 from __future__ import annotations
 
@@ -33,7 +33,10 @@ class EngineConfig:
         if self.dtype not in DTYPES:
             raise ConfigError(f"--dtype {self.dtype!r}: expected one of {', '.join(DTYPES)}")
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
-            raise ConfigError(f"--kv-cache-dtype {self.kv_cache_dtype!r}: expected one of {', '.join(KV_CACHE_DTYPES)}")
+            raise ConfigError(
+                f"--kv-cache-dtype {self.kv_cache_dtype!r}: "
+                f"expected one of {', '.join(KV_CACHE_DTYPES)}"
+            )
         if self.page_size < 1:
             raise ConfigError(f"--page-size {self.page_size}: must be >= 1")
         if self.context_length is not None and self.context_length < 2:
@@ -41,7 +44,9 @@ class EngineConfig:
         if self.kv_pool_tokens is not None and self.kv_pool_tokens < 1:
             raise ConfigError(f"--kv-pool-tokens {self.kv_pool_tokens}: must be >= 1")
         if not 0.0 < self.mem_fraction_static <= 1.0:
-            raise ConfigError(f"--mem-fraction-static {self.mem_fraction_static}: must be in (0, 1]")
+            raise ConfigError(
+                f"--mem-fraction-static {self.mem_fraction_static}: must be in (0, 1]"
+            )
         if self.chunked_prefill_size < 1:
             raise ConfigError(f"--chunked-prefill-size {self.chunked_prefill_size}: must be >= 1")
         if self.max_running_requests < 1:

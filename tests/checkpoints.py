@@ -7,15 +7,27 @@ from pathlib import Path
 import torch
 
 ARCHES = ("llama", "mistral", "qwen2", "qwen3")
+CHAT_TEMPLATE = (
+    "{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}\n{% endfor %}"
+    "{% if add_generation_prompt %}<assistant>{% endif %}"
+)
 
 
 def build_checkpoint(arch: str, out: Path, *, vocab: int = 256, seed: int = 0, **overrides) -> Path:
     import transformers as tf
 
     common = dict(
-        vocab_size=vocab, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
-        rms_norm_eps=1e-6, tie_word_embeddings=False, eos_token_id=vocab - 1, bos_token_id=0,
+        vocab_size=vocab,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+        rms_norm_eps=1e-6,
+        tie_word_embeddings=False,
+        eos_token_id=vocab - 1,
+        bos_token_id=0,
     )
     common.update(overrides)
     if arch == "llama":
@@ -50,14 +62,21 @@ def write_byte_tokenizer(out: Path, vocab: int) -> None:
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
-        vocab_size=vocab, special_tokens=["<s>", "</s>"],
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False,
+        vocab_size=vocab,
+        special_tokens=["<s>", "</s>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
     )
     text = ["the quick brown fox jumps over the lazy dog. hello world, key: value"] * 20
     tok.train_from_iterator(text, trainer)
     tok.save(str(out / "tokenizer.json"))
-    (out / "tokenizer_config.json").write_text(json.dumps({
-        "bos_token": "<s>", "eos_token": "</s>", "add_bos_token": False,
-        "chat_template": "{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}\n{% endfor %}"
-                         "{% if add_generation_prompt %}<assistant>{% endif %}",
-    }))
+    (out / "tokenizer_config.json").write_text(
+        json.dumps(
+            {
+                "bos_token": "<s>",
+                "eos_token": "</s>",
+                "add_bos_token": False,
+                "chat_template": CHAT_TEMPLATE,
+            }
+        )
+    )

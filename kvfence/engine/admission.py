@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from kvfence import faults
 from kvfence.engine.request import GenerateRequest
 
 
@@ -38,6 +39,8 @@ class AdmissionLimits:
 
 def admit(req: GenerateRequest, limits: AdmissionLimits) -> Admitted | Rejected:
     n = len(req.prompt_token_ids)
+    if faults.active("skip_admission"):
+        return Admitted(req, req.sampling.max_tokens or 1)
     if n == 0:
         return Rejected(req.request_id, "empty_prompt", "The prompt is empty.", "prompt")
     bad = [t for t in req.prompt_token_ids if not 0 <= t < limits.vocab_size]

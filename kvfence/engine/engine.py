@@ -10,7 +10,6 @@ import json
 import logging
 import queue
 import threading
-import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -22,7 +21,7 @@ from kvfence.engine.admission import AdmissionLimits, Admitted, Rejected, admit
 from kvfence.engine.request import FinishReason, GenerateRequest, RequestOutput, TokenLogprob
 from kvfence.engine.runner import ModelRunner, StepResult
 from kvfence.engine.scheduler import Scheduler, SchedulerLimits
-from kvfence.engine.sequence import Sequence, SeqStatus
+from kvfence.engine.sequence import SeqStatus, Sequence
 from kvfence.kv.pool import KVPool
 from kvfence.kv.sizing import CapacityError, PoolPlan, plan_for_engine, require_fits
 from kvfence.model.config import ModelConfig
@@ -86,7 +85,9 @@ class Engine:
 
     # ---- called from any thread -------------------------------------------------------------
 
-    def submit(self, req: GenerateRequest, sink: Callable[[RequestOutput], None]) -> Admitted | Rejected:
+    def submit(
+        self, req: GenerateRequest, sink: Callable[[RequestOutput], None]
+    ) -> Admitted | Rejected:
         """Admission runs here, in the caller's thread: a Rejected never reaches the loop."""
         verdict = admit(req, self.limits)
         if isinstance(verdict, Admitted):
@@ -171,7 +172,11 @@ class Engine:
         self._arrivals += 1
         seq = Sequence(admitted, sink, self._arrivals, IncrementalDetokenizer(self.tokenizer), gen)
         if req.request_id in self._seqs:
-            sink(self._output(seq, [], FinishReason.ERROR, "duplicate request id", "duplicate_request_id"))
+            sink(
+                self._output(
+                    seq, [], FinishReason.ERROR, "duplicate request id", "duplicate_request_id"
+                )
+            )
             return
         self._seqs[req.request_id] = seq
         self.scheduler.add(seq)
@@ -182,9 +187,16 @@ class Engine:
         for chunk in result.rejected:
             log.error(
                 "kv ownership check failed: tenant=%s request=%s pages=%s",
-                chunk.seq.tenant, chunk.seq.request_id, chunk.seq.pages,
+                chunk.seq.tenant,
+                chunk.seq.request_id,
+                chunk.seq.pages,
             )
-            self._finish(chunk.seq, FinishReason.ERROR, "KV cache integrity check failed", "kv_integrity_error")
+            self._finish(
+                chunk.seq,
+                FinishReason.ERROR,
+                "KV cache integrity check failed",
+                "kv_integrity_error",
+            )
         if result.samples is None:
             return
         s = result.samples
@@ -196,7 +208,9 @@ class Engine:
             tok = token_ids[i]
             seq.token_ids.append(tok)
             if seq.admitted.request.sampling.logprobs is not None:
-                seq.pending_logprobs.append(_logprob(s, i, tok, seq.admitted.request.sampling.logprobs))
+                seq.pending_logprobs.append(
+                    _logprob(s, i, tok, seq.admitted.request.sampling.logprobs)
+                )
             self._advance(seq, tok)
 
     def _advance(self, seq: Sequence, tok: int) -> None:
@@ -223,8 +237,14 @@ class Engine:
         hold = max((len(x) for x in sp.stop), default=1) - 1
         self._emit(seq, max(seq.sent_text_len, len(seq.text) - hold), None)
 
-    def _emit(self, seq: Sequence, upto: int, reason: FinishReason | None,
-              error: str | None = None, code: str | None = None) -> None:
+    def _emit(
+        self,
+        seq: Sequence,
+        upto: int,
+        reason: FinishReason | None,
+        error: str | None = None,
+        code: str | None = None,
+    ) -> None:
         text = seq.text[seq.sent_text_len : upto]
         seq.sent_text_len = max(seq.sent_text_len, upto)
         new_ids = seq.output_ids[seq.sent_ids :]
@@ -232,20 +252,23 @@ class Engine:
         logprobs, seq.pending_logprobs = seq.pending_logprobs, []
         if not text and not new_ids and reason is None:
             return
-        seq.sink(RequestOutput(
-            request_id=seq.request_id,
-            new_token_ids=tuple(new_ids),
-            new_text=text,
-            finish_reason=reason,
-            prompt_tokens=seq.prompt_len,
-            completion_tokens=seq.num_output,
-            logprobs=tuple(logprobs),
-            error=error,
-            error_code=code,
-        ))
+        seq.sink(
+            RequestOutput(
+                request_id=seq.request_id,
+                new_token_ids=tuple(new_ids),
+                new_text=text,
+                finish_reason=reason,
+                prompt_tokens=seq.prompt_len,
+                completion_tokens=seq.num_output,
+                logprobs=tuple(logprobs),
+                error=error,
+                error_code=code,
+            )
+        )
 
-    def _finish(self, seq: Sequence, reason: FinishReason, error: str | None = None,
-                code: str | None = None) -> None:
+    def _finish(
+        self, seq: Sequence, reason: FinishReason, error: str | None = None, code: str | None = None
+    ) -> None:
         """End seq exactly once (I5): return its pages, then send the final output."""
         if seq.status is SeqStatus.FINISHED:
             return
@@ -254,8 +277,12 @@ class Engine:
         seq.finish_reason = reason
         self._emit(seq, len(seq.text), reason, error, code)
 
-    def _output(self, seq: Sequence, ids: list[int], reason: FinishReason, error: str, code: str) -> RequestOutput:
-        return RequestOutput(seq.request_id, tuple(ids), "", reason, seq.prompt_len, 0, (), error, code)
+    def _output(
+        self, seq: Sequence, ids: list[int], reason: FinishReason, error: str, code: str
+    ) -> RequestOutput:
+        return RequestOutput(
+            seq.request_id, tuple(ids), "", reason, seq.prompt_len, 0, (), error, code
+        )
 
     def _eos_ids(self, model_dir: Path) -> frozenset[int]:
         ids = set(self.model_config.eos_token_ids) | self.tokenizer.eos_token_ids

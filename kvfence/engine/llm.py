@@ -32,7 +32,9 @@ class LLM:
         self.engine = Engine(EngineConfig(model=model, **engine_kwargs))  # type: ignore[arg-type]
 
     def generate(
-        self, prompts: list[list[int]] | list[str], params: SamplingParams | list[SamplingParams],
+        self,
+        prompts: list[list[int]] | list[str],
+        params: SamplingParams | list[SamplingParams],
         tenant: str = "default",
     ) -> list[Completion]:
         """Run all prompts to completion; raises RequestRejected before running anything if any
@@ -41,8 +43,10 @@ class LLM:
         tok = self.engine.tokenizer
         reqs = [
             GenerateRequest(
-                secrets.token_hex(16), tenant,
-                tuple(p if isinstance(p, list) else tok.encode(p)), sp,
+                secrets.token_hex(16),
+                tenant,
+                tuple(p if isinstance(p, list) else tok.encode(p)),
+                sp,
             )
             for p, sp in zip(prompts, params_list, strict=True)
         ]

@@ -1,4 +1,4 @@
-"""Request-side value types: sampling parameters, what a caller submits, and what the engine emits."""
+"""Request-side value types: sampling parameters, what a caller submits, what the engine emits."""
 
 from __future__ import annotations
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass
 
-from kvfence.engine.sequence import Sequence, SeqStatus
+from kvfence.engine.sequence import SeqStatus, Sequence
 from kvfence.kv.pool import KVPool
 
 
@@ -71,7 +71,9 @@ class Scheduler:
         # After a preemption the pool is short: admitting now would only thrash.
         may_admit = self.num_preemptions == preempted_before
         while (
-            may_admit and budget > 0 and self.waiting
+            may_admit
+            and budget > 0
+            and self.waiting
             and len(self.running) < self.limits.max_running_requests
         ):
             seq = self.waiting[0]

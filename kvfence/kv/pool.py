@@ -1,4 +1,4 @@
-"""KVPool: paged K/V tensors plus the ownership side tables (I2, I4). Pages are never zeroed on free.
+"""KVPool: paged K/V tensors and the ownership side tables (I2, I4). Pages are not zeroed on free.
 
 A page is free or owned by exactly one Grant. The side tables (owner grant, owner tenant,
 generation) are tensors so a batch's ownership check is one vectorised compare. The generation of
@@ -14,6 +14,8 @@ from dataclasses import dataclass
 import torch
 
 FREE = -1
+NULL_OWNER = -2
+NULL_PAGE = 0  # a zeroed page never handed out: padding in gathers points here
 
 
 @dataclass(frozen=True)
@@ -46,17 +48,24 @@ class KVPool:
         device: torch.device | str,
     ) -> None:
         self.num_layers = num_layers
-        self.num_pages = num_pages
+        self.num_pages = num_pages  # usable pages; the null page comes on top
         self.page_size = page_size
         self.device = torch.device(device)
-        shape = (num_layers, num_pages * page_size, num_kv_heads, head_dim)
+        total = num_pages + 1
+        shape = (num_layers, total * page_size, num_kv_heads, head_dim)
         # torch.empty, not zeros: safety must not depend on what a free page happens to hold.
         self.k = torch.empty(shape, dtype=dtype, device=self.device)
         self.v = torch.empty(shape, dtype=dtype, device=self.device)
-        self.owner_grant = torch.full((num_pages,), FREE, dtype=torch.int64, device=self.device)
-        self.owner_tenant = torch.full((num_pages,), FREE, dtype=torch.int64, device=self.device)
-        self.generation = torch.zeros((num_pages,), dtype=torch.int64, device=self.device)
-        self._free: deque[int] = deque(range(num_pages))
+        # Masked-out attention still multiplies gathered values by 0, and 0 * NaN is NaN:
+        # padding must read finite, owner-less data, so it reads the null page.
+        self.k[:, :page_size].zero_()
+        self.v[:, :page_size].zero_()
+        self.owner_grant = torch.full((total,), FREE, dtype=torch.int64, device=self.device)
+        self.owner_tenant = torch.full((total,), FREE, dtype=torch.int64, device=self.device)
+        self.owner_grant[NULL_PAGE] = NULL_OWNER
+        self.owner_tenant[NULL_PAGE] = NULL_OWNER
+        self.generation = torch.zeros((total,), dtype=torch.int64, device=self.device)
+        self._free: deque[int] = deque(range(1, total))
         self._grant_ids = itertools.count(1)
         self._tenant_ids: dict[str, int] = {}
 
@@ -106,7 +115,10 @@ class KVPool:
         self._free.extend(pages)
 
     def check_owned(
-        self, page_ids: torch.Tensor, grant_ids: torch.Tensor, tenant_ids: torch.Tensor,
+        self,
+        page_ids: torch.Tensor,
+        grant_ids: torch.Tensor,
+        tenant_ids: torch.Tensor,
         valid: torch.Tensor,
     ) -> torch.Tensor:
         """Rows whose pages are not all owned by the row's grant and tenant: one compare per batch.

@@ -40,7 +40,7 @@ _DTYPE_ALIASES = {
 # Element sizes of the dtype tags a safetensors header may carry.
 _SAFETENSORS_BYTES = {
     "F64": 8, "F32": 4, "F16": 2, "BF16": 2, "F8_E4M3": 1, "F8_E5M2": 1,
-    "I64": 8, "I32": 4, "I16": 2, "I8": 1, "U8": 1, "BOOL": 1,
+    "I64": 8, "I32": 4, "I16": 2, "I8": 1, "U64": 8, "U32": 4, "U16": 2, "U8": 1, "BOOL": 1,
 }  # fmt: skip
 _SAFETENSORS_FLOAT = {"F64", "F32", "F16", "BF16", "F8_E4M3", "F8_E5M2"}
 _MAX_HEADER = 100 * 1024 * 1024  # the safetensors format's own limit
@@ -118,6 +118,10 @@ def checkpoint_weight_bytes(model_dir: str | Path, dtype: str) -> int | None:
                 continue
             numel = math.prod(info["shape"])
             tag = info["dtype"]
+            if tag not in _SAFETENSORS_BYTES:
+                raise ValueError(
+                    f"{path}: tensor {name!r} has dtype {tag}, which kvfence cannot size"
+                )
             total += numel * (target if tag in _SAFETENSORS_FLOAT else _SAFETENSORS_BYTES[tag])
     return total
 

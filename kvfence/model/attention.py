@@ -30,8 +30,13 @@ class AttentionMetadata:
 
 
 def build_group(
-    q_starts: list[int], q_lens: list[int], ctx_lens: list[int], page_table: torch.Tensor,
-    page_size: int, sliding_window: int | None, device: torch.device,
+    q_starts: list[int],
+    q_lens: list[int],
+    ctx_lens: list[int],
+    page_table: torch.Tensor,
+    page_size: int,
+    sliding_window: int | None,
+    device: torch.device,
 ) -> AttentionGroup:
     """One padded group. Row i has q_lens[i] queries at flat offset q_starts[i], which are the
     last q_lens[i] of its ctx_lens[i] context tokens; page_table[i] (CPU, padded with 0) holds
@@ -46,8 +51,11 @@ def build_group(
     q_index = torch.where(q_valid, q_start[:, None] + ar_q[None, :], 0)
     offsets = torch.arange(page_size, dtype=torch.int64)
     kv_slots = (page_table[:, :, None] * page_size + offsets).reshape(b, -1)[:, :lk]
-    q_pos = (ctx - q_len)[:, None] + ar_q[None, :]  # absolute position of each query
     k_pos = torch.arange(lk)
+    # Slots past a row's context (its last page's stale tail, row padding) read the null slot 0:
+    # never another request's data, and finite, so masking them out is exact.
+    kv_slots = torch.where(k_pos[None, :] < ctx[:, None], kv_slots, 0)
+    q_pos = (ctx - q_len)[:, None] + ar_q[None, :]  # absolute position of each query
     mask = (k_pos[None, None, :] <= q_pos[:, :, None]) & (k_pos[None, None, :] < ctx[:, None, None])
     if sliding_window is not None:
         mask &= k_pos[None, None, :] > q_pos[:, :, None] - sliding_window
@@ -63,8 +71,13 @@ def build_group(
 
 
 def paged_attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-    meta: AttentionMetadata, scale: float,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    meta: AttentionMetadata,
+    scale: float,
 ) -> torch.Tensor:
     """q [T, H, D], k/v [T, KVH, D]; caches [slots, KVH, D] of one layer. Returns [T, H, D]."""
     k_cache.index_copy_(0, meta.slot_mapping, k)
@@ -74,6 +87,8 @@ def paged_attention(
         qg = q[g.q_index].transpose(1, 2)  # [B, H, Lq, D]
         kg = k_cache[g.kv_slots].transpose(1, 2)  # [B, KVH, Lk, D]
         vg = v_cache[g.kv_slots].transpose(1, 2)
-        o = F.scaled_dot_product_attention(qg, kg, vg, attn_mask=g.mask, scale=scale, enable_gqa=True)
+        o = F.scaled_dot_product_attention(
+            qg, kg, vg, attn_mask=g.mask, scale=scale, enable_gqa=True
+        )
         out[g.flat_valid_index] = o.transpose(1, 2)[g.q_valid]
     return out

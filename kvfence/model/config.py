@@ -70,7 +70,9 @@ class ModelConfig:
     def from_dir(cls, model_dir: str | Path) -> ModelConfig:
         path = Path(model_dir) / "config.json"
         if not path.is_file():
-            raise UnsupportedModelError(f"{model_dir}: no config.json (expected a Hugging Face model directory)")
+            raise UnsupportedModelError(
+                f"{model_dir}: no config.json (expected a Hugging Face model directory)"
+            )
         return cls.from_dict(json.loads(path.read_text()))
 
     @classmethod
@@ -79,13 +81,16 @@ class ModelConfig:
         arch = archs[0] if archs else _arch_from_model_type(cfg.get("model_type", ""))
         if arch not in SUPPORTED_ARCHITECTURES:
             raise UnsupportedModelError(
-                f"architecture {arch!r} is not supported; kvfence serves {', '.join(SUPPORTED_ARCHITECTURES)}"
+                f"architecture {arch!r} is not supported; "
+                f"kvfence serves {', '.join(SUPPORTED_ARCHITECTURES)}"
             )
         hidden = int(cfg["hidden_size"])
         heads = int(cfg["num_attention_heads"])
         kv_heads = int(cfg.get("num_key_value_heads") or heads)
         if heads % kv_heads:
-            raise UnsupportedModelError(f"num_attention_heads {heads} not a multiple of num_key_value_heads {kv_heads}")
+            raise UnsupportedModelError(
+                f"num_attention_heads {heads} not a multiple of num_key_value_heads {kv_heads}"
+            )
         head_dim = int(cfg.get("head_dim") or hidden // heads)
         eos = cfg.get("eos_token_id")
         eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))
@@ -94,7 +99,9 @@ class ModelConfig:
             # Qwen ships a sliding_window value but only applies it when use_sliding_window is set.
             sliding = sliding if cfg.get("use_sliding_window") else None
         if cfg.get("hidden_act", "silu") != "silu":
-            raise UnsupportedModelError(f"hidden_act {cfg.get('hidden_act')!r} is not supported (silu only)")
+            raise UnsupportedModelError(
+                f"hidden_act {cfg.get('hidden_act')!r} is not supported (silu only)"
+            )
         return cls(
             architecture=arch,
             vocab_size=int(cfg["vocab_size"]),
@@ -135,7 +142,9 @@ def _parse_rope(cfg: dict[str, Any]) -> RopeConfig:
     theta = float(merged.get("rope_theta", cfg.get("rope_theta", 10000.0)))
     kind = merged.get("rope_type") or merged.get("type") or "default"
     if kind not in ("default", "llama3", "linear"):
-        raise UnsupportedModelError(f"rope type {kind!r} is not supported (default, linear, llama3)")
+        raise UnsupportedModelError(
+            f"rope type {kind!r} is not supported (default, linear, llama3)"
+        )
     return RopeConfig(
         theta=theta,
         kind=kind,

@@ -33,7 +33,11 @@ class Attention(nn.Module):
     def __init__(self, mc: ModelConfig, layer: int) -> None:
         super().__init__()
         self.layer = layer
-        self.num_heads, self.num_kv_heads, self.head_dim = mc.num_heads, mc.num_kv_heads, mc.head_dim
+        self.num_heads, self.num_kv_heads, self.head_dim = (
+            mc.num_heads,
+            mc.num_kv_heads,
+            mc.head_dim,
+        )
         h = mc.hidden_size
         self.q_proj = nn.Linear(h, self.num_heads * self.head_dim, bias=mc.qkv_bias)
         self.k_proj = nn.Linear(h, self.num_kv_heads * self.head_dim, bias=mc.qkv_bias)

@@ -1,4 +1,4 @@
-"""Load a local Hugging Face checkpoint (config.json + *.safetensors, sharded or not) into CausalLM."""
+"""Load a local Hugging Face checkpoint (config.json + *.safetensors, sharded or not)."""
 
 from __future__ import annotations
 
@@ -27,7 +27,9 @@ def checkpoint_files(model_dir: Path) -> list[Path]:
         raise UnsupportedModelError(f"{model_dir}: no *.safetensors weights found")
     missing = [f for f in files if not f.is_file()]
     if missing:
-        raise UnsupportedModelError(f"{model_dir}: shard {missing[0].name} listed in the index is missing")
+        raise UnsupportedModelError(
+            f"{model_dir}: shard {missing[0].name} listed in the index is missing"
+        )
     return files
 
 
@@ -55,7 +57,8 @@ def load_model(model_dir: str | Path, dtype: str, device: str | torch.device) ->
                 target = params[name]
                 if tuple(tensor.shape) != tuple(target.shape):
                     raise UnsupportedModelError(
-                        f"{name}: checkpoint shape {tuple(tensor.shape)} != config shape {tuple(target.shape)}"
+                        f"{name}: checkpoint shape {tuple(tensor.shape)} "
+                        f"!= config shape {tuple(target.shape)}"
                     )
                 with torch.no_grad():
                     target.copy_(tensor)
@@ -63,6 +66,8 @@ def load_model(model_dir: str | Path, dtype: str, device: str | torch.device) ->
     expected = {n for n in params if not (n == "lm_head.weight" and mc.tie_word_embeddings)}
     missing = sorted(expected - loaded)
     if missing:
-        raise UnsupportedModelError(f"{model_dir}: checkpoint lacks {len(missing)} weights, e.g. {missing[0]!r}")
+        raise UnsupportedModelError(
+            f"{model_dir}: checkpoint lacks {len(missing)} weights, e.g. {missing[0]!r}"
+        )
     model.eval()
     return model

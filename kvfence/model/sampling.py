@@ -35,14 +35,18 @@ def sample(logits: torch.Tensor, sb: SamplingBatch, shared: torch.Generator) -> 
         temp = sb.temperature.to(logits.device)
         scaled = logits / torch.where(temp > 0, temp, 1.0)[:, None]
         if sb.needs_filter:
-            scaled = _filter_top_k_top_p(scaled, sb.top_k.to(logits.device), sb.top_p.to(logits.device))
+            scaled = _filter_top_k_top_p(
+                scaled, sb.top_k.to(logits.device), sb.top_p.to(logits.device)
+            )
         probs = scaled.softmax(dim=-1)
         # Exponential-race sampling: argmax(p / E) with E ~ Exp(1) draws from p, and lets each
         # seeded row use its own generator while unseeded rows share one draw.
         noise = torch.empty_like(probs).exponential_(generator=shared)
         for i, gen in enumerate(sb.generators):
             if gen is not None:
-                noise[i] = torch.empty(probs.shape[1], device=probs.device).exponential_(generator=gen)
+                noise[i] = torch.empty(probs.shape[1], device=probs.device).exponential_(
+                    generator=gen
+                )
         sampled = (probs / noise).argmax(dim=-1)
         ids = torch.where(temp > 0, sampled, greedy_ids)
     result = SampleResult(ids.cpu(), None, None, None)
@@ -55,7 +59,9 @@ def sample(logits: torch.Tensor, sb: SamplingBatch, shared: torch.Generator) -> 
     return result
 
 
-def _filter_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+def _filter_top_k_top_p(
+    logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor
+) -> torch.Tensor:
     sorted_logits, order = logits.sort(dim=-1, descending=True)
     vocab = logits.shape[-1]
     ranks = torch.arange(vocab, device=logits.device)[None, :]

@@ -51,7 +51,10 @@ class Tokenizer:
         env.globals["raise_exception"] = _raise
         self._template = env.from_string(template) if template else None
         self.eos_token_ids: set[int] = set()
-        if self.eos_token is not None and (tid := self._tok.token_to_id(self.eos_token)) is not None:
+        if (
+            self.eos_token is not None
+            and (tid := self._tok.token_to_id(self.eos_token)) is not None
+        ):
             self.eos_token_ids.add(tid)
 
     @property
@@ -73,7 +76,9 @@ class Tokenizer:
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         return self._tok.decode(ids, skip_special_tokens=skip_special_tokens)
 
-    def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> str:
+    def apply_chat_template(
+        self, messages: list[dict[str, Any]], add_generation_prompt: bool = True
+    ) -> str:
         if self._template is None:
             raise ChatTemplateError("this model has no chat template; use /v1/completions")
         try:

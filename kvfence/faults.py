@@ -1,0 +1,46 @@
+"""Named fault points that switch a guard off, for the tests that prove each guard matters.
+
+A point fires only when the process was started with KVFENCE_FAULT_INJECTION=1 AND a harness
+armed it in-process; nothing reachable from HTTP can arm one.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+ENV = "KVFENCE_FAULT_INJECTION"
+POINTS = frozenset(
+    {
+        "skip_admission",  # admit() lets everything in (I1)
+        "skip_tag_check",  # the runner's page-ownership check passes everything (I2)
+    }
+)
+
+_armed: set[str] = set()
+
+
+def active(point: str) -> bool:
+    return bool(_armed) and point in _armed
+
+
+def arm(point: str) -> None:
+    if os.environ.get(ENV) != "1":
+        raise RuntimeError(f"fault injection is disabled; set {ENV}=1 in a test harness")
+    if point not in POINTS:
+        raise ValueError(f"unknown fault point {point!r}")
+    _armed.add(point)
+
+
+def disarm(point: str) -> None:
+    _armed.discard(point)
+
+
+@contextmanager
+def injected(point: str) -> Iterator[None]:
+    arm(point)
+    try:
+        yield
+    finally:
+        disarm(point)

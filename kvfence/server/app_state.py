@@ -1,0 +1,150 @@
+"""What the HTTP layer needs from an engine (EngineLike), the per-app state, and the bridge that
+carries one HTTP request's generations from the engine thread onto the event loop."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+from starlette.types import Receive
+
+from kvfence.engine.admission import Admitted, Rejected
+from kvfence.engine.request import GenerateRequest, RequestOutput
+from kvfence.server.auth import Authenticator
+from kvfence.server.metrics import ServerMetrics
+
+
+class TokenizerLike(Protocol):
+    vocab_size: int
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]: ...
+    def decode(self, ids: list[int]) -> str: ...
+    def apply_chat_template(
+        self, messages: list[dict[str, Any]], add_generation_prompt: bool = True
+    ) -> str: ...
+
+
+class EngineLike(Protocol):
+    model_name: str
+    context_length: int
+    tokenizer: TokenizerLike
+
+    def start(self) -> None: ...
+    def shutdown(self) -> None: ...
+    def is_alive(self) -> bool: ...
+    def submit(
+        self, req: GenerateRequest, sink: Callable[[RequestOutput], None]
+    ) -> Admitted | Rejected: ...
+    def abort(self, request_id: str) -> None: ...
+    def stats(self) -> Any: ...
+
+
+@dataclass
+class AppState:
+    engine: EngineLike
+    auth: Authenticator
+    metrics: ServerMetrics
+    max_body_bytes: int
+
+
+_CLIENT_GONE = object()
+
+Event = tuple[int, RequestOutput]
+
+
+class Generation:
+    """The engine requests behind one HTTP request (prompts x n), seen as one asyncio stream of
+    (choice index, output) events. close() aborts whatever has not finished; it is idempotent
+    and every exit path calls it, so a client that goes away never leaves work in the engine."""
+
+    def __init__(self, engine: EngineLike, requests: list[GenerateRequest]) -> None:
+        self.engine = engine
+        self.requests = requests
+        self._index = {r.request_id: i for i, r in enumerate(requests)}
+        self._loop = asyncio.get_running_loop()
+        self._queue: asyncio.Queue[Any] = asyncio.Queue()
+        self._lock = threading.Lock()  # guards _admitted/_closed against the submit thread
+        self._admitted: list[str] = []
+        self._closed = False
+        self._finished: set[int] = set()
+        self._watcher: asyncio.Task[None] | None = None
+        self.client_gone = False
+
+    def _sink(self, index: int) -> Callable[[RequestOutput], None]:
+        loop, queue = self._loop, self._queue
+
+        def sink(out: RequestOutput) -> None:
+            # Runs on the engine thread: hand over and return; never touch the queue directly.
+            with contextlib.suppress(RuntimeError):  # loop closed: server gone, engine lives on
+                loop.call_soon_threadsafe(queue.put_nowait, (index, out))
+
+        return sink
+
+    def _submit_all(self) -> Rejected | None:
+        for index, req in enumerate(self.requests):
+            result = self.engine.submit(req, self._sink(index))
+            if isinstance(result, Rejected):
+                # I1: the rejected one holds nothing; its admitted siblings must not linger.
+                self.close_engine_side()
+                return result
+            with self._lock:
+                self._admitted.append(req.request_id)
+                closed = self._closed
+            if closed:  # close() ran while we were submitting and could not see this one
+                self.engine.abort(req.request_id)
+        return None
+
+    async def submit(self) -> Rejected | None:
+        # Admission runs in the caller's thread and may wait on the engine's lock: not this loop.
+        fut = self._loop.run_in_executor(None, self._submit_all)
+        try:
+            return await asyncio.shield(fut)
+        except asyncio.CancelledError:
+            fut.add_done_callback(lambda _: self.close_engine_side())
+            raise
+
+    def watch_disconnect(self, receive: Receive) -> None:
+        """Abort as soon as the client hangs up, even while no token is flowing."""
+
+        async def watch() -> None:
+            while True:
+                message = await receive()
+                if message["type"] == "http.disconnect":
+                    break
+            if not self.all_finished:
+                self.client_gone = True
+                self.close_engine_side()
+                self._queue.put_nowait(_CLIENT_GONE)
+
+        self._watcher = asyncio.create_task(watch())
+
+    @property
+    def all_finished(self) -> bool:
+        return len(self._finished) == len(self.requests)
+
+    async def next_event(self) -> Event | None:
+        """The next output of any choice, or None once the client has gone."""
+        item = await self._queue.get()
+        if item is _CLIENT_GONE:
+            return None
+        index, out = item
+        if out.finished:
+            self._finished.add(index)
+        return index, out
+
+    def close_engine_side(self) -> None:
+        with self._lock:
+            self._closed = True
+            pending = [rid for rid in self._admitted if self._index[rid] not in self._finished]
+        for rid in pending:
+            self.engine.abort(rid)
+
+    def close(self) -> None:
+        if self._watcher is not None:
+            self._watcher.cancel()
+            self._watcher = None
+        self.close_engine_side()

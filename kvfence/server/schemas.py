@@ -1,0 +1,408 @@
+"""Wire shapes of the OpenAI API: validated request models and the response/chunk builders."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+from kvfence.engine.request import SamplingParams, TokenLogprob
+from kvfence.server.errors import bad_request
+
+MAX_N = 16  # choices per prompt; more is an amplification lever, not a use case
+MAX_CHOICES = 64  # prompts x n in one HTTP request
+MAX_STOP = 4
+MAX_COMPLETION_LOGPROBS = 5
+MAX_CHAT_TOP_LOGPROBS = 20
+COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's legacy completions default
+
+TokenIds = list[int]
+Prompt = str | TokenIds
+
+
+class _Strict(BaseModel):
+    # strict: "5" is not 5 and true is not 1; floats still accept JSON integers.
+    # extra="ignore": OpenAI clients send fields we do not know; the body `tenant` is one (I6).
+    model_config = ConfigDict(extra="ignore", strict=True, allow_inf_nan=False)
+
+
+class StreamOptions(_Strict):
+    include_usage: bool | None = False
+
+
+class _SamplingFields(_Strict):
+    model: str
+    max_tokens: int | None = Field(default=None, ge=1)
+    temperature: float | None = Field(default=None, ge=0.0, le=2.0)
+    top_p: float | None = Field(default=None, gt=0.0, le=1.0)
+    top_k: int | None = Field(default=None, ge=-1)
+    seed: int | None = Field(default=None, ge=-(2**63), le=2**63 - 1)
+    stop: str | list[str] | None = None
+    stop_token_ids: list[Annotated[int, Field(ge=0)]] | None = None
+    ignore_eos: bool | None = False
+    n: int | None = Field(default=1, ge=1, le=MAX_N)
+    stream: bool | None = False
+    stream_options: StreamOptions | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    logit_bias: dict[str, Any] | None = None
+    best_of: int | None = None
+
+    @field_validator("stop")
+    @classmethod
+    def _check_stop(cls, v: str | list[str] | None) -> str | list[str] | None:
+        items = [v] if isinstance(v, str) else (v or [])
+        if len(items) > MAX_STOP:
+            raise ValueError(f"at most {MAX_STOP} stop sequences are allowed, got {len(items)}")
+        if any(s == "" for s in items):
+            raise ValueError("stop sequences must be non-empty strings")
+        return v
+
+    @property
+    def stop_list(self) -> tuple[str, ...]:
+        if self.stop is None:
+            return ()
+        return (self.stop,) if isinstance(self.stop, str) else tuple(self.stop)
+
+    @property
+    def choices_per_prompt(self) -> int:
+        return self.n or 1
+
+    @property
+    def include_usage(self) -> bool:
+        return bool(self.stream_options and self.stream_options.include_usage)
+
+    def check_supported(self) -> None:
+        """Fields we parse but do not implement: refuse rather than silently answer differently."""
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            if value not in (None, 0, 0.0):
+                raise _unsupported(name, f"{name} is not supported by this server (send 0 or omit)")
+        if self.logit_bias:
+            raise _unsupported("logit_bias", "logit_bias is not supported by this server")
+        if self.best_of not in (None, 1) and self.best_of != self.n:
+            raise _unsupported("best_of", "best_of is not supported by this server (use n)")
+
+    def sampling_params(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
+        try:
+            return SamplingParams(
+                max_tokens=max_tokens,
+                temperature=1.0 if self.temperature is None else self.temperature,
+                top_p=1.0 if self.top_p is None else self.top_p,
+                top_k=-1 if self.top_k is None else self.top_k,
+                seed=self.seed,
+                stop=self.stop_list,
+                stop_token_ids=tuple(self.stop_token_ids or ()),
+                ignore_eos=bool(self.ignore_eos),
+                logprobs=logprobs,
+            )
+        except ValueError as e:  # the engine's own last word on sampling values
+            raise bad_request(str(e)) from e
+
+
+def _unsupported(param: str, message: str) -> Exception:
+    return bad_request(message, code="unsupported_parameter", param=param)
+
+
+def _is_token_id(x: object) -> bool:
+    return type(x) is int  # bool is an int subclass; true is not a token id
+
+
+def _normalize_prompt(v: object) -> list[Prompt]:
+    shape = (
+        "prompt must be a string, a list of token ids (integers), a list of strings, "
+        "or a list of token-id lists"
+    )
+    if isinstance(v, str):
+        return [v]
+    if not isinstance(v, list):
+        raise ValueError(shape)
+    if not v or all(_is_token_id(x) for x in v):
+        return [list(v)]
+    if all(isinstance(x, str) for x in v):
+        return list(v)
+    if all(isinstance(x, list) for x in v):
+        for i, ids in enumerate(v):
+            if not all(_is_token_id(t) for t in ids):
+                raise ValueError(f"prompt[{i}] must contain only integer token ids")
+        return [list(ids) for ids in v]
+    if any(_is_token_id(x) for x in v):
+        raise ValueError("prompt token ids must all be integers")
+    raise ValueError(shape)
+
+
+class CompletionRequest(_SamplingFields):
+    prompt: Any  # normalized to list[Prompt] by the validator below
+    logprobs: int | None = Field(default=None, ge=0, le=MAX_COMPLETION_LOGPROBS)
+    echo: bool | None = False
+    suffix: str | None = None
+
+    @field_validator("prompt")
+    @classmethod
+    def _check_prompt(cls, v: Any) -> list[Prompt]:
+        return _normalize_prompt(v)
+
+    @property
+    def prompts(self) -> list[Prompt]:
+        return self.prompt  # type: ignore[no-any-return]
+
+    def check_supported(self) -> None:
+        super().check_supported()
+        if self.echo:
+            raise _unsupported("echo", "echo is not supported by this server")
+        if self.suffix:
+            raise _unsupported("suffix", "suffix is not supported by this server")
+
+
+class ChatMessage(_Strict):
+    role: Literal["system", "user", "assistant", "developer"]
+    content: Any = None
+    name: str | None = None
+
+    @field_validator("content")
+    @classmethod
+    def _check_content(cls, v: Any) -> str:
+        if v is None or isinstance(v, str):
+            return v or ""
+        if isinstance(v, list):
+            parts = []
+            for i, part in enumerate(v):
+                if not isinstance(part, dict) or part.get("type") != "text":
+                    raise ValueError(f"content[{i}]: only text content parts are supported")
+                text = part.get("text")
+                if not isinstance(text, str):
+                    raise ValueError(f"content[{i}].text must be a string")
+                parts.append(text)
+            return "".join(parts)
+        raise ValueError("content must be a string or a list of text parts")
+
+    def template_dict(self) -> dict[str, str]:
+        # Templates know system/user/assistant; "developer" is OpenAI's newer name for system.
+        role = "system" if self.role == "developer" else self.role
+        return {"role": role, "content": self.content}
+
+
+class ChatCompletionRequest(_SamplingFields):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_completion_tokens: int | None = Field(default=None, ge=1)
+    logprobs: bool | None = False
+    top_logprobs: int | None = Field(default=None, ge=0, le=MAX_CHAT_TOP_LOGPROBS)
+    tools: list[Any] | None = None
+    functions: list[Any] | None = None
+    response_format: dict[str, Any] | None = None
+
+    def check_supported(self) -> None:
+        super().check_supported()
+        if self.tools:
+            raise _unsupported("tools", "tools are not supported by this server")
+        if self.functions:
+            raise _unsupported("functions", "functions are not supported by this server")
+        if self.response_format and self.response_format.get("type", "text") != "text":
+            raise _unsupported("response_format", "only response_format type 'text' is supported")
+        if self.top_logprobs is not None and not self.logprobs:
+            raise bad_request(
+                "top_logprobs requires logprobs to be true", param="top_logprobs"
+            )
+
+    @property
+    def effective_max_tokens(self) -> int | None:
+        return self.max_completion_tokens or self.max_tokens
+
+    @property
+    def engine_logprobs(self) -> int | None:
+        return (self.top_logprobs or 0) if self.logprobs else None
+
+
+# ---- responses -------------------------------------------------------------------------------
+
+TokenText = Callable[[int], str]
+
+
+@dataclass
+class ChoiceState:
+    """What one choice has produced so far (for the non-stream body and streaming offsets)."""
+
+    index: int
+    text: list[str] = field(default_factory=list)
+    completion_tokens: int = 0
+    logprobs: list[TokenLogprob] = field(default_factory=list)
+    text_offset: int = 0
+    finish_reason: str | None = None
+
+
+def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
+    return {
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": completion_tokens,
+        "total_tokens": prompt_tokens + completion_tokens,
+    }
+
+
+def completion_logprobs(
+    lps: list[TokenLogprob] | tuple[TokenLogprob, ...], token_text: TokenText, offset: int
+) -> dict[str, Any]:
+    tokens = [token_text(lp.token_id) for lp in lps]
+    offsets = []
+    for t in tokens:
+        offsets.append(offset)
+        offset += len(t)
+    return {
+        "tokens": tokens,
+        "token_logprobs": [lp.logprob for lp in lps],
+        "top_logprobs": [{token_text(t): v for t, v in lp.top} for lp in lps],
+        "text_offset": offsets,
+    }
+
+
+def _chat_token(token_id: int, logprob: float, token_text: TokenText) -> dict[str, Any]:
+    s = token_text(token_id)
+    return {"token": s, "logprob": logprob, "bytes": list(s.encode("utf-8"))}
+
+
+def chat_logprobs(
+    lps: list[TokenLogprob] | tuple[TokenLogprob, ...], token_text: TokenText
+) -> dict[str, Any]:
+    content = []
+    for lp in lps:
+        entry = _chat_token(lp.token_id, lp.logprob, token_text)
+        entry["top_logprobs"] = [_chat_token(t, v, token_text) for t, v in lp.top]
+        content.append(entry)
+    return {"content": content}
+
+
+class CompletionFormat:
+    """Shapes `text_completion` bodies and chunks."""
+
+    def __init__(self, response_id: str, model: str, logprobs: bool, token_text: TokenText):
+        self.id = response_id
+        self.model = model
+        self.created = int(time.time())
+        self.logprobs = logprobs
+        self.token_text = token_text
+
+    def _envelope(self, choices: list[dict[str, Any]]) -> dict[str, Any]:
+        return {
+            "id": self.id,
+            "object": "text_completion",
+            "created": self.created,
+            "model": self.model,
+            "choices": choices,
+        }
+
+    def body(self, choices: list[ChoiceState], use: dict[str, int]) -> dict[str, Any]:
+        out = self._envelope(
+            [
+                {
+                    "index": c.index,
+                    "text": "".join(c.text),
+                    "logprobs": completion_logprobs(c.logprobs, self.token_text, 0)
+                    if self.logprobs
+                    else None,
+                    "finish_reason": c.finish_reason,
+                }
+                for c in choices
+            ]
+        )
+        out["usage"] = use
+        return out
+
+    def start_chunks(self, n_choices: int) -> list[dict[str, Any]]:
+        return []
+
+    def delta_chunks(
+        self, c: ChoiceState, text: str, lps: tuple[TokenLogprob, ...], offset: int,
+        finish: str | None,
+    ) -> list[dict[str, Any]]:
+        if not text and not lps and finish is None:
+            return []
+        choice = {
+            "index": c.index,
+            "text": text,
+            "logprobs": completion_logprobs(lps, self.token_text, offset)
+            if self.logprobs
+            else None,
+            "finish_reason": finish,
+        }
+        return [self._envelope([choice])]
+
+    def usage_chunk(self, use: dict[str, int]) -> dict[str, Any]:
+        out = self._envelope([])
+        out["usage"] = use
+        return out
+
+
+class ChatFormat(CompletionFormat):
+    """Shapes `chat.completion` bodies and `chat.completion.chunk` chunks."""
+
+    def _envelope(self, choices: list[dict[str, Any]], obj: str = "chat.completion.chunk"):
+        return {
+            "id": self.id,
+            "object": obj,
+            "created": self.created,
+            "model": self.model,
+            "choices": choices,
+        }
+
+    def body(self, choices: list[ChoiceState], use: dict[str, int]) -> dict[str, Any]:
+        out = self._envelope(
+            [
+                {
+                    "index": c.index,
+                    "message": {"role": "assistant", "content": "".join(c.text)},
+                    "logprobs": chat_logprobs(c.logprobs, self.token_text)
+                    if self.logprobs
+                    else None,
+                    "finish_reason": c.finish_reason,
+                }
+                for c in choices
+            ],
+            obj="chat.completion",
+        )
+        out["usage"] = use
+        return out
+
+    def start_chunks(self, n_choices: int) -> list[dict[str, Any]]:
+        return [
+            self._envelope(
+                [
+                    {
+                        "index": i,
+                        "delta": {"role": "assistant", "content": ""},
+                        "logprobs": None,
+                        "finish_reason": None,
+                    }
+                ]
+            )
+            for i in range(n_choices)
+        ]
+
+    def delta_chunks(
+        self, c: ChoiceState, text: str, lps: tuple[TokenLogprob, ...], offset: int,
+        finish: str | None,
+    ) -> list[dict[str, Any]]:
+        out = []
+        if text or lps:
+            out.append(
+                self._envelope(
+                    [
+                        {
+                            "index": c.index,
+                            "delta": {"content": text},
+                            "logprobs": chat_logprobs(lps, self.token_text)
+                            if self.logprobs
+                            else None,
+                            "finish_reason": None,
+                        }
+                    ]
+                )
+            )
+        if finish is not None:
+            out.append(
+                self._envelope(
+                    [{"index": c.index, "delta": {}, "logprobs": None, "finish_reason": finish}]
+                )
+            )
+        return out
