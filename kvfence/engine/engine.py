@@ -196,6 +196,7 @@ class Engine:
                 FinishReason.ERROR,
                 "KV cache integrity check failed",
                 "kv_integrity_error",
+                pages_suspect=True,
             )
         if result.samples is None:
             return
@@ -267,12 +268,17 @@ class Engine:
         )
 
     def _finish(
-        self, seq: Sequence, reason: FinishReason, error: str | None = None, code: str | None = None
+        self,
+        seq: Sequence,
+        reason: FinishReason,
+        error: str | None = None,
+        code: str | None = None,
+        pages_suspect: bool = False,
     ) -> None:
         """End seq exactly once (I5): return its pages, then send the final output."""
         if seq.status is SeqStatus.FINISHED:
             return
-        self.scheduler.remove(seq)
+        self.scheduler.remove(seq, pages_suspect)
         self._seqs.pop(seq.request_id, None)
         seq.finish_reason = reason
         self._emit(seq, len(seq.text), reason, error, code)

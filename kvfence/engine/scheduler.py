@@ -42,11 +42,17 @@ class Scheduler:
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
 
-    def remove(self, seq: Sequence) -> None:
-        """Take seq out of the queues and return its pages (it is finished or aborted)."""
+    def remove(self, seq: Sequence, pages_suspect: bool = False) -> None:
+        """Take seq out of the queues and return its pages (it is finished or aborted). When its
+        page list is suspect, free by grant from the side tables instead of trusting the list."""
         if seq.status is SeqStatus.RUNNING:
             self.running.remove(seq)
-            self._release(seq)
+            if pages_suspect:
+                assert seq.grant is not None
+                self.pool.free_grant(seq.grant)
+                seq.pages, seq.grant = [], None
+            else:
+                self._release(seq)
         elif seq.status is SeqStatus.WAITING:
             self.waiting.remove(seq)
         seq.status = SeqStatus.FINISHED

@@ -114,6 +114,16 @@ class KVPool:
         self.generation[idx] += 1
         self._free.extend(pages)
 
+    def free_grant(self, grant: Grant) -> int:
+        """Return every page grant owns, found from the side table rather than a page list that
+        may be corrupt (the path after an ownership check failed). Returns the page count."""
+        idx = torch.nonzero(self.owner_grant == grant.grant_id).flatten()
+        self.owner_grant[idx] = FREE
+        self.owner_tenant[idx] = FREE
+        self.generation[idx] += 1
+        self._free.extend(idx.tolist())
+        return int(idx.numel())
+
     def check_owned(
         self,
         page_ids: torch.Tensor,

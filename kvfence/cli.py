@@ -1,0 +1,96 @@
+"""The `kvfence` command: serve | preflight."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from collections.abc import Sequence
+
+from kvfence.config import DTYPES, KV_CACHE_DTYPES, ConfigError, EngineConfig
+
+EXIT_CAPACITY = 2
+
+
+def add_engine_args(p: argparse.ArgumentParser) -> None:
+    d = EngineConfig(model="")
+    p.add_argument(
+        "--model", "--model-path", dest="model", required=True, help="local HF model dir"
+    )
+    p.add_argument("--served-model-name", default=None)
+    p.add_argument("--device", default=d.device, help="cpu | cuda[:N]")
+    p.add_argument("--dtype", default=d.dtype, choices=DTYPES)
+    p.add_argument("--kv-cache-dtype", default=d.kv_cache_dtype, choices=KV_CACHE_DTYPES)
+    p.add_argument("--context-length", type=int, default=None)
+    p.add_argument("--page-size", type=int, default=d.page_size)
+    p.add_argument("--kv-pool-tokens", type=int, default=None)
+    p.add_argument("--mem-fraction-static", type=float, default=d.mem_fraction_static)
+    p.add_argument("--chunked-prefill-size", type=int, default=d.chunked_prefill_size)
+    p.add_argument("--max-running-requests", type=int, default=d.max_running_requests)
+    p.add_argument("--seed", type=int, default=d.seed)
+
+
+def engine_config(args: argparse.Namespace) -> EngineConfig:
+    return EngineConfig(
+        model=args.model,
+        served_model_name=args.served_model_name,
+        device=args.device,
+        dtype=args.dtype,
+        kv_cache_dtype=args.kv_cache_dtype,
+        context_length=args.context_length,
+        page_size=args.page_size,
+        kv_pool_tokens=args.kv_pool_tokens,
+        mem_fraction_static=args.mem_fraction_static,
+        chunked_prefill_size=args.chunked_prefill_size,
+        max_running_requests=args.max_running_requests,
+        seed=args.seed,
+    )
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    from kvfence.engine.engine import CapacityError, Engine
+    from kvfence.model.config import UnsupportedModelError
+    from kvfence.server.api import serve
+
+    try:
+        engine = Engine(engine_config(args))
+    except CapacityError as e:
+        print(f"kvfence: refusing to start: {e}", file=sys.stderr)
+        return EXIT_CAPACITY
+    except (ConfigError, UnsupportedModelError, ValueError) as e:
+        print(f"kvfence: {e}", file=sys.stderr)
+        return 1
+    serve(engine, args.host, args.port, args.api_key_file)
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="kvfence", description=__doc__)
+    sub = parser.add_subparsers(dest="cmd", required=True)
+    s = sub.add_parser("serve", help="run an OpenAI-compatible server (unified prefill+decode)")
+    add_engine_args(s)
+    s.add_argument("--host", default="127.0.0.1")
+    s.add_argument("--port", type=int, default=8000)
+    s.add_argument("--api-key-file", default=None, help="lines of `key tenant`; enables auth")
+    s.add_argument("--log-level", default="info")
+    sub.add_parser(
+        "preflight", help="check a node's KV pool against its context length", add_help=False
+    )
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["preflight"]:
+        from kvfence.tools.preflight import main as preflight_main
+
+        return preflight_main(argv[1:])
+    args = parser.parse_args(argv)
+    logging.basicConfig(
+        level=getattr(args, "log_level", "info").upper(),
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+    )
+    if args.cmd == "serve":
+        return cmd_serve(args)
+    parser.error(f"unknown command {args.cmd}")
+    return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
