@@ -54,13 +54,13 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
     try:
         engine = Engine(engine_config(args))
+        serve(engine, args.host, args.port, args.api_key_file, log_level=args.log_level)
     except CapacityError as e:
         print(f"kvfence: refusing to start: {e}", file=sys.stderr)
         return EXIT_CAPACITY
-    except (ConfigError, UnsupportedModelError, ValueError) as e:
+    except (ConfigError, UnsupportedModelError, ValueError, OSError) as e:
         print(f"kvfence: {e}", file=sys.stderr)
         return 1
-    serve(engine, args.host, args.port, args.api_key_file)
     return 0
 
 

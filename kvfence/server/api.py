@@ -6,9 +6,12 @@ import asyncio
 import json
 import logging
 import secrets
+import signal
+import threading
 import time
 from collections import deque
 from collections.abc import AsyncGenerator
+from types import FrameType
 from typing import Any, TypeVar
 
 import uvicorn
@@ -128,6 +131,29 @@ def build_app(
     return app
 
 
+class _ReadyServer(uvicorn.Server):
+    """Prints one ready line once the socket listens, so scripts and people know when to send."""
+
+    def __init__(self, config: uvicorn.Config, ready: str) -> None:
+        super().__init__(config)
+        self._ready = ready
+
+    async def startup(self, sockets: Any = None) -> None:
+        await super().startup(sockets)
+        if self.started:
+            print(self._ready, flush=True)
+
+
+def _ready_line(engine: EngineLike, host: str, port: int) -> str:
+    url = f"http://{host}:{port}"
+    body = json.dumps({"model": engine.model_name, "prompt": "name: Ada\ncity: Paris\nname:",
+                       "max_tokens": 8, "temperature": 0})
+    return (
+        f"kvfence ready: {url} (model {engine.model_name}, context {engine.context_length})\n"
+        f"  try: curl -s {url}/v1/completions -H 'Content-Type: application/json' -d '{body}'"
+    )
+
+
 def serve(
     engine: EngineLike,
     host: str,
@@ -147,11 +173,23 @@ def serve(
         )
     app = build_app(engine, api_keys=api_keys, max_body_bytes=max_body_bytes)
     config = uvicorn.Config(app, host=host, port=port, log_level=log_level, access_log=False)
+    # uvicorn drains connections on SIGINT/SIGTERM, then re-raises the signal; SIGTERM's default
+    # action would kill us before the engine shuts down, so both arrive as KeyboardInterrupt.
+    on_main = threading.current_thread() is threading.main_thread()
+    previous = signal.signal(signal.SIGTERM, _interrupt) if on_main else None
     engine.start()
     try:
-        uvicorn.Server(config).run()
+        _ReadyServer(config, _ready_line(engine, host, port)).run()
+    except KeyboardInterrupt:
+        logger.info("shutting down")
     finally:
         engine.shutdown()
+        if on_main:
+            signal.signal(signal.SIGTERM, previous)
+
+
+def _interrupt(signum: int, frame: FrameType | None) -> None:
+    raise KeyboardInterrupt
 
 
 # ---- request handling ------------------------------------------------------------------------
@@ -159,9 +197,9 @@ def serve(
 
 def _engine_alive(engine: EngineLike) -> bool:
     try:
-        return bool(engine.is_alive())
+        return bool(engine.alive)
     except Exception:
-        logger.exception("engine.is_alive() failed")
+        logger.exception("engine.alive failed")
         return False
 
 
@@ -253,7 +291,7 @@ def _encode_prompts(tokenizer: TokenizerLike, prompts: list[str | list[int]]) ->
 def _render_chat(tokenizer: TokenizerLike, messages: list[dict[str, Any]]) -> list[int]:
     try:
         text = tokenizer.apply_chat_template(messages, add_generation_prompt=True)
-    except Exception as e:  # templates raise on message orders they do not accept
+    except ValueError as e:  # ChatTemplateError: templates refuse some message orders
         raise bad_request(
             f"The chat template rejected these messages: {e}",
             code="invalid_messages",

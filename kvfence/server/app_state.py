@@ -35,7 +35,8 @@ class EngineLike(Protocol):
 
     def start(self) -> None: ...
     def shutdown(self) -> None: ...
-    def is_alive(self) -> bool: ...
+    @property
+    def alive(self) -> bool: ...  # the engine loop thread is running
     def submit(
         self, req: GenerateRequest, sink: Callable[[RequestOutput], None]
     ) -> Admitted | Rejected: ...
@@ -69,6 +70,7 @@ class Generation:
         self._queue: asyncio.Queue[Any] = asyncio.Queue()
         self._lock = threading.Lock()  # guards _admitted/_closed against the submit thread
         self._admitted: list[str] = []
+        self._aborted: set[str] = set()
         self._closed = False
         self._finished: set[int] = set()
         self._watcher: asyncio.Task[None] | None = None
@@ -139,7 +141,12 @@ class Generation:
     def close_engine_side(self) -> None:
         with self._lock:
             self._closed = True
-            pending = [rid for rid in self._admitted if self._index[rid] not in self._finished]
+            pending = [
+                rid
+                for rid in self._admitted
+                if self._index[rid] not in self._finished and rid not in self._aborted
+            ]
+            self._aborted.update(pending)
         for rid in pending:
             self.engine.abort(rid)
 

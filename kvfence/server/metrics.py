@@ -16,7 +16,7 @@ from prometheus_client import (
     Histogram,
     generate_latest,
 )
-from prometheus_client.core import GaugeMetricFamily, Metric
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
@@ -54,6 +54,11 @@ class _PoolCollector(Collector):
             ("kvfence_requests_waiting", "Requests admitted and waiting.", s.waiting),
         ):
             yield GaugeMetricFamily(name, doc, value=float(value))
+        preemptions = getattr(s, "preemptions", None)
+        if preemptions is not None:
+            yield CounterMetricFamily(
+                "kvfence_preemptions", "Sequences preempted for pages.", value=float(preemptions)
+            )
 
 
 class ServerMetrics:

@@ -113,7 +113,7 @@ def _is_token_id(x: object) -> bool:
 
 def _normalize_prompt(v: object) -> list[Prompt]:
     shape = (
-        "prompt must be a string, a list of token ids (integers), a list of strings, "
+        "must be a string, a list of token ids (integers), a list of strings, "
         "or a list of token-id lists"
     )
     if isinstance(v, str):
@@ -127,10 +127,10 @@ def _normalize_prompt(v: object) -> list[Prompt]:
     if all(isinstance(x, list) for x in v):
         for i, ids in enumerate(v):
             if not all(_is_token_id(t) for t in ids):
-                raise ValueError(f"prompt[{i}] must contain only integer token ids")
+                raise ValueError(f"element {i} must contain only integer token ids")
         return [list(ids) for ids in v]
     if any(_is_token_id(x) for x in v):
-        raise ValueError("prompt token ids must all be integers")
+        raise ValueError("token ids must all be integers")
     raise ValueError(shape)
 
 

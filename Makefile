@@ -1,0 +1,25 @@
+# The two set-up commands: `make serve` (the demo server) and `make test` (the suite).
+VENV   ?= .venv
+PY     := $(VENV)/bin/python
+STAMP  := $(VENV)/.installed
+MODEL  ?= models/kvfence-tiny
+PORT   ?= 8000
+
+.PHONY: serve test lint clean
+
+$(STAMP): pyproject.toml
+	test -x $(PY) || python3 -m venv $(VENV)
+	$(PY) -m pip install --quiet -e '.[test]'
+	touch $(STAMP)
+
+serve: $(STAMP)
+	$(VENV)/bin/kvfence serve --model $(MODEL) --port $(PORT) --kv-pool-tokens 65536
+
+test: $(STAMP)
+	$(PY) -m pytest
+
+lint: $(STAMP)
+	$(VENV)/bin/ruff check kvfence tests scripts
+
+clean:
+	rm -rf $(VENV) .pytest_cache
