@@ -146,8 +146,11 @@ class _ReadyServer(uvicorn.Server):
 
 def _ready_line(engine: EngineLike, host: str, port: int) -> str:
     url = f"http://{host}:{port}"
-    body = json.dumps({"model": engine.model_name, "prompt": "name: Ada\ncity: Paris\nname:",
-                       "max_tokens": 8, "temperature": 0})
+    body = json.dumps({
+        "model": engine.model_name,
+        "prompt": "name: Ada\ncode: X7qPz91LmWk2\ncity: Paris\ncode:",
+        "max_tokens": 12, "temperature": 0, "stop": "\n",
+    })
     return (
         f"kvfence ready: {url} (model {engine.model_name}, context {engine.context_length})\n"
         f"  try: curl -s {url}/v1/completions -H 'Content-Type: application/json' -d '{body}'"
