@@ -1,7 +1,9 @@
 """Engine: admission, the step loop (schedule -> run -> postprocess) and its thread.
 
-Callers on other threads only ever `submit` and `abort`; both hand work to the loop through an
-inbox, so the pool, scheduler and sequences are touched by one thread alone.
+Callers on other threads only `submit`, `abort` and (PD layer) `commit` / `fail` / `release`;
+all hand work to the loop through an inbox, so the pool, scheduler and sequences are touched by
+one thread alone. In PD roles the same core runs; a sequence only parks in HANDOFF, with its
+pages held, while the transfer owns them.
 """
 
 from __future__ import annotations
@@ -13,15 +15,17 @@ import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Protocol
 
 import torch
 
 from kvfence.config import EngineConfig
 from kvfence.engine.admission import AdmissionLimits, Admitted, Rejected, admit
-from kvfence.engine.request import FinishReason, GenerateRequest, RequestOutput, TokenLogprob
+from kvfence.engine.output import advance, emit, logprob_entry, sendable_upto
+from kvfence.engine.request import FinishReason, GenerateRequest, RequestOutput
 from kvfence.engine.runner import ModelRunner, StepResult
-from kvfence.engine.scheduler import Scheduler, SchedulerLimits
-from kvfence.engine.sequence import SeqStatus, Sequence
+from kvfence.engine.scheduler import ScheduledChunk, Scheduler, SchedulerLimits
+from kvfence.engine.sequence import SeqMode, SeqStatus, Sequence
 from kvfence.kv.pool import KVPool
 from kvfence.kv.sizing import CapacityError, PoolPlan, plan_for_engine, require_fits
 from kvfence.model.config import ModelConfig
@@ -30,7 +34,20 @@ from kvfence.model.tokenizer import IncrementalDetokenizer, Tokenizer
 
 log = logging.getLogger("kvfence.engine")
 
-__all__ = ["CapacityError", "Engine", "EngineStats"]
+__all__ = ["CapacityError", "Engine", "EngineStats", "HandoffHooks"]
+
+
+class HandoffHooks(Protocol):
+    """The PD layer's callbacks, called on the engine thread; they must not block."""
+
+    def on_reserved(self, seq: Sequence) -> None:
+        """Decode: seq holds pages for its whole prompt; send RESERVE."""
+
+    def on_prefilled(self, seq: Sequence) -> None:
+        """Prefill: seq's prompt KV is in its pages and its first token is sampled; send."""
+
+    def on_abort(self, seq: Sequence) -> None:
+        """A HANDOFF seq was aborted; its pages stay held until `release`."""
 
 
 @dataclass(frozen=True)
@@ -43,6 +60,7 @@ class EngineStats:
     running: int
     waiting: int
     preemptions: int
+    handoff: int = 0  # sequences whose pages a transfer holds
 
 
 class Engine:
@@ -82,22 +100,36 @@ class Engine:
         self._arrivals = 0
         self._thread: threading.Thread | None = None
         self._stopping = threading.Event()
+        self.hooks: HandoffHooks | None = None
 
     # ---- called from any thread -------------------------------------------------------------
 
     def submit(
-        self, req: GenerateRequest, sink: Callable[[RequestOutput], None]
+        self,
+        req: GenerateRequest,
+        sink: Callable[[RequestOutput], None],
+        mode: SeqMode = SeqMode.FULL,
     ) -> Admitted | Rejected:
         """Admission runs here, in the caller's thread: a Rejected never reaches the loop."""
         verdict = admit(req, self.limits)
         if isinstance(verdict, Admitted):
-            self._inbox.put(("add", (verdict, sink)))
-            self._wake.set()
+            self._post("add", (verdict, sink, mode))
         return verdict
 
     def abort(self, request_id: str) -> None:
-        self._inbox.put(("abort", request_id))
-        self._wake.set()
+        self._post("abort", request_id)
+
+    def commit(self, request_id: str, first_token: int) -> None:
+        """Decode: the transferred KV of a HANDOFF seq was verified; start decoding."""
+        self._post("commit", (request_id, first_token))
+
+    def fail(self, request_id: str, error: str, code: str, status: int) -> None:
+        """Tell a HANDOFF seq's client it failed; its pages stay held until `release`."""
+        self._post("fail", (request_id, error, code, status))
+
+    def release(self, request_id: str) -> None:
+        """No writer or reader of a HANDOFF seq's pages remains: return them (I4)."""
+        self._post("release", request_id)
 
     def stats(self) -> EngineStats:
         return EngineStats(
@@ -109,6 +141,7 @@ class Engine:
             running=len(self.scheduler.running),
             waiting=len(self.scheduler.waiting),
             preemptions=self.scheduler.num_preemptions,
+            handoff=len(self.scheduler.handoff),
         )
 
     def start(self) -> None:
@@ -124,6 +157,10 @@ class Engine:
     @property
     def alive(self) -> bool:
         return self._thread is not None and self._thread.is_alive()
+
+    def _post(self, kind: str, payload: object) -> None:
+        self._inbox.put((kind, payload))
+        self._wake.set()
 
     # ---- the loop (engine thread only) ------------------------------------------------------
 
@@ -145,6 +182,7 @@ class Engine:
     def step(self) -> None:
         self._drain_inbox()
         chunks = self.scheduler.schedule()
+        self._hand_off_reserved()
         if not chunks:
             return
         result = self.runner.run(chunks)
@@ -157,31 +195,60 @@ class Engine:
             except queue.Empty:
                 return
             if kind == "add":
-                admitted, sink = payload  # type: ignore[misc]
-                self._add(admitted, sink)
-            elif kind == "abort":
-                seq = self._seqs.get(payload)  # type: ignore[arg-type]
-                if seq is not None:
-                    self._finish(seq, FinishReason.ABORT)
+                self._add(*payload)  # type: ignore[misc]
+                continue
+            rid = payload[0] if isinstance(payload, tuple) else payload
+            seq = self._seqs.get(rid)  # type: ignore[arg-type]
+            if seq is None:
+                continue  # finished already: every later message is a no-op
+            if kind == "abort":
+                self._abort(seq)
+            elif kind == "commit" and seq.status is SeqStatus.HANDOFF and not seq.client_done:
+                self._commit(seq, payload[1])  # type: ignore[index]
+            elif kind == "fail":
+                _, error, code, status = payload  # type: ignore[misc]
+                emit(seq, len(seq.text), FinishReason.ERROR, error, code, status)
+            elif kind == "release" and seq.status is SeqStatus.HANDOFF:
+                self._finish(seq, FinishReason.ABORT)
 
-    def _add(self, admitted: Admitted, sink: Callable[[RequestOutput], None]) -> None:
+    def _add(
+        self, admitted: Admitted, sink: Callable[[RequestOutput], None], mode: SeqMode
+    ) -> None:
         req = admitted.request
         gen = None
         if req.sampling.seed is not None:
             gen = torch.Generator(device=self.device).manual_seed(req.sampling.seed)
         self._arrivals += 1
-        seq = Sequence(admitted, sink, self._arrivals, IncrementalDetokenizer(self.tokenizer), gen)
+        detok = IncrementalDetokenizer(self.tokenizer)
+        seq = Sequence(admitted, sink, self._arrivals, mode, detok, gen)
         if req.request_id in self._seqs:
-            sink(
-                self._output(
-                    seq, [], FinishReason.ERROR, "duplicate request id", "duplicate_request_id"
-                )
-            )
+            emit(seq, 0, FinishReason.ERROR, "duplicate request id", "duplicate_request_id", 400)
             return
         self._seqs[req.request_id] = seq
         self.scheduler.add(seq)
 
-    def _postprocess(self, chunks: list, result: StepResult) -> None:
+    def _abort(self, seq: Sequence) -> None:
+        if seq.status is not SeqStatus.HANDOFF:
+            self._finish(seq, FinishReason.ABORT)
+            return
+        # A transfer may still touch these pages: the client hears now, the pages wait (I4).
+        emit(seq, len(seq.text), FinishReason.ABORT)
+        if self.hooks is not None:
+            self.hooks.on_abort(seq)
+
+    def _commit(self, seq: Sequence, first_token: int) -> None:
+        seq.num_computed = seq.prompt_len
+        seq.token_ids.append(first_token)
+        self.scheduler.resume(seq)
+        self._after_token(seq, first_token)
+
+    def _hand_off_reserved(self) -> None:
+        reserved, self.scheduler.reserved = self.scheduler.reserved, []
+        for seq in reserved:
+            assert self.hooks is not None, "DECODE_ONLY needs a PD receiver"
+            self.hooks.on_reserved(seq)
+
+    def _postprocess(self, chunks: list[ScheduledChunk], result: StepResult) -> None:
         for chunk in chunks:
             chunk.seq.num_computed = chunk.start + chunk.length
         for chunk in result.rejected:
@@ -208,64 +275,22 @@ class Engine:
                 continue
             tok = token_ids[i]
             seq.token_ids.append(tok)
-            if seq.admitted.request.sampling.logprobs is not None:
-                seq.pending_logprobs.append(
-                    _logprob(s, i, tok, seq.admitted.request.sampling.logprobs)
-                )
-            self._advance(seq, tok)
+            k = seq.admitted.request.sampling.logprobs
+            if k is not None:
+                seq.pending_logprobs.append(logprob_entry(s, i, tok, k))
+            if seq.mode is SeqMode.PREFILL_ONLY and seq.num_output == 1:
+                self.scheduler.hold(seq)
+                assert self.hooks is not None, "PREFILL_ONLY needs a PD sender"
+                self.hooks.on_prefilled(seq)
+                continue
+            self._after_token(seq, tok)
 
-    def _advance(self, seq: Sequence, tok: int) -> None:
-        sp = seq.admitted.request.sampling
-        reason: FinishReason | None = None
-        if (tok in self.eos_token_ids and not sp.ignore_eos) or tok in sp.stop_token_ids:
-            reason = FinishReason.STOP
-            new_text = seq.detok.flush(seq.output_ids[:-1])
-        else:
-            new_text = seq.detok.step(seq.output_ids)
-        seq.text += new_text
-        if sp.stop:
-            hit = _find_stop(seq.text, seq.sent_text_len, new_text, sp.stop)
-            if hit is not None:
-                seq.text = seq.text[:hit]
-                reason = FinishReason.STOP
-        if reason is None and seq.num_output >= seq.admitted.max_tokens:
-            reason = FinishReason.LENGTH
-            seq.text += seq.detok.flush(seq.output_ids)
+    def _after_token(self, seq: Sequence, tok: int) -> None:
+        reason = advance(seq, tok, self.eos_token_ids)
         if reason is not None:
             self._finish(seq, reason)
-            return
-        # Hold back text that could still become a stop string.
-        hold = max((len(x) for x in sp.stop), default=1) - 1
-        self._emit(seq, max(seq.sent_text_len, len(seq.text) - hold), None)
-
-    def _emit(
-        self,
-        seq: Sequence,
-        upto: int,
-        reason: FinishReason | None,
-        error: str | None = None,
-        code: str | None = None,
-    ) -> None:
-        text = seq.text[seq.sent_text_len : upto]
-        seq.sent_text_len = max(seq.sent_text_len, upto)
-        new_ids = seq.output_ids[seq.sent_ids :]
-        seq.sent_ids = seq.num_output
-        logprobs, seq.pending_logprobs = seq.pending_logprobs, []
-        if not text and not new_ids and reason is None:
-            return
-        seq.sink(
-            RequestOutput(
-                request_id=seq.request_id,
-                new_token_ids=tuple(new_ids),
-                new_text=text,
-                finish_reason=reason,
-                prompt_tokens=seq.prompt_len,
-                completion_tokens=seq.num_output,
-                logprobs=tuple(logprobs),
-                error=error,
-                error_code=code,
-            )
-        )
+        else:
+            emit(seq, sendable_upto(seq), None)
 
     def _finish(
         self,
@@ -275,20 +300,12 @@ class Engine:
         code: str | None = None,
         pages_suspect: bool = False,
     ) -> None:
-        """End seq exactly once (I5): return its pages, then send the final output."""
+        """Return seq's pages, then send its final output (I5: emit sends it at most once)."""
         if seq.status is SeqStatus.FINISHED:
             return
         self.scheduler.remove(seq, pages_suspect)
         self._seqs.pop(seq.request_id, None)
-        seq.finish_reason = reason
-        self._emit(seq, len(seq.text), reason, error, code)
-
-    def _output(
-        self, seq: Sequence, ids: list[int], reason: FinishReason, error: str, code: str
-    ) -> RequestOutput:
-        return RequestOutput(
-            seq.request_id, tuple(ids), "", reason, seq.prompt_len, 0, (), error, code
-        )
+        emit(seq, len(seq.text), reason, error, code)
 
     def _eos_ids(self, model_dir: Path) -> frozenset[int]:
         ids = set(self.model_config.eos_token_ids) | self.tokenizer.eos_token_ids
@@ -297,21 +314,3 @@ class Engine:
             eos = json.loads(gen_cfg.read_text()).get("eos_token_id")
             ids |= set(eos) if isinstance(eos, list) else ({eos} if eos is not None else set())
         return frozenset(ids)
-
-
-def _logprob(s, i: int, tok: int, k: int) -> TokenLogprob:
-    top: tuple[tuple[int, float], ...] = ()
-    if k > 0 and s.top_ids is not None:
-        top = tuple(zip(s.top_ids[i, :k].tolist(), s.top_logprobs[i, :k].tolist(), strict=True))
-    return TokenLogprob(tok, float(s.chosen_logprobs[i]), top)
-
-
-def _find_stop(text: str, sent: int, new_text: str, stops: tuple[str, ...]) -> int | None:
-    """Earliest stop-string start in the not-yet-sent tail of text, or None."""
-    window_start = max(sent, len(text) - len(new_text) - max(len(x) for x in stops))
-    best: int | None = None
-    for stop in stops:
-        pos = text.find(stop, max(0, window_start))
-        if pos != -1 and (best is None or pos < best):
-            best = pos
-    return best

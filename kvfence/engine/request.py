@@ -70,6 +70,7 @@ class RequestOutput:
     logprobs: tuple[TokenLogprob, ...] = ()
     error: str | None = None  # set with FinishReason.ERROR: the reason the client sees
     error_code: str | None = None
+    error_status: int | None = None  # HTTP status for the error; None: 500
 
     @property
     def finished(self) -> bool:

@@ -6,7 +6,7 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass
 
-from kvfence.engine.sequence import SeqStatus, Sequence
+from kvfence.engine.sequence import SeqMode, SeqStatus, Sequence
 from kvfence.kv.pool import KVPool
 
 
@@ -34,6 +34,8 @@ class Scheduler:
         self.limits = limits
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []  # arrival order
+        self.handoff: dict[str, Sequence] = {}  # pages held for a KV transfer
+        self.reserved: list[Sequence] = []  # DECODE_ONLY entries given pages this step
         self.num_preemptions = 0
 
     def add(self, seq: Sequence) -> None:
@@ -42,11 +44,26 @@ class Scheduler:
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
 
+    def hold(self, seq: Sequence) -> None:
+        """Running -> handoff: its pages now belong to a transfer, not to the step loop."""
+        self.running.remove(seq)
+        seq.status = SeqStatus.HANDOFF
+        self.handoff[seq.request_id] = seq
+
+    def resume(self, seq: Sequence) -> None:
+        """Handoff -> running, after the transfer committed its KV."""
+        del self.handoff[seq.request_id]
+        seq.status = SeqStatus.RUNNING
+        self.running.append(seq)
+
     def remove(self, seq: Sequence, pages_suspect: bool = False) -> None:
         """Take seq out of the queues and return its pages (it is finished or aborted). When its
         page list is suspect, free by grant from the side tables instead of trusting the list."""
-        if seq.status is SeqStatus.RUNNING:
-            self.running.remove(seq)
+        if seq.status in (SeqStatus.RUNNING, SeqStatus.HANDOFF):
+            if seq.status is SeqStatus.RUNNING:
+                self.running.remove(seq)
+            else:
+                del self.handoff[seq.request_id]
             if pages_suspect:
                 assert seq.grant is not None
                 self.pool.free_grant(seq.grant)
@@ -89,6 +106,12 @@ class Scheduler:
             self.waiting.popleft()
             seq.grant = self.pool.new_grant(seq.tenant, seq.request_id)
             seq.pages = self.pool.allocate(seq.grant, needed)
+            if seq.mode is SeqMode.DECODE_ONLY and not seq.output_ids:
+                # Pre-allocated for the whole prompt; its KV arrives by transfer, not compute.
+                seq.status = SeqStatus.HANDOFF
+                self.handoff[seq.request_id] = seq
+                self.reserved.append(seq)
+                continue
             seq.status = SeqStatus.RUNNING
             self.running.append(seq)
             n = min(seq.num_uncomputed, budget)

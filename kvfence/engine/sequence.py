@@ -16,8 +16,16 @@ from kvfence.model.tokenizer import IncrementalDetokenizer
 
 class SeqStatus(enum.Enum):
     WAITING = "waiting"  # queued, holds no pages
-    RUNNING = "running"  # holds pages under its grant
+    RUNNING = "running"  # holds pages under its grant, scheduled every step
+    HANDOFF = "handoff"  # holds pages a KV transfer reads (prefill) or writes (decode); never
+    #                      scheduled or preempted until the PD layer commits or releases it
     FINISHED = "finished"  # pages returned; its sink has seen the final output
+
+
+class SeqMode(enum.Enum):
+    FULL = "full"  # unified: prefill and decode here
+    PREFILL_ONLY = "prefill_only"  # compute the prompt and the first token, then hand off
+    DECODE_ONLY = "decode_only"  # reserve pages for the prompt, wait for its KV, then decode
 
 
 @dataclass(eq=False)
@@ -25,6 +33,7 @@ class Sequence:
     admitted: Admitted
     sink: Callable[[RequestOutput], None]
     arrival: int  # FIFO order; preempted sequences keep theirs
+    mode: SeqMode
     detok: IncrementalDetokenizer
     generator: torch.Generator | None = None
     status: SeqStatus = SeqStatus.WAITING
@@ -35,6 +44,7 @@ class Sequence:
     text: str = ""  # generated text not yet sent (held back while a stop string may be forming)
     sent_text_len: int = 0
     sent_ids: int = 0  # output tokens already reported to the sink
+    client_done: bool = False  # the sink has had its final output (I5: exactly once)
     finish_reason: FinishReason | None = None
     pending_logprobs: list[TokenLogprob] = field(default_factory=list)
     num_preemptions: int = 0

@@ -24,6 +24,7 @@ from kvfence.engine.request import FinishReason, GenerateRequest, RequestOutput,
 from kvfence.server.app_state import AppState, EngineLike, Event, Generation, TokenizerLike
 from kvfence.server.auth import Authenticator, load_api_keys
 from kvfence.server.errors import (
+    INVALID_REQUEST,
     SERVER_ERROR,
     APIError,
     bad_request,
@@ -351,11 +352,13 @@ class _Progress:
 def _engine_failure(out: RequestOutput) -> APIError:
     # I5: the client sees the engine's reason, never a 200 with what was produced so far.
     if out.finish_reason is FinishReason.ERROR:
+        status = out.error_status or 500
         return APIError(
-            500,
+            status,
             out.error or "The engine failed this request.",
             code=out.error_code or "internal_error",
-            type=SERVER_ERROR,
+            # A 4xx from another door (e.g. prefill's admission in PD mode) keeps its type.
+            type=INVALID_REQUEST if 400 <= status < 500 else SERVER_ERROR,
         )
     return APIError(
         503,
