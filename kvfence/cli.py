@@ -47,14 +47,45 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
     )
 
 
+def add_pd_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--disaggregation-mode", default="null", choices=("null", "prefill", "decode"))
+    p.add_argument("--disaggregation-bootstrap-port", type=int, default=8998)
+    p.add_argument("--disaggregation-transfer-backend", default="tcp", choices=("tcp", "mooncake"))
+    p.add_argument(
+        "--disaggregation-timeout", type=float, default=30.0,
+        help="seconds a KV transfer may take before it is aborted",
+    )
+
+
+def role_service(engine: object, args: argparse.Namespace) -> object:
+    """The object the HTTP layer serves: the engine itself, or its PD role wrapping it."""
+    if args.disaggregation_mode == "null":
+        return engine
+    if args.disaggregation_transfer_backend != "tcp":
+        raise ConfigError("--disaggregation-transfer-backend mooncake is not available yet")
+    from kvfence.pd.pairing import model_fingerprint, node_info
+
+    info = node_info(engine, args.disaggregation_mode, model_fingerprint(args.model))
+    if args.disaggregation_mode == "prefill":
+        from kvfence.pd.prefill import PrefillService
+
+        return PrefillService(
+            engine, info, args.host, args.disaggregation_bootstrap_port,
+            timeout_s=args.disaggregation_timeout,
+        )
+    from kvfence.pd.decode import DecodeService
+
+    return DecodeService(engine, info, timeout_s=args.disaggregation_timeout)
+
+
 def cmd_serve(args: argparse.Namespace) -> int:
     from kvfence.engine.engine import CapacityError, Engine
     from kvfence.model.config import UnsupportedModelError
     from kvfence.server.api import serve
 
     try:
-        engine = Engine(engine_config(args))
-        serve(engine, args.host, args.port, args.api_key_file, log_level=args.log_level)
+        service = role_service(Engine(engine_config(args)), args)
+        serve(service, args.host, args.port, args.api_key_file, log_level=args.log_level)
     except CapacityError as e:
         print(f"kvfence: refusing to start: {e}", file=sys.stderr)
         return EXIT_CAPACITY
@@ -73,6 +104,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     s.add_argument("--port", type=int, default=8000)
     s.add_argument("--api-key-file", default=None, help="lines of `key tenant`; enables auth")
     s.add_argument("--log-level", default="info")
+    add_pd_args(s)
     sub.add_parser(
         "preflight", help="check a node's KV pool against its context length", add_help=False
     )

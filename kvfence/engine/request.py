@@ -41,6 +41,7 @@ class GenerateRequest:
     tenant: str
     prompt_token_ids: tuple[int, ...]
     sampling: SamplingParams
+    peer: str | None = None  # PD decode: the prefill bootstrap address the router picked
 
 
 class FinishReason(enum.StrEnum):

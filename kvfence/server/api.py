@@ -76,6 +76,17 @@ def build_app(
         )
         return JSONResponse(body, status_code=503)
 
+    @app.get("/pd/info")
+    async def pd_info() -> JSONResponse:
+        # The router learns each worker's role and bootstrap address here.
+        describe = getattr(engine, "pd_info", None)
+        if describe is not None:
+            return JSONResponse(describe())
+        return JSONResponse({
+            "role": "unified", "bootstrap_host": None, "bootstrap_port": None,
+            "model": engine.model_name, "context_length": engine.context_length,
+        })
+
     @app.get("/metrics")
     async def metrics_route() -> Response:
         data, content_type = metrics.render()
@@ -390,6 +401,8 @@ async def _generate(
             tenant=tenant,
             prompt_token_ids=tuple(prompt),
             sampling=sampling,
+            # Set by the router in PD mode; only a decode worker reads it.
+            peer=request.headers.get("x-kvfence-prefill"),
         )
         for p, prompt in enumerate(prompts)
         for j in range(n)

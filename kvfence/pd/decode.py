@@ -1,0 +1,340 @@
+"""DecodeService: the KV receiver. It connects to prefill workers, RESERVEs pre-allocated pages,
+applies page writes after checking each against the room's grant, verifies DONE (I3) and commits,
+and frees a room's pages only once prefill can no longer write them (I4).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from kvfence.engine.admission import Admitted, Rejected
+from kvfence.engine.engine import Engine
+from kvfence.engine.request import GenerateRequest
+from kvfence.engine.sequence import SeqMode, Sequence
+from kvfence.pd import kvio, wire
+from kvfence.pd import protocol as p
+from kvfence.pd.pairing import pairing_problem
+from kvfence.pd.transport.tcp import Connection
+
+log = logging.getLogger("kvfence.pd.decode")
+
+
+@dataclass
+class _Room:
+    state: p.DecodeRoom
+    peer: str
+    pages: list[int]
+    grant_id: int
+    deadline: float
+
+
+@dataclass
+class _Peer:
+    conn: Connection | None = None
+    ready: asyncio.Event = field(default_factory=asyncio.Event)
+    error: str | None = None
+    rooms: set[str] = field(default_factory=set)
+
+
+@dataclass
+class DecodeCounters:
+    reserved: int = 0
+    committed: int = 0
+    failed: int = 0
+    aborted: int = 0
+    pages_received: int = 0
+    bytes_received: int = 0
+    checksum_mismatches: int = 0
+    grant_mismatches: int = 0
+    late_writes_dropped: int = 0
+    pairing_refused: int = 0
+
+
+class DecodeService:
+    def __init__(self, engine: Engine, info: dict[str, Any], timeout_s: float = 30.0) -> None:
+        self.engine = engine
+        self.info = info
+        self.timeout_s = timeout_s
+        self.rooms: dict[str, _Room] = {}
+        self.peers: dict[str, _Peer] = {}
+        self.counters = DecodeCounters()
+        self.pairing_errors: dict[str, str] = {}
+        self.loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._run, name="kvfence-decode-io", daemon=True)
+        engine.hooks = self
+
+    # ---- the engine facade the HTTP layer talks to ------------------------------------------
+
+    def submit(self, req: GenerateRequest, sink: Any) -> Admitted | Rejected:
+        """The decode door: admission, then the engine reserves pages and calls on_reserved."""
+        if not req.peer:
+            return Rejected(
+                req.request_id,
+                "pd_route_required",
+                "This is a decode worker: send requests through the kvfence router.",
+            )
+        return self.engine.submit(req, sink, SeqMode.DECODE_ONLY)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.engine, name)
+
+    # ---- lifecycle ------------------------------------------------------------------------------
+
+    def start(self) -> None:
+        self.engine.start()
+        self._thread.start()
+
+    def shutdown(self) -> None:
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.engine.shutdown()
+
+    def pd_info(self) -> dict[str, Any]:
+        return {
+            "role": "decode",
+            "bootstrap_host": None,
+            "bootstrap_port": None,
+            "model": self.engine.model_name,
+            "context_length": self.engine.context_length,
+            "page_size": self.engine.pool.page_size,
+            "pairing_errors": dict(self.pairing_errors),
+            "counters": vars(self.counters),
+        }
+
+    def _run(self) -> None:
+        asyncio.set_event_loop(self.loop)
+        self.loop.create_task(self._expire())
+        self.loop.run_forever()
+
+    # ---- engine hooks (engine thread) -----------------------------------------------------------
+
+    def on_reserved(self, seq: Sequence) -> None:
+        req = seq.admitted.request
+        assert seq.grant is not None and req.peer is not None
+        reserve = p.Reserve(
+            room=seq.request_id,
+            tenant=req.tenant,
+            prompt=req.prompt_token_ids,
+            sampling=_sampling_dict(req),
+            max_tokens=seq.admitted.max_tokens,
+            dst_pages=tuple(seq.pages),
+            grant=seq.grant.grant_id,
+        )
+        self.loop.call_soon_threadsafe(self._reserve, reserve, req.peer)
+
+    def on_prefilled(self, seq: Sequence) -> None:  # pragma: no cover - prefill only
+        raise AssertionError("a decode engine never prefills for a transfer")
+
+    def on_abort(self, seq: Sequence) -> None:
+        self.loop.call_soon_threadsafe(self._feed, seq.request_id, p.ClientAborted())
+
+    # ---- rooms ----------------------------------------------------------------------------------
+
+    def _reserve(self, r: p.Reserve, peer_addr: str) -> None:
+        self.counters.reserved += 1
+        room = p.DecodeRoom(r.room, len(r.prompt), len(r.dst_pages))
+        self.rooms[r.room] = _Room(
+            room, peer_addr, list(r.dst_pages), r.grant, time.monotonic() + self.timeout_s
+        )
+        asyncio.ensure_future(self._send_reserve(r, peer_addr))
+
+    async def _send_reserve(self, r: p.Reserve, peer_addr: str) -> None:
+        peer = await self._peer(peer_addr)
+        if peer.conn is None or peer.conn.closed:
+            # Never connected: no prefill can write these pages, so they may go at once.
+            self._feed(r.room, p.ConnectionLost(), reason=peer.error)
+            return
+        peer.rooms.add(r.room)
+        try:
+            await peer.conn.send(r)
+        except ConnectionError:
+            pass  # the reader task feeds ConnectionLost for every room of this peer
+
+    async def _peer(self, addr: str) -> _Peer:
+        peer = self.peers.get(addr)
+        if peer is None:
+            peer = self.peers[addr] = _Peer()
+            asyncio.ensure_future(self._connect(addr, peer))
+        await peer.ready.wait()
+        return peer
+
+    async def _connect(self, addr: str, peer: _Peer) -> None:
+        try:
+            host, port = addr.rsplit(":", 1)
+            conn = await Connection.open(host, int(port), timeout=self.timeout_s)
+            await conn.send(wire.Hello(self.info))
+            msg, _ = await asyncio.wait_for(conn.recv(), self.timeout_s)
+            if isinstance(msg, wire.HelloRefused):
+                self.counters.pairing_refused += 1
+                self.pairing_errors[addr] = msg.reason
+                raise ConnectionError(f"prefill {addr} refused to pair: {msg.reason}")
+            if not isinstance(msg, wire.HelloOk):
+                raise wire.WireError("expected HelloOk")
+            problem = pairing_problem(self.info, msg.info)
+            if problem is not None:
+                self.counters.pairing_refused += 1
+                self.pairing_errors[addr] = problem
+                raise ConnectionError(f"refusing to pair with prefill {addr}: {problem}")
+            self.pairing_errors.pop(addr, None)
+            peer.conn = conn
+        except (TimeoutError, OSError, ConnectionError, ValueError) as e:
+            log.error("cannot use prefill %s: %s", addr, e)
+            peer.error = str(e) or type(e).__name__
+            self.peers.pop(addr, None)  # the next request tries again
+            peer.ready.set()
+            return
+        peer.ready.set()
+        await self._read(addr, peer)
+
+    async def _read(self, addr: str, peer: _Peer) -> None:
+        assert peer.conn is not None
+        conn = peer.conn
+        try:
+            while True:
+                msg, payload = await conn.recv()
+                self._on_message(msg, payload)
+        except (ConnectionError, wire.WireError) as e:
+            log.warning("connection to prefill %s ended: %s", addr, e)
+        finally:
+            conn.close()
+            if self.peers.get(addr) is peer:
+                del self.peers[addr]
+            # The reader has stopped: nothing more of this connection can reach the pool.
+            for rid in list(peer.rooms):
+                self._feed(rid, p.ConnectionLost())
+
+    def _on_message(self, msg: wire.Frame, payload: bytes) -> None:
+        if isinstance(msg, p.Page):
+            self._on_page(msg, payload)
+        elif isinstance(msg, p.Done):
+            self._on_done(msg)
+        elif isinstance(msg, p.Abort):
+            self._feed(msg.room, p.AbortArrived(msg))
+        elif isinstance(msg, p.AbortAck):
+            self._feed(msg.room, p.AbortAckArrived())
+        elif isinstance(msg, wire.Heartbeat):
+            pass
+        else:
+            raise wire.WireError(f"unexpected {type(msg).__name__} from prefill")
+
+    def _on_page(self, msg: p.Page, payload: bytes) -> None:
+        room = self.rooms.get(msg.room)
+        if room is None or room.state.state is not p.DState.RESERVED:
+            self.counters.late_writes_dropped += 1  # the tcp receiver can refuse a late write
+            return
+        pool = self.engine.pool
+        ok_shape = (
+            0 <= msg.index < len(room.pages)
+            and 0 < msg.n_tokens <= pool.page_size
+            and len(payload) == kvio.payload_size(pool, msg.n_tokens)
+        )
+        intact = ok_shape and kvio.checksum(payload) == msg.checksum
+        if ok_shape:
+            page = room.pages[msg.index]
+            # I2 on the write path: the destination page must still belong to this room's grant.
+            if int(pool.owner_grant[page]) != room.grant_id:
+                self.counters.grant_mismatches += 1
+                intact = False
+            elif intact:
+                kvio.write_page(pool, page, msg.n_tokens, payload)
+                self.counters.pages_received += 1
+                self.counters.bytes_received += len(payload)
+        if not intact:
+            self.counters.checksum_mismatches += 1
+        self._feed(msg.room, p.PageArrived(msg.index, msg.n_tokens, msg.checksum, intact))
+
+    def _on_done(self, done: p.Done) -> None:
+        room = self.rooms.get(done.room)
+        ok = False
+        if room is not None and room.state.state is p.DState.RESERVED:
+            ok = self._pool_matches(room, done)
+        self._feed(done.room, p.DoneArrived(done, ok))
+
+    def _pool_matches(self, room: _Room, done: p.Done) -> bool:
+        """Read the pages back from the pool and hash them: what decode will attend to must be
+        exactly what prefill computed, whatever wrote it (late, foreign or one-sided writes)."""
+        if done.n_tokens != room.state.n_tokens or done.n_pages != len(room.pages):
+            return False
+        payloads = kvio.read_pages(self.engine.pool, room.pages, done.n_tokens)
+        sums = tuple((i, kvio.checksum(b)) for i, b in enumerate(payloads))
+        return p.digest_of(sums, done.n_tokens) == done.digest
+
+    def _feed(self, rid: str, event: Any, reason: str | None = None) -> None:
+        room = self.rooms.get(rid)
+        if room is None:
+            if isinstance(event, p.AbortArrived):
+                self._send(rid, None, p.AbortAck(rid))
+            return
+        room.state, actions = p.decode_step(room.state, event)
+        if room.state.state in (p.DState.RELEASED, p.DState.COMMITTED):
+            del self.rooms[rid]
+            peer = self.peers.get(room.peer)
+            if peer is not None:
+                peer.rooms.discard(rid)
+        for a in actions:
+            if isinstance(a, p.Send):
+                self._send(rid, room.peer, a.message)
+            elif isinstance(a, p.Commit):
+                self.counters.committed += 1
+                self.engine.commit(rid, a.first_token)
+            elif isinstance(a, p.FailClient):
+                self.counters.failed += 1
+                message = a.message if reason is None else f"{a.message}: {reason}"
+                self.engine.fail(rid, message, a.code, a.status)
+            elif isinstance(a, p.ReleasePages):
+                self.engine.release(rid)
+
+    def _send(self, rid: str, peer_addr: str | None, msg: p.Message) -> None:
+        peer = self.peers.get(peer_addr) if peer_addr else None
+        if peer is None or peer.conn is None:
+            return
+        if isinstance(msg, p.Abort):
+            self.counters.aborted += 1
+        conn = peer.conn
+
+        async def go() -> None:
+            try:
+                await conn.send(msg)
+            except ConnectionError:
+                pass
+
+        asyncio.ensure_future(go())
+
+    async def _expire(self) -> None:
+        while True:
+            await asyncio.sleep(0.5)
+            now = time.monotonic()
+            for rid, room in list(self.rooms.items()):
+                if now <= room.deadline:
+                    continue
+                if room.state.state is p.DState.RESERVED:
+                    room.deadline = now + self.timeout_s
+                    self._feed(rid, p.TimedOut())
+                elif room.state.state is p.DState.ABORTING:
+                    # No ack within a second timeout: fence by closing the connection; its
+                    # reader then stops and every room on it is released safely.
+                    peer = self.peers.get(room.peer)
+                    if peer is not None and peer.conn is not None:
+                        log.error(
+                            "no ABORT_ACK for room %s: closing connection to %s", rid, room.peer
+                        )
+                        peer.conn.close()
+                    room.deadline = now + self.timeout_s
+
+
+def _sampling_dict(req: GenerateRequest) -> dict[str, Any]:
+    sp = req.sampling
+    return {
+        "temperature": sp.temperature,
+        "top_p": sp.top_p,
+        "top_k": sp.top_k,
+        "seed": sp.seed,
+        "stop": list(sp.stop),
+        "stop_token_ids": list(sp.stop_token_ids),
+        "ignore_eos": sp.ignore_eos,
+        "logprobs": sp.logprobs,
+    }

@@ -1,0 +1,67 @@
+"""I7 pairing: the facts a prefill and a decode exchange at bootstrap, and the comparison that
+refuses a pair whose KV would not mean the same thing on both sides."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import xxhash
+
+from kvfence.model.loader import checkpoint_files
+
+_SAMPLE = 1 << 20  # bytes hashed from each end of a large weight file
+
+
+def model_fingerprint(model_dir: str | Path) -> str:
+    """config.json + every weight file's size and bytes (whole when small, both ends when large).
+    Two nodes serving different weights or configs get different fingerprints."""
+    model_dir = Path(model_dir)
+    h = xxhash.xxh3_128()
+    cfg = json.loads((model_dir / "config.json").read_text())
+    h.update(json.dumps(cfg, sort_keys=True).encode())
+    for path in checkpoint_files(model_dir):
+        size = path.stat().st_size
+        h.update(f"{path.name}:{size}".encode())
+        with path.open("rb") as f:
+            if size <= 4 * _SAMPLE:
+                h.update(f.read())
+            else:
+                h.update(f.read(_SAMPLE))
+                f.seek(size - _SAMPLE)
+                h.update(f.read(_SAMPLE))
+    return h.hexdigest()
+
+
+def node_info(engine: Any, role: str, fingerprint: str) -> dict[str, Any]:
+    mc = engine.model_config
+    return {
+        "role": role,
+        "model_fingerprint": fingerprint,
+        "context_length": engine.context_length,
+        "pool_tokens": engine.pool.capacity_tokens,
+        "page_size": engine.pool.page_size,
+        "kv_dtype": str(engine.pool.k.dtype).removeprefix("torch."),
+        "kv_layout": [mc.num_layers, mc.num_kv_heads, mc.head_dim, "token-major"],
+    }
+
+
+def pairing_problem(local: dict[str, Any], remote: dict[str, Any]) -> str | None:
+    """Why these two nodes must not pair, or None."""
+    for key in ("model_fingerprint", "page_size", "kv_dtype", "kv_layout", "context_length"):
+        if local.get(key) != remote.get(key):
+            return (
+                f"{key} differs: {local.get('role')} has {local.get(key)!r}, "
+                f"{remote.get('role')} has {remote.get(key)!r}"
+            )
+    for side in (local, remote):
+        if (
+            not isinstance(side.get("pool_tokens"), int)
+            or side["pool_tokens"] < side["context_length"]
+        ):
+            return (
+                f"{side.get('role')} pool holds {side.get('pool_tokens')} tokens, less than "
+                f"the context length {side.get('context_length')}"
+            )
+    return None

@@ -1,0 +1,287 @@
+"""PrefillService: the bootstrap endpoint decode workers connect to, and the KV sender.
+
+Per room it runs protocol.prefill_step and executes the actions: admission (the third door)
+through the same Engine.submit every role uses, compute in PREFILL_ONLY mode, stream the pages
+with per-page checksums, then DONE; source pages are held until DONE_ACK or an abort (I4).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from kvfence.engine.admission import Admitted, Rejected
+from kvfence.engine.engine import Engine
+from kvfence.engine.request import GenerateRequest, RequestOutput, SamplingParams
+from kvfence.engine.sequence import SeqMode, Sequence
+from kvfence.pd import kvio, wire
+from kvfence.pd import protocol as p
+from kvfence.pd.pairing import pairing_problem
+from kvfence.pd.transport.tcp import Connection
+
+log = logging.getLogger("kvfence.pd.prefill")
+
+
+@dataclass
+class _Room:
+    state: p.PrefillRoom
+    conn: Connection
+    reserve: p.Reserve
+    deadline: float
+    stop_sending: bool = False
+    seq: Sequence | None = None
+    first_token: int | None = None
+
+
+@dataclass
+class PrefillCounters:
+    reserves: int = 0
+    rejected: int = 0
+    done: int = 0
+    aborted: int = 0
+    pages_sent: int = 0
+    bytes_sent: int = 0
+    pairing_refused: int = 0
+    bad_frames: int = 0
+    extra: dict[str, int] = field(default_factory=dict)
+
+
+class PrefillService:
+    def __init__(
+        self, engine: Engine, info: dict[str, Any], host: str, port: int, timeout_s: float = 30.0
+    ) -> None:
+        self.engine = engine
+        self.info = info
+        self.host, self.port = host, port
+        # What decode workers should dial: the bind address unless it is a wildcard.
+        self.advertise_host = "127.0.0.1" if host in ("0.0.0.0", "") else host
+        self.timeout_s = timeout_s
+        self.rooms: dict[str, _Room] = {}
+        self.counters = PrefillCounters()
+        self.loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._run, name="kvfence-prefill-io", daemon=True)
+        self._ready = threading.Event()
+        self._server: asyncio.Server | None = None
+        engine.hooks = self
+
+    # ---- lifecycle ------------------------------------------------------------------------------
+
+    def start(self) -> None:
+        self.engine.start()
+        self._thread.start()
+        if not self._ready.wait(timeout=30):
+            raise RuntimeError("prefill bootstrap server did not start")
+
+    def shutdown(self) -> None:
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.engine.shutdown()
+
+    def pd_info(self) -> dict[str, Any]:
+        return {
+            "role": "prefill",
+            "bootstrap_host": self.advertise_host,
+            "bootstrap_port": self.port,
+            "model": self.engine.model_name,
+            "context_length": self.engine.context_length,
+            "page_size": self.engine.pool.page_size,
+            "counters": vars(self.counters),
+        }
+
+    # ---- the engine facade the HTTP layer talks to ------------------------------------------
+
+    def submit(self, req: GenerateRequest, sink: Any) -> Admitted | Rejected:
+        """Prefill work arrives as RESERVEs from decode workers, never over HTTP."""
+        return Rejected(
+            req.request_id,
+            "pd_route_required",
+            "This is a prefill worker: send requests through the kvfence router.",
+        )
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.engine, name)
+
+    def _run(self) -> None:
+        asyncio.set_event_loop(self.loop)
+        self._server = self.loop.run_until_complete(
+            asyncio.start_server(self._serve_conn, self.host, self.port, limit=1 << 20)
+        )
+        self.port = self._server.sockets[0].getsockname()[1]
+        self.loop.create_task(self._expire())
+        self._ready.set()
+        self.loop.run_forever()
+
+    # ---- engine hooks (engine thread) -----------------------------------------------------------
+
+    def on_prefilled(self, seq: Sequence) -> None:
+        self.loop.call_soon_threadsafe(self._prefilled, seq)
+
+    def on_reserved(self, seq: Sequence) -> None:  # pragma: no cover - decode only
+        raise AssertionError("a prefill engine never reserves for a transfer")
+
+    def on_abort(self, seq: Sequence) -> None:
+        # Only this service aborts prefill sequences; by then the room is closed.
+        self.engine.release(seq.request_id)
+
+    # ---- connections ----------------------------------------------------------------------------
+
+    async def _serve_conn(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        conn = Connection(reader, writer)
+        try:
+            if not await self._handshake(conn):
+                return
+            while True:
+                msg, payload = await conn.recv()
+                self._on_message(conn, msg)
+        except (ConnectionError, wire.WireError, asyncio.IncompleteReadError) as e:
+            if isinstance(e, wire.WireError):
+                self.counters.bad_frames += 1
+                log.warning("dropping connection from %s: %s", conn.peer, e)
+        finally:
+            conn.close()
+            for rid, room in list(self.rooms.items()):
+                if room.conn is conn:
+                    self._feed(rid, p.ConnectionLost())
+
+    async def _handshake(self, conn: Connection) -> bool:
+        msg, _ = await asyncio.wait_for(conn.recv(), self.timeout_s)
+        if not isinstance(msg, wire.Hello):
+            raise wire.WireError("expected Hello")
+        problem = pairing_problem(self.info, msg.info)
+        if problem is not None:
+            self.counters.pairing_refused += 1
+            log.error("refusing to pair with decode %s: %s", conn.peer, problem)
+            await conn.send(wire.HelloRefused(problem))
+            return False
+        await conn.send(wire.HelloOk(self.info))
+        return True
+
+    def _on_message(self, conn: Connection, msg: wire.Frame) -> None:
+        if isinstance(msg, p.Reserve):
+            self._on_reserve(conn, msg)
+        elif isinstance(msg, p.Abort):
+            self._feed(msg.room, p.AbortArrived(msg), conn)
+        elif isinstance(msg, p.DoneAck):
+            self._feed(msg.room, p.DoneAckArrived(), conn)
+        elif isinstance(msg, wire.Heartbeat):
+            pass
+        else:
+            raise wire.WireError(f"unexpected {type(msg).__name__} from decode")
+
+    def _on_reserve(self, conn: Connection, r: p.Reserve) -> None:
+        self.counters.reserves += 1
+        if r.room in self.rooms:
+            # A second RESERVE for a live room is a collision or a replay: it changes nothing.
+            asyncio.ensure_future(conn.send(p.Abort(r.room, "room_collision", "room in use", 409)))
+            return
+        verdict: Any
+        try:
+            fields = dict(r.sampling)
+            for key in ("stop", "stop_token_ids"):
+                fields[key] = tuple(fields.get(key) or ())
+            sampling = SamplingParams(**{**fields, "max_tokens": r.max_tokens})
+            req = GenerateRequest(r.room, r.tenant, r.prompt, sampling)
+            verdict = self.engine.submit(req, _ignore, SeqMode.PREFILL_ONLY)
+        except (TypeError, ValueError) as e:
+            verdict = Rejected(r.room, "invalid_request", f"bad RESERVE: {e}")
+        if isinstance(verdict, Rejected):
+            self.counters.rejected += 1
+            event = p.ReserveArrived(False, verdict.code, verdict.message, 400)
+        else:
+            event = p.ReserveArrived(True)
+        state, actions = p.prefill_open(r.room, event)
+        if state.state is not p.PState.CLOSED:
+            self.rooms[r.room] = _Room(state, conn, r, time.monotonic() + self.timeout_s)
+        self._execute(r.room, conn, actions)
+
+    def _prefilled(self, seq: Sequence) -> None:
+        room = self.rooms.get(seq.request_id)
+        if room is None:
+            self.engine.release(seq.request_id)  # aborted while computing: nobody will send it
+            return
+        room.seq = seq
+        room.first_token = seq.token_ids[-1]
+        self._feed(seq.request_id, p.Prefilled())
+
+    # ---- the state machine ----------------------------------------------------------------------
+
+    def _feed(self, rid: str, event: Any, conn: Connection | None = None) -> None:
+        room = self.rooms.get(rid)
+        if room is None or (conn is not None and room.conn is not conn):
+            if isinstance(event, p.AbortArrived) and conn is not None:
+                # Idempotent: an abort of a room we no longer hold is still acknowledged.
+                asyncio.ensure_future(_safe_send(conn, p.AbortAck(rid)))
+            return
+        room.state, actions = p.prefill_step(room.state, event)
+        if room.state.state is p.PState.CLOSED:
+            del self.rooms[rid]
+        self._execute(rid, room.conn, actions, room)
+
+    def _execute(
+        self, rid: str, conn: Connection, actions: tuple[p.Action, ...], room: _Room | None = None
+    ) -> None:
+        for a in actions:
+            if isinstance(a, p.Send):
+                if isinstance(a.message, p.Abort | p.AbortAck):
+                    self.counters.aborted += isinstance(a.message, p.Abort)
+                asyncio.ensure_future(_safe_send(conn, a.message))
+            elif isinstance(a, p.StartCompute):
+                pass  # the engine already queued it at admission
+            elif isinstance(a, p.CancelCompute):
+                self.engine.abort(rid)
+            elif isinstance(a, p.ReleasePages):
+                self.engine.release(rid)
+            elif isinstance(a, p.StopSending):
+                if room is not None:
+                    room.stop_sending = True
+            elif isinstance(a, p.SendPages):
+                assert room is not None
+                asyncio.ensure_future(self._send_pages(rid, room))
+
+    async def _send_pages(self, rid: str, room: _Room) -> None:
+        assert room.seq is not None and room.first_token is not None
+        n_tokens = len(room.reserve.prompt)
+        try:
+            payloads = kvio.read_pages(self.engine.pool, list(room.seq.pages), n_tokens)
+            counts = kvio.page_token_counts(n_tokens, self.engine.pool.page_size)
+            sums: list[tuple[int, int]] = []
+            for i, (payload, count) in enumerate(zip(payloads, counts, strict=True)):
+                if room.stop_sending or room.conn.closed:
+                    return
+                c = kvio.checksum(payload)
+                sums.append((i, c))
+                await room.conn.send(p.Page(rid, i, count, c), payload)
+                self.counters.pages_sent += 1
+                self.counters.bytes_sent += len(payload)
+        except ConnectionError:
+            return  # the reader sees the close and feeds ConnectionLost
+        if room.stop_sending:
+            return
+        done = p.Done(
+            rid, n_tokens, len(payloads), p.digest_of(tuple(sums), n_tokens), room.first_token
+        )
+        self.counters.done += 1
+        self._feed(rid, p.SendComplete(done))
+
+    async def _expire(self) -> None:
+        while True:
+            await asyncio.sleep(0.5)
+            now = time.monotonic()
+            for rid, room in list(self.rooms.items()):
+                if now > room.deadline:
+                    log.warning("room %s timed out in %s", rid, room.state.state.value)
+                    self._feed(rid, p.TimedOut())
+
+
+def _ignore(_: RequestOutput) -> None:
+    """Prefill sequences have no HTTP client; their result travels as pages and DONE."""
+
+
+async def _safe_send(conn: Connection, msg: wire.Frame) -> None:
+    try:
+        await conn.send(msg)
+    except ConnectionError:
+        pass

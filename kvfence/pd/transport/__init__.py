@@ -1,0 +1,1 @@
+"""KV transfer backends behind one small interface (tcp; mooncake)."""
