@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import threading
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -18,6 +17,7 @@ from kvfence.engine.request import GenerateRequest
 from kvfence.engine.sequence import SeqMode, Sequence
 from kvfence.pd import kvio, wire
 from kvfence.pd import protocol as p
+from kvfence.pd.ioloop import IOLoop
 from kvfence.pd.pairing import pairing_problem
 from kvfence.pd.transport.tcp import Connection
 
@@ -64,8 +64,8 @@ class DecodeService:
         self.peers: dict[str, _Peer] = {}
         self.counters = DecodeCounters()
         self.pairing_errors: dict[str, str] = {}
-        self.loop = asyncio.new_event_loop()
-        self._thread = threading.Thread(target=self._run, name="kvfence-decode-io", daemon=True)
+        self.io = IOLoop("kvfence-decode-io")
+        self.loop = self.io.loop
         engine.hooks = self
 
     # ---- the engine facade the HTTP layer talks to ------------------------------------------
@@ -87,11 +87,20 @@ class DecodeService:
 
     def start(self) -> None:
         self.engine.start()
-        self._thread.start()
+        self.io.on_stop(self._close_all)
+        self.io.start(self._begin())
 
     def shutdown(self) -> None:
-        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.io.stop()
         self.engine.shutdown()
+
+    async def _begin(self) -> None:
+        asyncio.ensure_future(self._expire())
+
+    def _close_all(self) -> None:
+        for peer in list(self.peers.values()):
+            if peer.conn is not None:
+                peer.conn.close()
 
     def pd_info(self) -> dict[str, Any]:
         return {
@@ -104,11 +113,6 @@ class DecodeService:
             "pairing_errors": dict(self.pairing_errors),
             "counters": vars(self.counters),
         }
-
-    def _run(self) -> None:
-        asyncio.set_event_loop(self.loop)
-        self.loop.create_task(self._expire())
-        self.loop.run_forever()
 
     # ---- engine hooks (engine thread) -----------------------------------------------------------
 

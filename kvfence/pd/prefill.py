@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import threading
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -20,6 +19,7 @@ from kvfence.engine.request import GenerateRequest, RequestOutput, SamplingParam
 from kvfence.engine.sequence import SeqMode, Sequence
 from kvfence.pd import kvio, wire
 from kvfence.pd import protocol as p
+from kvfence.pd.ioloop import IOLoop
 from kvfence.pd.pairing import pairing_problem
 from kvfence.pd.transport.tcp import Connection
 
@@ -62,23 +62,35 @@ class PrefillService:
         self.timeout_s = timeout_s
         self.rooms: dict[str, _Room] = {}
         self.counters = PrefillCounters()
-        self.loop = asyncio.new_event_loop()
-        self._thread = threading.Thread(target=self._run, name="kvfence-prefill-io", daemon=True)
-        self._ready = threading.Event()
+        self.io = IOLoop("kvfence-prefill-io")
+        self.loop = self.io.loop
         self._server: asyncio.Server | None = None
+        self._conns: set[Connection] = set()
         engine.hooks = self
 
     # ---- lifecycle ------------------------------------------------------------------------------
 
     def start(self) -> None:
         self.engine.start()
-        self._thread.start()
-        if not self._ready.wait(timeout=30):
-            raise RuntimeError("prefill bootstrap server did not start")
+        self.io.on_stop(self._close_all)
+        self.io.start(self._listen())
 
     def shutdown(self) -> None:
-        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.io.stop()
         self.engine.shutdown()
+
+    async def _listen(self) -> None:
+        self._server = await asyncio.start_server(
+            self._serve_conn, self.host, self.port, limit=1 << 20
+        )
+        self.port = self._server.sockets[0].getsockname()[1]
+        asyncio.ensure_future(self._expire())
+
+    def _close_all(self) -> None:
+        if self._server is not None:
+            self._server.close()
+        for conn in list(self._conns):
+            conn.close()
 
     def pd_info(self) -> dict[str, Any]:
         return {
@@ -104,16 +116,6 @@ class PrefillService:
     def __getattr__(self, name: str) -> Any:
         return getattr(self.engine, name)
 
-    def _run(self) -> None:
-        asyncio.set_event_loop(self.loop)
-        self._server = self.loop.run_until_complete(
-            asyncio.start_server(self._serve_conn, self.host, self.port, limit=1 << 20)
-        )
-        self.port = self._server.sockets[0].getsockname()[1]
-        self.loop.create_task(self._expire())
-        self._ready.set()
-        self.loop.run_forever()
-
     # ---- engine hooks (engine thread) -----------------------------------------------------------
 
     def on_prefilled(self, seq: Sequence) -> None:
@@ -130,6 +132,7 @@ class PrefillService:
 
     async def _serve_conn(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         conn = Connection(reader, writer)
+        self._conns.add(conn)
         try:
             if not await self._handshake(conn):
                 return
@@ -142,6 +145,7 @@ class PrefillService:
                 log.warning("dropping connection from %s: %s", conn.peer, e)
         finally:
             conn.close()
+            self._conns.discard(conn)
             for rid, room in list(self.rooms.items()):
                 if room.conn is conn:
                     self._feed(rid, p.ConnectionLost())

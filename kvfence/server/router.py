@@ -443,6 +443,7 @@ class _Relay(Response):
         self._headers = headers
         self._paired = paired
         self._p = _Progress()
+        self._held: list[Worker] = []
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         start = time.monotonic()
@@ -502,9 +503,7 @@ class _Relay(Response):
                 p.room = st.new_room()
                 headers[HEADER_PREFILL] = prefill.bootstrap or ""
                 headers[HEADER_ROOM] = p.room
-            for w in (prefill, decode):
-                if w is not None:
-                    w.in_flight += 1
+            self._hold(prefill, decode)
             try:
                 if await self._exchange(send, decode, headers):
                     return
@@ -514,14 +513,24 @@ class _Relay(Response):
                     st.metrics.retries.inc()
                     p.extra.append(f"retried_from={decode.name}")
             finally:
-                # The prefill is counted busy for the whole answer: the router cannot see when
-                # the decode is done with it, and over-counting only spreads load a little more.
-                for w in (prefill, decode):
-                    if w is not None:
-                        w.in_flight -= 1
-                if p.room is not None:
-                    st.release_room(p.room)
+                self._release()
         await self._send_error(send, _unreachable())
+
+    def _hold(self, *workers: Worker | None) -> None:
+        # The prefill is counted busy for the whole answer: the router cannot see when the
+        # decode is done with it, and over-counting only spreads load a little more.
+        self._held = [w for w in workers if w is not None]
+        for w in self._held:
+            w.in_flight += 1
+
+    def _release(self) -> None:
+        """Idempotent; called as soon as the upstream is finished, before our last byte, so a
+        client's next request already sees the load it left behind."""
+        for w in self._held:
+            w.in_flight -= 1
+        self._held = []
+        if self._p.room is not None:
+            self._state.release_room(self._p.room)
 
     async def _exchange(self, send: Send, decode: Worker, headers: dict[str, str]) -> bool:
         """False only when the connection failed before any byte left (the caller may retry)."""
@@ -567,6 +576,7 @@ class _Relay(Response):
                 ))
                 return
             headers.append((b"content-length", str(len(body)).encode()))
+            self._release()
             await self._start(send, upstream.status_code, headers)
             await self._body_part(send, body, more=False)
             return
@@ -581,6 +591,7 @@ class _Relay(Response):
         except httpx.HTTPError as e:
             st.metrics.upstream_errors.labels(worker=decode.url, kind=_kind(e)).inc()
             p.extra.append(f"upstream_error={_kind(e)}")
+        self._release()
         if not cutter.ended_cleanly:
             # I5: a cut answer ends in an error event, never a bare end that reads as complete.
             await self._body_part(send, _sse_error(_upstream_error(

@@ -1,0 +1,103 @@
+"""PD over real TCP, in one process: token-exact with unified, the three admission doors, aborts
+and pool accounting on both sides."""
+
+from __future__ import annotations
+
+import pytest
+from conftest import hf_greedy, random_prompts
+from pd_harness import PDPair, Result, finished_ok
+
+from kvfence.engine.admission import Rejected
+from kvfence.engine.llm import LLM
+from kvfence.engine.request import FinishReason, SamplingParams
+
+CTX = 256
+GREEDY = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def model_dir(checkpoint_dir) -> str:
+    return str(checkpoint_dir("llama"))
+
+
+@pytest.fixture
+def pair(model_dir: str):
+    pd = PDPair(model_dir, kv_pool_tokens=1024, context_length=CTX, chunked_prefill_size=64)
+    yield pd
+    pd.close()
+
+
+def test_pd_greedy_equals_unified_and_transformers(pair: PDPair, model_dir: str) -> None:
+    lengths = [1, 15, 16, 17, CTX - GREEDY.max_tokens]
+    prompts = random_prompts(lengths, vocab=256, seed=21)
+    got = pair.generate(prompts, GREEDY)
+    assert all(finished_ok(r) for r in got)
+    unified = LLM(model_dir, kv_pool_tokens=1024, context_length=CTX).generate(prompts, GREEDY)
+    hf = hf_greedy(model_dir, prompts, GREEDY.max_tokens)
+    for n, r, u, h in zip(lengths, got, unified, hf, strict=True):
+        assert r.token_ids == u.token_ids == h, f"prompt of {n} tokens"
+    assert pair.wait_idle()
+    assert pair.decode.counters.committed == len(prompts)
+
+
+def test_pd_many_concurrent_two_tenants(pair: PDPair) -> None:
+    prompts = random_prompts([(11 * i) % 90 + 1 for i in range(24)], vocab=256, seed=5)
+    results: list[Result] = []
+    for i, p in enumerate(prompts):
+        _, r = pair.submit(p, GREEDY, tenant=f"tenant-{i % 2}")
+        assert isinstance(r, Result)
+        results.append(r)
+    for r in results:
+        assert r.done.wait(60)
+    assert all(finished_ok(r) and len(r.token_ids) == GREEDY.max_tokens for r in results)
+    assert pair.wait_idle()
+
+
+def test_i1_pd_over_length_rejected_at_decode_before_any_page_or_transfer(pair: PDPair) -> None:
+    for n, max_tokens in ((CTX + 1, 1), (CTX - 2, 5), (1025, 1)):
+        _, verdict = pair.submit([5] * n, SamplingParams(max_tokens=max_tokens))
+        assert isinstance(verdict, Rejected)
+        assert verdict.code in ("context_length_exceeded", "exceeds_kv_pool")
+    assert pair.pages_used() == (0, 0)
+    assert pair.decode.counters.reserved == 0 and pair.prefill.counters.reserves == 0
+
+
+def test_i1_prefill_door_rejects_what_a_misconfigured_decode_let_in(pair: PDPair) -> None:
+    # Simulate a decode whose own door is wider than prefill's (e.g. a stale config).
+    from dataclasses import replace
+
+    pair.decode.engine.limits = replace(pair.decode.engine.limits, context_length=10 * CTX)
+    _, r = pair.submit([5] * (CTX + 10), SamplingParams(max_tokens=2, temperature=0))
+    assert isinstance(r, Result) and r.done.wait(30)
+    assert r.final.finish_reason is FinishReason.ERROR
+    assert r.final.error_status == 400 and r.final.error_code == "context_length_exceeded"
+    assert r.token_ids == []
+    assert pair.prefill.counters.rejected == 1 and pair.prefill.counters.pages_sent == 0
+    assert pair.wait_idle()
+
+
+def test_pd_client_abort_before_commit_releases_both_pools(pair: PDPair) -> None:
+    # Hold prefill's engine so the transfer cannot finish before the abort.
+    import threading
+
+    gate = threading.Event()
+    real_step = pair.prefill.engine.step
+    pair.prefill.engine.step = lambda: (gate.wait(10), real_step())[1]
+    rid, r = pair.submit(random_prompts([40], 256)[0], GREEDY)
+    assert isinstance(r, Result)
+    deadline = __import__("time").monotonic() + 10
+    while not pair.decode.rooms and __import__("time").monotonic() < deadline:
+        pass
+    pair.decode.engine.abort(rid)
+    gate.set()
+    assert r.done.wait(10) and r.final.finish_reason is FinishReason.ABORT
+    assert pair.wait_idle(), pair.pages_used()
+    assert pair.decode.counters.committed == 0
+
+
+def test_pd_unreachable_prefill_fails_with_503_and_frees_pages(pair: PDPair) -> None:
+    pair.peer = "127.0.0.1:1"  # nothing listens there
+    _, r = pair.submit([5] * 20, GREEDY)
+    assert isinstance(r, Result) and r.done.wait(30)
+    assert r.final.finish_reason is FinishReason.ERROR and r.final.error_status == 503
+    assert pair.wait_idle()
