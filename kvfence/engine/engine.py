@@ -61,6 +61,7 @@ class EngineStats:
     waiting: int
     preemptions: int
     handoff: int = 0  # sequences whose pages a transfer holds
+    pages_handoff: int = 0  # their pages
 
 
 class Engine:
@@ -142,7 +143,17 @@ class Engine:
             waiting=len(self.scheduler.waiting),
             preemptions=self.scheduler.num_preemptions,
             handoff=len(self.scheduler.handoff),
+            pages_handoff=self._pages_in_handoff(),
         )
+
+    def _pages_in_handoff(self) -> int:
+        # Read from other threads (metrics): the dict may change mid-iteration; retry.
+        for _ in range(5):
+            try:
+                return sum(len(s.pages) for s in list(self.scheduler.handoff.values()))
+            except RuntimeError:
+                continue
+        return -1
 
     def start(self) -> None:
         self._thread = threading.Thread(target=self._loop, name="kvfence-engine", daemon=True)

@@ -19,6 +19,7 @@ from kvfence.pd import kvio, wire
 from kvfence.pd import protocol as p
 from kvfence.pd.ioloop import IOLoop
 from kvfence.pd.pairing import pairing_problem
+from kvfence.pd.stats import TransferStats
 from kvfence.pd.transport.tcp import Connection
 
 log = logging.getLogger("kvfence.pd.decode")
@@ -31,6 +32,7 @@ class _Room:
     pages: list[int]
     grant_id: int
     deadline: float
+    started: float
 
 
 @dataclass
@@ -41,20 +43,6 @@ class _Peer:
     rooms: set[str] = field(default_factory=set)
 
 
-@dataclass
-class DecodeCounters:
-    reserved: int = 0
-    committed: int = 0
-    failed: int = 0
-    aborted: int = 0
-    pages_received: int = 0
-    bytes_received: int = 0
-    checksum_mismatches: int = 0
-    grant_mismatches: int = 0
-    late_writes_dropped: int = 0
-    pairing_refused: int = 0
-
-
 class DecodeService:
     def __init__(self, engine: Engine, info: dict[str, Any], timeout_s: float = 30.0) -> None:
         self.engine = engine
@@ -62,7 +50,7 @@ class DecodeService:
         self.timeout_s = timeout_s
         self.rooms: dict[str, _Room] = {}
         self.peers: dict[str, _Peer] = {}
-        self.counters = DecodeCounters()
+        self.stats = TransferStats("decode")
         self.pairing_errors: dict[str, str] = {}
         self.io = IOLoop("kvfence-decode-io")
         self.loop = self.io.loop
@@ -102,6 +90,9 @@ class DecodeService:
             if peer.conn is not None:
                 peer.conn.close()
 
+    def pd_metrics(self) -> Any:
+        return self.stats.metrics(self.engine.stats().pages_handoff)
+
     def pd_info(self) -> dict[str, Any]:
         return {
             "role": "decode",
@@ -111,7 +102,7 @@ class DecodeService:
             "context_length": self.engine.context_length,
             "page_size": self.engine.pool.page_size,
             "pairing_errors": dict(self.pairing_errors),
-            "counters": vars(self.counters),
+            "counters": self.stats.snapshot(),
         }
 
     # ---- engine hooks (engine thread) -----------------------------------------------------------
@@ -139,10 +130,15 @@ class DecodeService:
     # ---- rooms ----------------------------------------------------------------------------------
 
     def _reserve(self, r: p.Reserve, peer_addr: str) -> None:
-        self.counters.reserved += 1
+        self.stats.inc("reserved")
         room = p.DecodeRoom(r.room, len(r.prompt), len(r.dst_pages))
         self.rooms[r.room] = _Room(
-            room, peer_addr, list(r.dst_pages), r.grant, time.monotonic() + self.timeout_s
+            room,
+            peer_addr,
+            list(r.dst_pages),
+            r.grant,
+            time.monotonic() + self.timeout_s,
+            time.monotonic(),
         )
         asyncio.ensure_future(self._send_reserve(r, peer_addr))
 
@@ -173,14 +169,14 @@ class DecodeService:
             await conn.send(wire.Hello(self.info))
             msg, _ = await asyncio.wait_for(conn.recv(), self.timeout_s)
             if isinstance(msg, wire.HelloRefused):
-                self.counters.pairing_refused += 1
+                self.stats.inc("pairing_refused")
                 self.pairing_errors[addr] = msg.reason
                 raise ConnectionError(f"prefill {addr} refused to pair: {msg.reason}")
             if not isinstance(msg, wire.HelloOk):
                 raise wire.WireError("expected HelloOk")
             problem = pairing_problem(self.info, msg.info)
             if problem is not None:
-                self.counters.pairing_refused += 1
+                self.stats.inc("pairing_refused")
                 self.pairing_errors[addr] = problem
                 raise ConnectionError(f"refusing to pair with prefill {addr}: {problem}")
             self.pairing_errors.pop(addr, None)
@@ -228,7 +224,7 @@ class DecodeService:
     def _on_page(self, msg: p.Page, payload: bytes) -> None:
         room = self.rooms.get(msg.room)
         if room is None or room.state.state is not p.DState.RESERVED:
-            self.counters.late_writes_dropped += 1  # the tcp receiver can refuse a late write
+            self.stats.inc("late_writes_dropped")  # the tcp receiver can refuse a late write
             return
         pool = self.engine.pool
         ok_shape = (
@@ -241,14 +237,14 @@ class DecodeService:
             page = room.pages[msg.index]
             # I2 on the write path: the destination page must still belong to this room's grant.
             if int(pool.owner_grant[page]) != room.grant_id:
-                self.counters.grant_mismatches += 1
+                self.stats.inc("grant_mismatches")
                 intact = False
             elif intact:
                 kvio.write_page(pool, page, msg.n_tokens, payload)
-                self.counters.pages_received += 1
-                self.counters.bytes_received += len(payload)
+                self.stats.inc("pages_received")
+                self.stats.inc("bytes_received", len(payload))
         if not intact:
-            self.counters.checksum_mismatches += 1
+            self.stats.inc("checksum_mismatches")
         self._feed(msg.room, p.PageArrived(msg.index, msg.n_tokens, msg.checksum, intact))
 
     def _on_done(self, done: p.Done) -> None:
@@ -283,10 +279,11 @@ class DecodeService:
             if isinstance(a, p.Send):
                 self._send(rid, room.peer, a.message)
             elif isinstance(a, p.Commit):
-                self.counters.committed += 1
+                self.stats.inc("transfers_committed")
+                self.stats.observe_latency(time.monotonic() - room.started)
                 self.engine.commit(rid, a.first_token)
             elif isinstance(a, p.FailClient):
-                self.counters.failed += 1
+                self.stats.inc(f"transfers_failed_{a.code}")
                 message = a.message if reason is None else f"{a.message}: {reason}"
                 self.engine.fail(rid, message, a.code, a.status)
             elif isinstance(a, p.ReleasePages):
@@ -297,7 +294,7 @@ class DecodeService:
         if peer is None or peer.conn is None:
             return
         if isinstance(msg, p.Abort):
-            self.counters.aborted += 1
+            self.stats.inc("aborts_sent")
         conn = peer.conn
 
         async def go() -> None:

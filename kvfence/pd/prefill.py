@@ -10,7 +10,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from kvfence.engine.admission import Admitted, Rejected
@@ -21,6 +21,7 @@ from kvfence.pd import kvio, wire
 from kvfence.pd import protocol as p
 from kvfence.pd.ioloop import IOLoop
 from kvfence.pd.pairing import pairing_problem
+from kvfence.pd.stats import TransferStats
 from kvfence.pd.transport.tcp import Connection
 
 log = logging.getLogger("kvfence.pd.prefill")
@@ -32,22 +33,10 @@ class _Room:
     conn: Connection
     reserve: p.Reserve
     deadline: float
+    started: float
     stop_sending: bool = False
     seq: Sequence | None = None
     first_token: int | None = None
-
-
-@dataclass
-class PrefillCounters:
-    reserves: int = 0
-    rejected: int = 0
-    done: int = 0
-    aborted: int = 0
-    pages_sent: int = 0
-    bytes_sent: int = 0
-    pairing_refused: int = 0
-    bad_frames: int = 0
-    extra: dict[str, int] = field(default_factory=dict)
 
 
 class PrefillService:
@@ -61,7 +50,7 @@ class PrefillService:
         self.advertise_host = "127.0.0.1" if host in ("0.0.0.0", "") else host
         self.timeout_s = timeout_s
         self.rooms: dict[str, _Room] = {}
-        self.counters = PrefillCounters()
+        self.stats = TransferStats("prefill")
         self.io = IOLoop("kvfence-prefill-io")
         self.loop = self.io.loop
         self._server: asyncio.Server | None = None
@@ -92,6 +81,9 @@ class PrefillService:
         for conn in list(self._conns):
             conn.close()
 
+    def pd_metrics(self) -> Any:
+        return self.stats.metrics(self.engine.stats().pages_handoff)
+
     def pd_info(self) -> dict[str, Any]:
         return {
             "role": "prefill",
@@ -100,7 +92,7 @@ class PrefillService:
             "model": self.engine.model_name,
             "context_length": self.engine.context_length,
             "page_size": self.engine.pool.page_size,
-            "counters": vars(self.counters),
+            "counters": self.stats.snapshot(),
         }
 
     # ---- the engine facade the HTTP layer talks to ------------------------------------------
@@ -141,7 +133,7 @@ class PrefillService:
                 self._on_message(conn, msg)
         except (ConnectionError, wire.WireError, asyncio.IncompleteReadError) as e:
             if isinstance(e, wire.WireError):
-                self.counters.bad_frames += 1
+                self.stats.inc("bad_frames")
                 log.warning("dropping connection from %s: %s", conn.peer, e)
         finally:
             conn.close()
@@ -156,7 +148,7 @@ class PrefillService:
             raise wire.WireError("expected Hello")
         problem = pairing_problem(self.info, msg.info)
         if problem is not None:
-            self.counters.pairing_refused += 1
+            self.stats.inc("pairing_refused")
             log.error("refusing to pair with decode %s: %s", conn.peer, problem)
             await conn.send(wire.HelloRefused(problem))
             return False
@@ -176,10 +168,13 @@ class PrefillService:
             raise wire.WireError(f"unexpected {type(msg).__name__} from decode")
 
     def _on_reserve(self, conn: Connection, r: p.Reserve) -> None:
-        self.counters.reserves += 1
+        self.stats.inc("reserves")
         if r.room in self.rooms:
             # A second RESERVE for a live room is a collision or a replay: it changes nothing.
-            asyncio.ensure_future(conn.send(p.Abort(r.room, "room_collision", "room in use", 409)))
+            self.stats.inc("room_collisions")
+            asyncio.ensure_future(
+                _safe_send(conn, p.Abort(r.room, "room_collision", "room in use", 409))
+            )
             return
         verdict: Any
         try:
@@ -192,13 +187,14 @@ class PrefillService:
         except (TypeError, ValueError) as e:
             verdict = Rejected(r.room, "invalid_request", f"bad RESERVE: {e}")
         if isinstance(verdict, Rejected):
-            self.counters.rejected += 1
+            self.stats.inc("rejected")
             event = p.ReserveArrived(False, verdict.code, verdict.message, 400)
         else:
             event = p.ReserveArrived(True)
         state, actions = p.prefill_open(r.room, event)
         if state.state is not p.PState.CLOSED:
-            self.rooms[r.room] = _Room(state, conn, r, time.monotonic() + self.timeout_s)
+            now = time.monotonic()
+            self.rooms[r.room] = _Room(state, conn, r, now + self.timeout_s, now)
         self._execute(r.room, conn, actions)
 
     def _prefilled(self, seq: Sequence) -> None:
@@ -229,8 +225,8 @@ class PrefillService:
     ) -> None:
         for a in actions:
             if isinstance(a, p.Send):
-                if isinstance(a.message, p.Abort | p.AbortAck):
-                    self.counters.aborted += isinstance(a.message, p.Abort)
+                if isinstance(a.message, p.Abort):
+                    self.stats.inc("aborts_sent")
                 asyncio.ensure_future(_safe_send(conn, a.message))
             elif isinstance(a, p.StartCompute):
                 pass  # the engine already queued it at admission
@@ -258,8 +254,8 @@ class PrefillService:
                 c = kvio.checksum(payload)
                 sums.append((i, c))
                 await room.conn.send(p.Page(rid, i, count, c), payload)
-                self.counters.pages_sent += 1
-                self.counters.bytes_sent += len(payload)
+                self.stats.inc("pages_sent")
+                self.stats.inc("bytes_sent", len(payload))
         except ConnectionError:
             return  # the reader sees the close and feeds ConnectionLost
         if room.stop_sending:
@@ -267,7 +263,8 @@ class PrefillService:
         done = p.Done(
             rid, n_tokens, len(payloads), p.digest_of(tuple(sums), n_tokens), room.first_token
         )
-        self.counters.done += 1
+        self.stats.inc("transfers_done")
+        self.stats.observe_latency(time.monotonic() - room.started)
         self._feed(rid, p.SendComplete(done))
 
     async def _expire(self) -> None:

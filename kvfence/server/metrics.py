@@ -54,6 +54,9 @@ class _PoolCollector(Collector):
             ("kvfence_requests_waiting", "Requests admitted and waiting.", s.waiting),
         ):
             yield GaugeMetricFamily(name, doc, value=float(value))
+        pd_metrics = getattr(self._engine, "pd_metrics", None)
+        if pd_metrics is not None:
+            yield from pd_metrics()
         preemptions = getattr(s, "preemptions", None)
         if preemptions is not None:
             yield CounterMetricFamily(
