@@ -15,6 +15,8 @@ POINTS = frozenset(
     {
         "skip_admission",  # admit() lets everything in (I1)
         "skip_tag_check",  # the runner's page-ownership check passes everything (I2)
+    "corrupt_page",  # prefill flips a byte of a page after checksumming it (I3)
+    "truncate_transfer",  # prefill sends only the first page, and a DONE that agrees (I3)
     }
 )
 

@@ -13,6 +13,7 @@ from kvfence.engine.request import FinishReason, GenerateRequest, RequestOutput,
 from kvfence.pd.decode import DecodeService
 from kvfence.pd.pairing import model_fingerprint, node_info
 from kvfence.pd.prefill import PrefillService
+from kvfence.pd.protocol import ALL_ON, Guards
 
 
 @dataclass
@@ -24,12 +25,14 @@ class Result:
 
 
 class PDPair:
-    def __init__(self, model: str, timeout_s: float = 10.0, **engine_kwargs) -> None:
+    def __init__(
+        self, model: str, timeout_s: float = 10.0, guards: Guards = ALL_ON, **engine_kwargs
+    ) -> None:
         fp = model_fingerprint(model)
         pe = Engine(EngineConfig(model=model, **engine_kwargs))
         de = Engine(EngineConfig(model=model, **engine_kwargs))
         self.prefill = PrefillService(pe, node_info(pe, "prefill", fp), "127.0.0.1", 0, timeout_s)
-        self.decode = DecodeService(de, node_info(de, "decode", fp), timeout_s)
+        self.decode = DecodeService(de, node_info(de, "decode", fp), timeout_s, guards)
         self.prefill.start()
         self.decode.start()
         self.peer = f"127.0.0.1:{self.prefill.port}"

@@ -13,6 +13,7 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
+from kvfence import faults
 from kvfence.engine.admission import Admitted, Rejected
 from kvfence.engine.engine import Engine
 from kvfence.engine.request import GenerateRequest, RequestOutput, SamplingParams
@@ -248,11 +249,15 @@ class PrefillService:
             payloads = kvio.read_pages(self.engine.pool, list(room.seq.pages), n_tokens)
             counts = kvio.page_token_counts(n_tokens, self.engine.pool.page_size)
             sums: list[tuple[int, int]] = []
+            if faults.active("truncate_transfer"):
+                payloads, counts, n_tokens = payloads[:1], counts[:1], counts[0]
             for i, (payload, count) in enumerate(zip(payloads, counts, strict=True)):
                 if room.stop_sending or room.conn.closed:
                     return
                 c = kvio.checksum(payload)
                 sums.append((i, c))
+                if faults.active("corrupt_page"):
+                    payload = bytes([payload[0] ^ 0xFF]) + payload[1:]
                 await room.conn.send(p.Page(rid, i, count, c), payload)
                 self.stats.inc("pages_sent")
                 self.stats.inc("bytes_sent", len(payload))

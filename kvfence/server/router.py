@@ -466,7 +466,6 @@ class _Relay(Response):
 
     async def _watch_client(self, receive: Receive, cancel: anyio.CancelScope) -> None:
         while True:
-            await anyio.sleep_forever()
             message = await receive()
             # After our last byte the server reports a disconnect too; that one is no hang-up.
             if message["type"] == "http.disconnect":

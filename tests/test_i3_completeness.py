@@ -1,0 +1,53 @@
+"""I3: decode commits transferred KV only if counts and checksums match what it reserved and
+what prefill computed. Each test has a twin that turns the guard off: the breach goes through."""
+
+from __future__ import annotations
+
+import pytest
+from conftest import random_prompts
+from pd_harness import PDPair
+
+from kvfence import faults
+from kvfence.engine.request import FinishReason, SamplingParams
+from kvfence.pd.protocol import ALL_ON, Guards
+
+GREEDY = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+PROMPT = random_prompts([50], vocab=256, seed=8)[0]  # 4 pages of 16
+
+
+def run(model_dir: str, fault: str, guards: Guards = ALL_ON) -> None:
+    pair = PDPair(model_dir, guards=guards, kv_pool_tokens=512, context_length=128)
+    try:
+        with faults.injected(fault):
+            [r] = pair.generate([PROMPT], GREEDY)
+        assert r.final.finish_reason is FinishReason.ERROR, "a bad transfer was committed"
+        assert r.final.error_code == "kv_transfer_incomplete"
+        assert r.token_ids == []
+        assert pair.wait_idle(), pair.pages_used()
+    finally:
+        pair.close()
+
+
+@pytest.fixture(scope="module")
+def model_dir(checkpoint_dir) -> str:
+    return str(checkpoint_dir("llama"))
+
+
+def test_i3_corrupted_page_fails_closed(model_dir: str) -> None:
+    run(model_dir, "corrupt_page")
+
+
+def test_i3_twin_without_checksums_corruption_is_committed(model_dir: str) -> None:
+    with pytest.raises(AssertionError, match="committed"):
+        run(model_dir, "corrupt_page", Guards(frozenset({"checksum"})))
+
+
+def test_i3_truncated_transfer_fails_closed(model_dir: str) -> None:
+    run(model_dir, "truncate_transfer")
+
+
+def test_i3_twin_without_count_check_truncation_is_committed(model_dir: str) -> None:
+    # The pool read-back digest still covers what DONE claims; with both off, decode would
+    # attend to three pages nobody wrote: the incident's stale-page read.
+    with pytest.raises(AssertionError, match="committed"):
+        run(model_dir, "truncate_transfer", Guards(frozenset({"count_check", "checksum"})))
