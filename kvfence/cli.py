@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
 from collections.abc import Sequence
 
@@ -118,6 +119,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         level=getattr(args, "log_level", "info").upper(),
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
     )
+    if os.environ.get("KVFENCE_FAULTS"):
+        from kvfence import faults
+
+        faults.arm_from_env()  # refuses unless KVFENCE_FAULT_INJECTION=1 too
     if args.cmd == "serve":
         return cmd_serve(args)
     parser.error(f"unknown command {args.cmd}")

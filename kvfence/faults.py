@@ -15,10 +15,12 @@ POINTS = frozenset(
     {
         "skip_admission",  # admit() lets everything in (I1)
         "skip_tag_check",  # the runner's page-ownership check passes everything (I2)
-    "corrupt_page",  # prefill flips a byte of a page after checksumming it (I3)
-    "truncate_transfer",  # prefill sends only the first page, and a DONE that agrees (I3)
+        "corrupt_page",  # prefill flips a byte of a page after checksumming it (I3)
+        "truncate_transfer",  # prefill sends only the first page, and a DONE that agrees (I3)
+        "stall_transfer",  # prefill waits STALL_S before sending pages: a window for kills/aborts
     }
 )
+STALL_S = 3.0
 
 _armed: set[str] = set()
 
@@ -37,6 +39,13 @@ def arm(point: str) -> None:
 
 def disarm(point: str) -> None:
     _armed.discard(point)
+
+
+def arm_from_env() -> None:
+    """Arm the points named in KVFENCE_FAULTS (comma-separated) for a test's child process."""
+    for name in os.environ.get("KVFENCE_FAULTS", "").split(","):
+        if name:
+            arm(name)
 
 
 @contextmanager

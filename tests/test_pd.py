@@ -37,7 +37,7 @@ def test_pd_greedy_equals_unified_and_transformers(pair: PDPair, model_dir: str)
     for n, r, u, h in zip(lengths, got, unified, hf, strict=True):
         assert r.token_ids == u.token_ids == h, f"prompt of {n} tokens"
     assert pair.wait_idle()
-    assert pair.decode.stats.get("transfers_committed") == len(prompts)
+    assert pair.decode.transfer_stats.get("transfers_committed") == len(prompts)
 
 
 def test_pd_many_concurrent_two_tenants(pair: PDPair) -> None:
@@ -59,7 +59,7 @@ def test_i1_pd_over_length_rejected_at_decode_before_any_page_or_transfer(pair: 
         assert isinstance(verdict, Rejected)
         assert verdict.code in ("context_length_exceeded", "exceeds_kv_pool")
     assert pair.pages_used() == (0, 0)
-    assert pair.decode.stats.get("reserved") == 0 and pair.prefill.stats.get("reserves") == 0
+    assert pair.decode.transfer_stats.get("reserved") == 0 and pair.prefill.transfer_stats.get("reserves") == 0
 
 
 def test_i1_prefill_door_rejects_what_a_misconfigured_decode_let_in(pair: PDPair) -> None:
@@ -72,7 +72,7 @@ def test_i1_prefill_door_rejects_what_a_misconfigured_decode_let_in(pair: PDPair
     assert r.final.finish_reason is FinishReason.ERROR
     assert r.final.error_status == 400 and r.final.error_code == "context_length_exceeded"
     assert r.token_ids == []
-    assert pair.prefill.stats.get("rejected") == 1 and pair.prefill.stats.get("pages_sent") == 0
+    assert pair.prefill.transfer_stats.get("rejected") == 1 and pair.prefill.transfer_stats.get("pages_sent") == 0
     assert pair.wait_idle()
 
 
@@ -92,7 +92,7 @@ def test_pd_client_abort_before_commit_releases_both_pools(pair: PDPair) -> None
     gate.set()
     assert r.done.wait(10) and r.final.finish_reason is FinishReason.ABORT
     assert pair.wait_idle(), pair.pages_used()
-    assert pair.decode.stats.get("transfers_committed") == 0
+    assert pair.decode.transfer_stats.get("transfers_committed") == 0
 
 
 def test_pd_unreachable_prefill_fails_with_503_and_frees_pages(pair: PDPair) -> None:

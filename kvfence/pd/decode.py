@@ -57,7 +57,7 @@ class DecodeService:
         self.timeout_s = timeout_s
         self.rooms: dict[str, _Room] = {}
         self.peers: dict[str, _Peer] = {}
-        self.stats = TransferStats("decode")
+        self.transfer_stats = TransferStats("decode")
         self.pairing_errors: dict[str, str] = {}
         self.io = IOLoop("kvfence-decode-io")
         self.loop = self.io.loop
@@ -98,7 +98,7 @@ class DecodeService:
                 peer.conn.close()
 
     def pd_metrics(self) -> Any:
-        return self.stats.metrics(self.engine.stats().pages_handoff)
+        return self.transfer_stats.metrics(self.engine.stats().pages_handoff)
 
     def pd_info(self) -> dict[str, Any]:
         return {
@@ -109,7 +109,7 @@ class DecodeService:
             "context_length": self.engine.context_length,
             "page_size": self.engine.pool.page_size,
             "pairing_errors": dict(self.pairing_errors),
-            "counters": self.stats.snapshot(),
+            "counters": self.transfer_stats.snapshot(),
         }
 
     # ---- engine hooks (engine thread) -----------------------------------------------------------
@@ -137,7 +137,7 @@ class DecodeService:
     # ---- rooms ----------------------------------------------------------------------------------
 
     def _reserve(self, r: p.Reserve, peer_addr: str) -> None:
-        self.stats.inc("reserved")
+        self.transfer_stats.inc("reserved")
         room = p.DecodeRoom(r.room, len(r.prompt), len(r.dst_pages))
         self.rooms[r.room] = _Room(
             room,
@@ -176,14 +176,14 @@ class DecodeService:
             await conn.send(wire.Hello(self.info))
             msg, _ = await asyncio.wait_for(conn.recv(), self.timeout_s)
             if isinstance(msg, wire.HelloRefused):
-                self.stats.inc("pairing_refused")
+                self.transfer_stats.inc("pairing_refused")
                 self.pairing_errors[addr] = msg.reason
                 raise ConnectionError(f"prefill {addr} refused to pair: {msg.reason}")
             if not isinstance(msg, wire.HelloOk):
                 raise wire.WireError("expected HelloOk")
             problem = pairing_problem(self.info, msg.info)
             if problem is not None:
-                self.stats.inc("pairing_refused")
+                self.transfer_stats.inc("pairing_refused")
                 self.pairing_errors[addr] = problem
                 raise ConnectionError(f"refusing to pair with prefill {addr}: {problem}")
             self.pairing_errors.pop(addr, None)
@@ -231,7 +231,7 @@ class DecodeService:
     def _on_page(self, msg: p.Page, payload: bytes) -> None:
         room = self.rooms.get(msg.room)
         if room is None or room.state.state is not p.DState.RESERVED:
-            self.stats.inc("late_writes_dropped")  # the tcp receiver can refuse a late write
+            self.transfer_stats.inc("late_writes_dropped")  # the tcp receiver can refuse a late write
             return
         pool = self.engine.pool
         ok_shape = (
@@ -246,14 +246,14 @@ class DecodeService:
             page = room.pages[msg.index]
             # I2 on the write path: the destination page must still belong to this room's grant.
             if int(pool.owner_grant[page]) != room.grant_id:
-                self.stats.inc("grant_mismatches")
+                self.transfer_stats.inc("grant_mismatches")
                 intact = False
             elif intact:
                 kvio.write_page(pool, page, msg.n_tokens, payload)
-                self.stats.inc("pages_received")
-                self.stats.inc("bytes_received", len(payload))
+                self.transfer_stats.inc("pages_received")
+                self.transfer_stats.inc("bytes_received", len(payload))
         if not intact:
-            self.stats.inc("checksum_mismatches")
+            self.transfer_stats.inc("checksum_mismatches")
         self._feed(msg.room, p.PageArrived(msg.index, msg.n_tokens, msg.checksum, intact))
 
     def _on_done(self, done: p.Done) -> None:
@@ -288,11 +288,11 @@ class DecodeService:
             if isinstance(a, p.Send):
                 self._send(rid, room.peer, a.message)
             elif isinstance(a, p.Commit):
-                self.stats.inc("transfers_committed")
-                self.stats.observe_latency(time.monotonic() - room.started)
+                self.transfer_stats.inc("transfers_committed")
+                self.transfer_stats.observe_latency(time.monotonic() - room.started)
                 self.engine.commit(rid, a.first_token)
             elif isinstance(a, p.FailClient):
-                self.stats.inc(f"transfers_failed_{a.code}")
+                self.transfer_stats.inc(f"transfers_failed_{a.code}")
                 message = a.message if reason is None else f"{a.message}: {reason}"
                 self.engine.fail(rid, message, a.code, a.status)
             elif isinstance(a, p.ReleasePages):
@@ -303,7 +303,7 @@ class DecodeService:
         if peer is None or peer.conn is None:
             return
         if isinstance(msg, p.Abort):
-            self.stats.inc("aborts_sent")
+            self.transfer_stats.inc("aborts_sent")
         conn = peer.conn
 
         async def go() -> None:

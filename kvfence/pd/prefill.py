@@ -51,7 +51,7 @@ class PrefillService:
         self.advertise_host = "127.0.0.1" if host in ("0.0.0.0", "") else host
         self.timeout_s = timeout_s
         self.rooms: dict[str, _Room] = {}
-        self.stats = TransferStats("prefill")
+        self.transfer_stats = TransferStats("prefill")
         self.io = IOLoop("kvfence-prefill-io")
         self.loop = self.io.loop
         self._server: asyncio.Server | None = None
@@ -83,7 +83,7 @@ class PrefillService:
             conn.close()
 
     def pd_metrics(self) -> Any:
-        return self.stats.metrics(self.engine.stats().pages_handoff)
+        return self.transfer_stats.metrics(self.engine.stats().pages_handoff)
 
     def pd_info(self) -> dict[str, Any]:
         return {
@@ -93,7 +93,7 @@ class PrefillService:
             "model": self.engine.model_name,
             "context_length": self.engine.context_length,
             "page_size": self.engine.pool.page_size,
-            "counters": self.stats.snapshot(),
+            "counters": self.transfer_stats.snapshot(),
         }
 
     # ---- the engine facade the HTTP layer talks to ------------------------------------------
@@ -132,9 +132,11 @@ class PrefillService:
             while True:
                 msg, payload = await conn.recv()
                 self._on_message(conn, msg)
+        except asyncio.CancelledError:
+            pass  # shutting down: asyncio would log a cancelled connection callback as an error
         except (ConnectionError, wire.WireError, asyncio.IncompleteReadError) as e:
             if isinstance(e, wire.WireError):
-                self.stats.inc("bad_frames")
+                self.transfer_stats.inc("bad_frames")
                 log.warning("dropping connection from %s: %s", conn.peer, e)
         finally:
             conn.close()
@@ -149,7 +151,7 @@ class PrefillService:
             raise wire.WireError("expected Hello")
         problem = pairing_problem(self.info, msg.info)
         if problem is not None:
-            self.stats.inc("pairing_refused")
+            self.transfer_stats.inc("pairing_refused")
             log.error("refusing to pair with decode %s: %s", conn.peer, problem)
             await conn.send(wire.HelloRefused(problem))
             return False
@@ -169,10 +171,10 @@ class PrefillService:
             raise wire.WireError(f"unexpected {type(msg).__name__} from decode")
 
     def _on_reserve(self, conn: Connection, r: p.Reserve) -> None:
-        self.stats.inc("reserves")
+        self.transfer_stats.inc("reserves")
         if r.room in self.rooms:
             # A second RESERVE for a live room is a collision or a replay: it changes nothing.
-            self.stats.inc("room_collisions")
+            self.transfer_stats.inc("room_collisions")
             asyncio.ensure_future(
                 _safe_send(conn, p.Abort(r.room, "room_collision", "room in use", 409))
             )
@@ -188,7 +190,7 @@ class PrefillService:
         except (TypeError, ValueError) as e:
             verdict = Rejected(r.room, "invalid_request", f"bad RESERVE: {e}")
         if isinstance(verdict, Rejected):
-            self.stats.inc("rejected")
+            self.transfer_stats.inc("rejected")
             event = p.ReserveArrived(False, verdict.code, verdict.message, 400)
         else:
             event = p.ReserveArrived(True)
@@ -227,7 +229,7 @@ class PrefillService:
         for a in actions:
             if isinstance(a, p.Send):
                 if isinstance(a.message, p.Abort):
-                    self.stats.inc("aborts_sent")
+                    self.transfer_stats.inc("aborts_sent")
                 asyncio.ensure_future(_safe_send(conn, a.message))
             elif isinstance(a, p.StartCompute):
                 pass  # the engine already queued it at admission
@@ -245,6 +247,10 @@ class PrefillService:
     async def _send_pages(self, rid: str, room: _Room) -> None:
         assert room.seq is not None and room.first_token is not None
         n_tokens = len(room.reserve.prompt)
+        if faults.active("stall_transfer"):
+            await asyncio.sleep(faults.STALL_S)
+            if room.stop_sending or room.conn.closed:
+                return
         try:
             payloads = kvio.read_pages(self.engine.pool, list(room.seq.pages), n_tokens)
             counts = kvio.page_token_counts(n_tokens, self.engine.pool.page_size)
@@ -259,8 +265,8 @@ class PrefillService:
                 if faults.active("corrupt_page"):
                     payload = bytes([payload[0] ^ 0xFF]) + payload[1:]
                 await room.conn.send(p.Page(rid, i, count, c), payload)
-                self.stats.inc("pages_sent")
-                self.stats.inc("bytes_sent", len(payload))
+                self.transfer_stats.inc("pages_sent")
+                self.transfer_stats.inc("bytes_sent", len(payload))
         except ConnectionError:
             return  # the reader sees the close and feeds ConnectionLost
         if room.stop_sending:
@@ -268,8 +274,8 @@ class PrefillService:
         done = p.Done(
             rid, n_tokens, len(payloads), p.digest_of(tuple(sums), n_tokens), room.first_token
         )
-        self.stats.inc("transfers_done")
-        self.stats.observe_latency(time.monotonic() - room.started)
+        self.transfer_stats.inc("transfers_done")
+        self.transfer_stats.observe_latency(time.monotonic() - room.started)
         self._feed(rid, p.SendComplete(done))
 
     async def _expire(self) -> None:

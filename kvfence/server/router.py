@@ -25,6 +25,7 @@ from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, generate_latest
 from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
+from starlette.requests import ClientDisconnect
 from starlette.types import Message, Receive, Scope, Send
 
 from kvfence.server.auth import ApiKeyFileError, Authenticator, load_api_keys
@@ -434,11 +435,13 @@ class _Relay(Response):
         headers: dict[str, str],
         *,
         paired: bool,
+        route: str | None = None,
     ) -> None:
         super().__init__()
         self._state = state
         self._method = method
         self._path = path
+        self._route = route or path  # the metric label: bounded, unlike paths with model ids
         self._body = body
         self._headers = headers
         self._paired = paired
@@ -455,7 +458,7 @@ class _Relay(Response):
                 tg.cancel_scope.cancel()
         finally:
             status = p.status if p.status is not None else 499  # nginx: client closed request
-            self._state.metrics.requests.labels(path=self._path, status=str(status)).inc()
+            self._state.metrics.requests.labels(path=self._route, status=str(status)).inc()
             logger.info(
                 "%s %s status=%d decode=%s prefill=%s room=%s client_gone=%s%s duration_s=%.4f",
                 self._method, self._path, status,
@@ -575,10 +578,8 @@ class _Relay(Response):
                     502, "The decode worker failed while answering.", "upstream_failed"
                 ))
                 return
-            headers.append((b"content-length", str(len(body)).encode()))
             self._release()
-            await self._start(send, upstream.status_code, headers)
-            await self._body_part(send, body, more=False)
+            await self._whole(send, upstream.status_code, headers, body)
             return
         p.sse = True
         await self._start(send, upstream.status_code, headers)
@@ -592,13 +593,11 @@ class _Relay(Response):
             st.metrics.upstream_errors.labels(worker=decode.url, kind=_kind(e)).inc()
             p.extra.append(f"upstream_error={_kind(e)}")
         self._release()
-        if not cutter.ended_cleanly:
-            # I5: a cut answer ends in an error event, never a bare end that reads as complete.
-            await self._body_part(send, _sse_error(_upstream_error(
-                502, "The decode worker stopped before the answer was complete.",
-                "upstream_failed",
-            )), more=True)
-        await self._body_part(send, b"", more=False)
+        # I5: a cut answer ends in an error event, never a bare end that reads as complete.
+        tail = b"" if cutter.ended_cleanly else _sse_error(_upstream_error(
+            502, "The decode worker stopped before the answer was complete.", "upstream_failed",
+        ))
+        await self._end_stream(send, tail)
 
     async def _start(self, send: Send, status: int, headers: list[tuple[bytes, bytes]]) -> None:
         self._p.status = status
@@ -610,22 +609,34 @@ class _Relay(Response):
             self._p.done = True
         await send(message)
 
+    async def _whole(
+        self, send: Send, status: int, headers: list[tuple[bytes, bytes]], body: bytes
+    ) -> None:
+        # Shielded so a deadline cannot fall between status and body; a send to a client that
+        # has gone returns at once, so this cannot hang.
+        with anyio.CancelScope(shield=True):
+            await self._start(send, status, [*headers, (b"content-length", b"%d" % len(body))])
+            await self._body_part(send, body, more=False)
+
+    async def _end_stream(self, send: Send, tail: bytes) -> None:
+        with anyio.CancelScope(shield=True):
+            if tail:
+                await self._body_part(send, tail, more=True)
+            await self._body_part(send, b"", more=False)
+
     async def _send_error(self, send: Send, err: APIError) -> None:
         body = json.dumps(err.body()).encode()
-        headers = [(b"content-type", b"application/json"),
-                   (b"content-length", str(len(body)).encode())]
-        await self._start(send, err.status, headers)
-        await self._body_part(send, body, more=False)
+        await self._whole(send, err.status, [(b"content-type", b"application/json")], body)
 
     async def _fail(self, send: Send, err: APIError) -> None:
         """An error whatever has been sent already: a status if we can, else an SSE event."""
         p = self._p
+        if p.done:
+            return
         if p.status is None:
             await self._send_error(send, err)
         elif p.sse:
-            await self._body_part(send, _sse_error(err), more=True)
-            await self._body_part(send, b"", more=False)
-        # A plain body is sent in one message, so it is never half-sent here.
+            await self._end_stream(send, _sse_error(err))
 
 
 def _kind(e: httpx.HTTPError) -> str:
@@ -703,8 +714,10 @@ def build_router_app(
 
     async def relay_get(request: Request) -> Response:
         state.auth.tenant_for(request.headers.get("authorization"))
+        route = request.scope["route"].path if "route" in request.scope else None
         return _Relay(
-            state, "GET", request.url.path, b"", _request_headers(request), paired=False
+            state, "GET", request.url.path, b"", _request_headers(request), paired=False,
+            route=route,
         )
 
     app.add_api_route("/v1/completions", relay_post, methods=["POST"])
@@ -717,14 +730,18 @@ def build_router_app(
 async def _read_body(request: Request, limit: int) -> bytes:
     chunks: list[bytes] = []
     received = 0
-    async for chunk in request.stream():
-        received += len(chunk)
-        if received > limit:
-            raise APIError(
-                413, f"Request body is larger than the {limit}-byte limit.",
-                code="request_too_large",
-            )
-        chunks.append(chunk)
+    try:
+        async for chunk in request.stream():
+            received += len(chunk)
+            if received > limit:
+                raise APIError(
+                    413, f"Request body is larger than the {limit}-byte limit.",
+                    code="request_too_large",
+                )
+            chunks.append(chunk)
+    except ClientDisconnect:
+        # Nobody will read this; it only keeps a hang-up out of the error log.
+        raise APIError(400, "Client disconnected.", code="client_disconnected") from None
     return b"".join(chunks)
 
 
@@ -751,14 +768,18 @@ def add_router_args(p: argparse.ArgumentParser) -> None:
 class _ReadyServer(uvicorn.Server):
     """Prints one ready line once the socket listens (the same contract as `kvfence serve`)."""
 
-    def __init__(self, config: uvicorn.Config, ready: Callable[[], str]) -> None:
+    def __init__(self, config: uvicorn.Config, ready: Callable[[int], str]) -> None:
         super().__init__(config)
         self._ready = ready
 
     async def startup(self, sockets: Any = None) -> None:
         await super().startup(sockets)
         if self.started:
-            print(self._ready(), flush=True)
+            port = self.config.port
+            for server in self.servers:  # the real port when asked for port 0
+                for sock in server.sockets:
+                    port = sock.getsockname()[1]
+            print(self._ready(port), flush=True)
 
 
 def run_router(args: argparse.Namespace) -> int:
@@ -773,10 +794,13 @@ def run_router(args: argparse.Namespace) -> int:
         print(f"kvfence router: {e}", file=sys.stderr)
         return 1
     state: RouterState = app.state.router
+    # One line per health poll per worker would drown the request log.
+    for noisy in ("httpx", "httpcore"):
+        logging.getLogger(noisy).setLevel(max(logging.WARNING, logging.getLogger().level))
 
-    def ready() -> str:
+    def ready(port: int) -> str:
         return (
-            f"kvfence router ready: http://{args.host}:{args.port} "
+            f"kvfence router ready: http://{args.host}:{port} "
             f"({len(args.prefill)} prefill, {len(args.decode)} decode; healthy now "
             f"{state.prefill.healthy_count()} prefill, {state.decode.healthy_count()} decode)"
         )

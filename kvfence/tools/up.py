@@ -1,0 +1,383 @@
+"""`kvfence up`: the one-box PD demo. Starts N prefill + M decode workers and a router, each its own
+process group, prefixes their logs by role, and stops them all together (no orphans)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shlex
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections import deque
+from collections.abc import Sequence
+from pathlib import Path
+from types import FrameType
+from typing import IO
+
+import httpx
+
+from kvfence.cli import add_engine_args
+
+BUNDLED_MODEL = Path(__file__).resolve().parents[2] / "models" / "kvfence-tiny"
+TRANSFER_BACKENDS = ("tcp", "mooncake")
+DEFAULT_STARTUP_TIMEOUT_S = 300.0
+DEFAULT_SHUTDOWN_GRACE_S = 10.0
+TAIL_LINES = 40
+_POLL_S = 0.2
+
+_print_lock = threading.Lock()
+
+
+def say(line: str, *, err: bool = False) -> None:
+    # Reader threads print too: one lock keeps every line whole.
+    with _print_lock:
+        stream = sys.stderr if err else sys.stdout
+        stream.write(line + "\n")
+        stream.flush()
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A port the OS just had free on `host` (bind to 0). Racy by nature, fine for one box."""
+    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as s:
+        s.bind((host, 0))
+        return int(s.getsockname()[1])
+
+
+def _free_ports(host: str, n: int) -> list[int]:
+    ports: list[int] = []
+    while len(ports) < n:
+        port = free_port(host)
+        if port not in ports:  # the OS may hand the same one back once we let it go
+            ports.append(port)
+    return ports
+
+
+# ---- command lines -----------------------------------------------------------------------------
+
+
+def add_up_args(p: argparse.ArgumentParser) -> None:
+    add_engine_args(p)
+    for action in p._actions:
+        if action.dest == "model":  # the demo runs the bundled model unless told otherwise
+            action.required = False
+            action.default = str(BUNDLED_MODEL)
+            action.help = f"local HF model dir (default: the bundled {BUNDLED_MODEL.name})"
+    p.add_argument("--prefill", type=int, default=1, metavar="N", help="prefill workers")
+    p.add_argument("--decode", type=int, default=1, metavar="M", help="decode workers")
+    p.add_argument("--host", default="127.0.0.1", help="the router's address (clients use it)")
+    p.add_argument("--port", type=int, default=8000, help="the router's port")
+    p.add_argument("--worker-host", default="127.0.0.1",
+                   help="address the workers bind (HTTP and bootstrap); keep it private")
+    p.add_argument("--api-key-file", default=None,
+                   help="lines of `key tenant`; given to the router and every worker")
+    p.add_argument("--log-level", default="info")
+    p.add_argument("--disaggregation-transfer-backend", default="tcp", choices=TRANSFER_BACKENDS)
+    p.add_argument("--startup-timeout", type=float, default=DEFAULT_STARTUP_TIMEOUT_S,
+                   help="seconds to wait for every worker and the router to be healthy")
+    p.add_argument("--shutdown-grace", type=float, default=DEFAULT_SHUTDOWN_GRACE_S,
+                   help="seconds each stage of shutdown gets before SIGKILL")
+    # Tests swap the real processes for fakes; not a user-facing knob.
+    p.add_argument("--worker-cmd-prefix", default=None, help=argparse.SUPPRESS)
+    p.add_argument("--router-cmd-prefix", default=None, help=argparse.SUPPRESS)
+
+
+def _engine_flags() -> list[argparse.Action]:
+    probe = argparse.ArgumentParser(add_help=False)
+    add_engine_args(probe)
+    return [a for a in probe._actions if a.option_strings]
+
+
+def worker_args(args: argparse.Namespace, role: str) -> list[str]:
+    """Every flag a worker of `role` gets besides its ports: the one place to add a new one
+    (e.g. a cluster secret file). Engine flags come from `add_engine_args`, so none is missed."""
+    out: list[str] = []
+    for action in _engine_flags():
+        value = getattr(args, action.dest, None)
+        if value is None or (value == action.default and not action.required):
+            continue  # the worker's own default is the same one
+        flag = action.option_strings[0]
+        if action.nargs == 0:
+            out.append(flag)
+        else:
+            out += [flag, str(value)]
+    if args.api_key_file:
+        out += ["--api-key-file", args.api_key_file]
+    out += ["--log-level", args.log_level]
+    out += ["--disaggregation-mode", role]
+    out += ["--disaggregation-transfer-backend", args.disaggregation_transfer_backend]
+    return out
+
+
+def _prefix(given: str | None, default: list[str]) -> list[str]:
+    return shlex.split(given) if given else default
+
+
+def worker_command(
+    args: argparse.Namespace, role: str, port: int, bootstrap_port: int | None = None
+) -> list[str]:
+    cmd = _prefix(args.worker_cmd_prefix, [sys.executable, "-m", "kvfence.cli", "serve"])
+    cmd += ["--host", args.worker_host, "--port", str(port)]
+    if bootstrap_port is not None:
+        cmd += ["--disaggregation-bootstrap-port", str(bootstrap_port)]
+    return cmd + worker_args(args, role)
+
+
+def router_command(
+    args: argparse.Namespace, prefill_urls: Sequence[str], decode_urls: Sequence[str]
+) -> list[str]:
+    cmd = _prefix(args.router_cmd_prefix, [sys.executable, "-m", "kvfence.cli", "router"])
+    cmd += ["--prefill", *prefill_urls, "--decode", *decode_urls]
+    cmd += ["--host", args.host, "--port", str(args.port), "--log-level", args.log_level]
+    if args.api_key_file:
+        cmd += ["--api-key-file", args.api_key_file]
+    return cmd
+
+
+# ---- processes ---------------------------------------------------------------------------------
+
+
+class Child:
+    """One worker or router process in its own process group, its output relayed line by line."""
+
+    def __init__(self, name: str, cmd: list[str], url: str) -> None:
+        self.name = name
+        self.cmd = cmd
+        self.url = url
+        self.tail: deque[str] = deque(maxlen=TAIL_LINES)
+        env = dict(os.environ, PYTHONUNBUFFERED="1")
+        # Own session: a terminal's Ctrl-C reaches only `up`, which then stops children in order;
+        # and killpg reaches anything a child spawned.
+        self.proc = subprocess.Popen(
+            cmd, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+            env=env, start_new_session=True,
+        )
+        assert self.proc.stdout is not None
+        self._reader = threading.Thread(
+            target=self._relay, args=(self.proc.stdout,), name=f"log-{name}", daemon=True
+        )
+        self._reader.start()
+
+    @property
+    def pid(self) -> int:
+        return self.proc.pid
+
+    def exited(self) -> int | None:
+        return self.proc.poll()
+
+    def _relay(self, stream: IO[bytes]) -> None:
+        for raw in iter(stream.readline, b""):
+            line = raw.decode("utf-8", "replace").rstrip("\r\n")
+            self.tail.append(line)
+            say(f"[{self.name}] {line}")
+        stream.close()
+
+    def signal_group(self, sig: int) -> None:
+        try:
+            os.killpg(self.proc.pid, sig)
+        except (ProcessLookupError, PermissionError):
+            pass  # the group is gone already
+
+    def finish(self) -> None:
+        self._reader.join(timeout=2)
+
+    def report(self, why: str) -> None:
+        say(f"kvfence up: {self.name} (pid {self.pid}) {why}; its last log lines:", err=True)
+        for line in self.tail:
+            say(f"  [{self.name}] {line}", err=True)
+
+
+def stop_all(stages: Sequence[Sequence[Child]], grace: float) -> None:
+    """SIGTERM stage by stage, SIGKILL what outlives the grace, reap everything, sweep groups."""
+    for stage in stages:
+        live = [c for c in stage if c.exited() is None]
+        for c in live:
+            c.signal_group(signal.SIGTERM)
+        deadline = time.monotonic() + grace
+        for c in live:
+            try:
+                c.proc.wait(timeout=max(0.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                say(f"kvfence up: {c.name} ignored SIGTERM for {grace:g} s; killing it", err=True)
+            except KeyboardInterrupt:
+                pass  # a second Ctrl-C: no more waiting, the sweep below kills
+    for stage in stages:
+        for c in stage:
+            # Also reaches grandchildren of a leader that exited on its own.
+            c.signal_group(signal.SIGKILL)
+            c.proc.wait()
+            c.finish()
+
+
+class StartupError(RuntimeError):
+    pass
+
+
+def wait_healthy(children: Sequence[Child], timeout: float) -> None:
+    """Returns once every child's /health is 200; raises if one exits or time runs out."""
+    pending = list(children)
+    last: dict[str, str] = {c.name: "not listening yet" for c in children}
+    deadline = time.monotonic() + timeout
+    with httpx.Client(timeout=1.0) as client:
+        while pending:
+            for c in list(pending):
+                code = c.exited()
+                if code is not None:
+                    c.report(f"exited with code {code} during start-up")
+                    raise StartupError(f"{c.name} exited during start-up")
+                try:
+                    r = client.get(c.url + "/health")
+                except httpx.HTTPError:
+                    continue  # not listening yet
+                if r.status_code == 200:
+                    pending.remove(c)
+                else:  # e.g. a pairing refusal: worth showing if it never clears
+                    last[c.name] = f"/health {r.status_code}: {r.text[:300]}"
+            if pending and time.monotonic() > deadline:
+                states = "; ".join(f"{c.name} ({last[c.name]})" for c in pending)
+                raise StartupError(f"not healthy after {timeout:g} s: {states}")
+            if pending:
+                time.sleep(_POLL_S)
+
+
+def _model_name(args: argparse.Namespace, decode_url: str) -> str:
+    try:
+        name = httpx.get(decode_url + "/pd/info", timeout=2.0).json().get("model")
+        if name:
+            return str(name)
+    except (httpx.HTTPError, ValueError, AttributeError):
+        pass
+    return args.served_model_name or Path(args.model).name
+
+
+def ready_lines(args: argparse.Namespace, model: str) -> list[str]:
+    url = f"http://{args.host}:{args.port}"
+    body = json.dumps({
+        "model": model,
+        "prompt": "name: Ada\ncode: X7qPz91LmWk2\ncity: Paris\ncode:",
+        "max_tokens": 12, "temperature": 0, "stop": "\n",
+    })
+    # Never print a real key: the operator has it, logs should not.
+    auth = " -H 'Authorization: Bearer YOUR_KEY'" if args.api_key_file else ""
+    return [
+        f"kvfence up: ready on {url} (router + {args.prefill} prefill + {args.decode} decode, "
+        f"model {model})",
+        f"  try: curl -s {url}/v1/completions -H 'Content-Type: application/json'{auth} "
+        f"-d '{body}'",
+    ]
+
+
+def _interrupt(signum: int, frame: FrameType | None) -> None:
+    raise KeyboardInterrupt
+
+
+def run_up(args: argparse.Namespace) -> int:
+    if args.prefill < 1 or args.decode < 1:
+        say("kvfence up: need at least one prefill and one decode worker", err=True)
+        return 2
+    if not 0 < args.port < 65536:
+        say("kvfence up: --port must be a fixed port (1-65535): it is the address we print",
+            err=True)
+        return 2
+    if not Path(args.model).is_dir():
+        say(f"kvfence up: model directory {args.model} does not exist (--model)", err=True)
+        return 2
+    # Children may run elsewhere in the tree; relative paths must not change meaning.
+    args.model = str(Path(args.model).resolve())
+    if args.api_key_file:
+        args.api_key_file = str(Path(args.api_key_file).resolve())
+
+    if not _can_bind(args.host, args.port):
+        # Else an old server still on the port could answer our router's health check for it.
+        say(f"kvfence up: {_hostport(args.host, args.port)} is in use (--port)", err=True)
+        return 2
+
+    previous = {s: signal.signal(s, _interrupt) for s in (signal.SIGTERM, signal.SIGHUP)}
+    prefills: list[Child] = []
+    decodes: list[Child] = []
+    routers: list[Child] = []
+    # Router first (no new work), then decodes (they abort open transfers, which prefills must
+    # acknowledge), then prefills.
+    stages = (routers, decodes, prefills)
+    try:
+        wh = args.worker_host
+        ports = _free_ports(wh, 2 * args.prefill + args.decode)
+        for i in range(args.prefill):
+            port, bootstrap = ports.pop(), ports.pop()
+            cmd = worker_command(args, "prefill", port, bootstrap)
+            prefills.append(_start(f"prefill-{i}", cmd, f"http://{_hostport(wh, port)}",
+                                   f"bootstrap port {bootstrap}"))
+        for i in range(args.decode):
+            port = ports.pop()
+            cmd = worker_command(args, "decode", port)
+            decodes.append(_start(f"decode-{i}", cmd, f"http://{_hostport(wh, port)}"))
+        wait_healthy(prefills + decodes, args.startup_timeout)
+        cmd = router_command(args, [c.url for c in prefills], [c.url for c in decodes])
+        host = {"0.0.0.0": "127.0.0.1", "": "127.0.0.1", "::": "::1"}.get(args.host, args.host)
+        routers.append(_start("router", cmd, f"http://{_hostport(host, args.port)}"))
+        wait_healthy(routers, args.startup_timeout)
+        for line in ready_lines(args, _model_name(args, decodes[0].url)):
+            say(line)
+        return _watch(prefills + decodes + routers)
+    except StartupError as e:
+        say(f"kvfence up: start-up failed: {e}", err=True)
+        return 1
+    except KeyboardInterrupt:
+        say("kvfence up: stopping")
+        return 0
+    finally:
+        stop_all(stages, args.shutdown_grace)
+        for s, handler in previous.items():
+            signal.signal(s, handler)
+
+
+def _can_bind(host: str, port: int) -> bool:
+    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn binds
+        try:
+            s.bind((host, port))
+        except OSError:
+            return False
+    return True
+
+
+def _hostport(host: str, port: int) -> str:
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+
+def _start(name: str, cmd: list[str], url: str, extra: str = "") -> Child:
+    child = Child(name, cmd, url)
+    say(f"kvfence up: started {name} (pid {child.pid}) on {url}" + (f", {extra}" if extra else ""))
+    return child
+
+
+def _watch(children: Sequence[Child]) -> int:
+    """Until a signal: any child ending now is a failure of the whole set."""
+    while True:
+        for c in children:
+            code = c.exited()
+            if code is not None:
+                c.report(f"exited unexpectedly with code {code}; stopping everything")
+                return 1
+        time.sleep(_POLL_S)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="kvfence up", description="router + N prefill + M decode workers on this machine"
+    )
+    add_up_args(parser)
+    return run_up(parser.parse_args(argv))
+
+
+__all__ = [
+    "add_up_args", "free_port", "main", "router_command", "run_up", "worker_args",
+    "worker_command",
+]
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,80 @@
+"""Start kvfence roles as real OS processes for tests, and read their pools over HTTP."""
+
+from __future__ import annotations
+
+import os
+import re
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+
+from conftest import TINY_MODEL
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Proc:
+    def __init__(self, args: list[str], port: int, log: Path, env: dict[str, str] | None = None):
+        self.port = port
+        self.url = f"http://127.0.0.1:{port}"
+        self.log = log
+        full_env = {**os.environ, **(env or {})}
+        self.p = subprocess.Popen(
+            [sys.executable, "-m", "kvfence.cli", *args],
+            stdout=log.open("wb"), stderr=subprocess.STDOUT, env=full_env,
+        )
+
+    def wait_healthy(self, timeout: float = 120) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.p.poll() is not None:
+                raise RuntimeError(f"exited {self.p.returncode}: {self.log.read_text()[-2000:]}")
+            try:
+                if httpx.get(f"{self.url}/health", timeout=1).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.2)
+        raise TimeoutError(self.log.read_text()[-2000:])
+
+    def pages_used(self) -> int:
+        text = httpx.get(f"{self.url}/metrics", timeout=5).text
+        return int(float(re.search(r"^kvfence_pool_pages_used (\S+)$", text, re.M).group(1)))
+
+    def kill(self) -> None:
+        self.p.kill()
+        self.p.wait(10)
+
+    def stop(self) -> None:
+        if self.p.poll() is None:
+            self.p.terminate()
+            try:
+                self.p.wait(10)
+            except subprocess.TimeoutExpired:
+                self.kill()
+
+
+def serve(role: str, tmp: Path, *extra: str, env: dict[str, str] | None = None) -> Proc:
+    port = free_port()
+    args = ["serve", "--model", str(TINY_MODEL), "--port", str(port), "--kv-pool-tokens", "8192",
+            "--disaggregation-mode", role, "--disaggregation-timeout", "10", *extra]
+    if role == "prefill":
+        args += ["--disaggregation-bootstrap-port", str(free_port())]
+    return Proc(args, port, tmp / f"{role}-{port}.log", env)
+
+
+def wait_until(pred, timeout: float = 15.0) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if pred():
+            return True
+        time.sleep(0.1)
+    return False
