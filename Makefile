@@ -1,4 +1,5 @@
-# The two set-up commands: `make serve` (the demo server) and `make test` (the suite).
+# The two set-up commands: `make serve` (a local PD cluster: router + 1 prefill + 1 decode) and
+# `make test` (the suite).
 VENV   ?= .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
@@ -10,10 +11,11 @@ PORT   ?= 8000
 $(STAMP): pyproject.toml
 	test -x $(PY) || python3 -m venv $(VENV)
 	$(PY) -m pip install --quiet -e '.[test]'
+	$(PY) -m pip install --quiet -e '.[test,mooncake]' || echo "mooncake unavailable"
 	touch $(STAMP)
 
 serve: $(STAMP)
-	$(VENV)/bin/kvfence serve --model $(MODEL) --port $(PORT) --kv-pool-tokens 65536
+	$(VENV)/bin/kvfence up --prefill 1 --decode 1 --model $(MODEL) --port $(PORT) --kv-pool-tokens 65536
 
 test: $(STAMP)
 	$(PY) -m pytest

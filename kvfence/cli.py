@@ -1,4 +1,4 @@
-"""The `kvfence` command: serve | preflight."""
+"""The `kvfence` command: serve | router | up | preflight."""
 
 from __future__ import annotations
 
@@ -53,7 +53,9 @@ def add_pd_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--disaggregation-bootstrap-port", type=int, default=8998)
     p.add_argument("--disaggregation-transfer-backend", default="tcp", choices=("tcp", "mooncake"))
     p.add_argument(
-        "--disaggregation-timeout", type=float, default=30.0,
+        "--disaggregation-timeout",
+        type=float,
+        default=30.0,
         help="seconds a KV transfer may take before it is aborted",
     )
 
@@ -71,7 +73,10 @@ def role_service(engine: object, args: argparse.Namespace) -> object:
         from kvfence.pd.prefill import PrefillService
 
         return PrefillService(
-            engine, info, args.host, args.disaggregation_bootstrap_port,
+            engine,
+            info,
+            args.host,
+            args.disaggregation_bootstrap_port,
             timeout_s=args.disaggregation_timeout,
         )
     from kvfence.pd.decode import DecodeService
@@ -109,11 +114,22 @@ def main(argv: Sequence[str] | None = None) -> int:
     sub.add_parser(
         "preflight", help="check a node's KV pool against its context length", add_help=False
     )
+    sub.add_parser("router", help="OpenAI entry point in front of prefill/decode", add_help=False)
+    sub.add_parser("up", help="router + N prefill + M decode workers here", add_help=False)
     argv = list(sys.argv[1:] if argv is None else argv)
+    # These load their own modules only when asked, so `serve` stays light.
     if argv[:1] == ["preflight"]:
         from kvfence.tools.preflight import main as preflight_main
 
         return preflight_main(argv[1:])
+    if argv[:1] == ["router"]:
+        from kvfence.server.router import main as router_main
+
+        return router_main(argv[1:])
+    if argv[:1] == ["up"]:
+        from kvfence.tools.up import main as up_main
+
+        return up_main(argv[1:])
     args = parser.parse_args(argv)
     logging.basicConfig(
         level=getattr(args, "log_level", "info").upper(),

@@ -59,7 +59,10 @@ def test_i1_pd_over_length_rejected_at_decode_before_any_page_or_transfer(pair: 
         assert isinstance(verdict, Rejected)
         assert verdict.code in ("context_length_exceeded", "exceeds_kv_pool")
     assert pair.pages_used() == (0, 0)
-    assert pair.decode.transfer_stats.get("reserved") == 0 and pair.prefill.transfer_stats.get("reserves") == 0
+    assert (
+        pair.decode.transfer_stats.get("reserved") == 0
+        and pair.prefill.transfer_stats.get("reserves") == 0
+    )
 
 
 def test_i1_prefill_door_rejects_what_a_misconfigured_decode_let_in(pair: PDPair) -> None:
@@ -72,7 +75,10 @@ def test_i1_prefill_door_rejects_what_a_misconfigured_decode_let_in(pair: PDPair
     assert r.final.finish_reason is FinishReason.ERROR
     assert r.final.error_status == 400 and r.final.error_code == "context_length_exceeded"
     assert r.token_ids == []
-    assert pair.prefill.transfer_stats.get("rejected") == 1 and pair.prefill.transfer_stats.get("pages_sent") == 0
+    assert (
+        pair.prefill.transfer_stats.get("rejected") == 1
+        and pair.prefill.transfer_stats.get("pages_sent") == 0
+    )
     assert pair.wait_idle()
 
 

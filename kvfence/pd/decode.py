@@ -231,7 +231,9 @@ class DecodeService:
     def _on_page(self, msg: p.Page, payload: bytes) -> None:
         room = self.rooms.get(msg.room)
         if room is None or room.state.state is not p.DState.RESERVED:
-            self.transfer_stats.inc("late_writes_dropped")  # the tcp receiver can refuse a late write
+            self.transfer_stats.inc(
+                "late_writes_dropped"
+            )  # the tcp receiver can refuse a late write
             return
         pool = self.engine.pool
         ok_shape = (

@@ -1,0 +1,207 @@
+"""`kvfence up` with fake workers and the real router: flags reach workers, the ready line, and no
+orphans whether it is stopped, a worker fails at start-up, or a child dies later."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import queue
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import IO
+
+import httpx
+import pytest
+from fake_workers import EXIT_ROLE_ENV, UNHEALTHY_ROLE_ENV, free_port
+
+from kvfence.cli import add_engine_args
+from kvfence.tools.up import add_up_args, router_command, worker_args, worker_command
+
+FAKE = Path(__file__).with_name("fake_workers.py")
+REPO = Path(__file__).resolve().parent.parent
+
+
+def parse(*argv: str) -> argparse.Namespace:
+    p = argparse.ArgumentParser()
+    add_up_args(p)
+    return p.parse_args(list(argv))
+
+
+def test_worker_args_carry_every_engine_flag_given_and_the_role(tmp_path: Path) -> None:
+    args = parse(
+        "--model", str(tmp_path), "--served-model-name", "demo", "--device", "cuda:1",
+        "--dtype", "bfloat16", "--kv-cache-dtype", "float16", "--context-length", "2048",
+        "--page-size", "32", "--kv-pool-tokens", "65536", "--mem-fraction-static", "0.7",
+        "--chunked-prefill-size", "256", "--max-running-requests", "8", "--seed", "5",
+        "--api-key-file", "keys.txt", "--disaggregation-transfer-backend", "mooncake",
+    )
+    flags = worker_args(args, "prefill")
+    # What a worker parses back is what `up` was given: no engine flag is lost on the way.
+    serve = argparse.ArgumentParser()
+    add_engine_args(serve)
+    for extra in ("--api-key-file", "--log-level", "--disaggregation-mode",
+                  "--disaggregation-transfer-backend"):
+        serve.add_argument(extra)
+    back = serve.parse_args(flags)
+    for dest in ("model", "served_model_name", "device", "dtype", "kv_cache_dtype",
+                 "context_length", "page_size", "kv_pool_tokens", "mem_fraction_static",
+                 "chunked_prefill_size", "max_running_requests", "seed", "api_key_file"):
+        assert getattr(back, dest) == getattr(args, dest), dest
+    assert back.disaggregation_mode == "prefill"
+    assert back.disaggregation_transfer_backend == "mooncake"
+
+    cmd = worker_command(args, "prefill", 1234, 5678)
+    assert cmd[1:4] == ["-m", "kvfence.cli", "serve"]
+    assert cmd[cmd.index("--port") + 1] == "1234"
+    assert cmd[cmd.index("--disaggregation-bootstrap-port") + 1] == "5678"
+    assert "--disaggregation-bootstrap-port" not in worker_command(args, "decode", 1234)
+    r = router_command(args, ["http://a:1"], ["http://b:2", "http://c:3"])
+    assert r[1:4] == ["-m", "kvfence.cli", "router"]
+    assert r[r.index("--decode") + 1 : r.index("--decode") + 3] == ["http://b:2", "http://c:3"]
+
+
+def test_defaults_are_left_to_the_worker(tmp_path: Path) -> None:
+    flags = worker_args(parse("--model", str(tmp_path)), "decode")
+    assert flags[:2] == ["--model", str(tmp_path)]
+    assert "--page-size" not in flags and "--device" not in flags
+
+
+class Up:
+    """`kvfence up` with fake workers, its stdout read line by line in a thread."""
+
+    def __init__(self, model_dir: Path, *extra: str, env: dict[str, str] | None = None) -> None:
+        self.port = free_port()
+        cmd = [
+            sys.executable, "-m", "kvfence.tools.up", "--model", str(model_dir),
+            "--port", str(self.port), "--startup-timeout", "60", "--shutdown-grace", "5",
+            "--worker-cmd-prefix", f"{sys.executable} {FAKE} serve",
+            "--router-cmd-prefix", f"{sys.executable} -m kvfence.server.router",
+            "--log-level", "warning", *extra,
+        ]
+        self.proc = subprocess.Popen(
+            cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+            env=dict(os.environ, **(env or {})),
+        )
+        self.lines: list[str] = []
+        self.err_lines: list[str] = []
+        self._q: queue.Queue[str] = queue.Queue()
+        self._readers = [
+            threading.Thread(target=self._read, args=(self.proc.stdout, self._q.put), daemon=True),
+            threading.Thread(target=self._read, args=(self.proc.stderr, self.err_lines.append),
+                             daemon=True),
+        ]
+        for t in self._readers:
+            t.start()
+
+    @staticmethod
+    def _read(stream: IO[str] | None, put: Callable[[str], None]) -> None:
+        assert stream is not None
+        for line in stream:
+            put(line.rstrip("\n"))
+
+    def wait_line(self, prefix: str, timeout: float = 60) -> str:
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                line = self._q.get(timeout=max(0.01, deadline - time.monotonic()))
+            except queue.Empty:
+                raise AssertionError(f"no {prefix!r} line; got {self.lines}") from None
+            self.lines.append(line)
+            if line.startswith(prefix):
+                return line
+
+    def pids(self) -> dict[str, int]:
+        found = (re.search(r"started (\S+) \(pid (\d+)\)", ln) for ln in self.lines)
+        return {m[1]: int(m[2]) for m in found if m}
+
+    def finish(self, timeout: float = 30) -> tuple[int, str]:
+        code = self.proc.wait(timeout=timeout)
+        for t in self._readers:
+            t.join(timeout=5)
+        while not self._q.empty():
+            self.lines.append(self._q.get())
+        return code, "\n".join(self.err_lines)
+
+    def kill(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
+
+
+def alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
+@pytest.fixture
+def model_dir(tmp_path: Path) -> Path:
+    return tmp_path  # the fakes never read it; `up` only checks it exists
+
+
+def test_up_serves_through_the_router_and_sigterm_leaves_no_orphans(model_dir: Path) -> None:
+    up = Up(model_dir, "--prefill", "2", "--decode", "1", "--served-model-name", "demo")
+    try:
+        ready = up.wait_line("kvfence up: ready on")
+        assert ready == (f"kvfence up: ready on http://127.0.0.1:{up.port} "
+                         "(router + 2 prefill + 1 decode, model demo)")
+        assert up.wait_line("  try: curl").count(f"http://127.0.0.1:{up.port}/v1/completions")
+        pids = up.pids()
+        assert sorted(pids) == ["decode-0", "prefill-0", "prefill-1", "router"]
+        r = httpx.post(f"http://127.0.0.1:{up.port}/v1/completions",
+                       json={"model": "demo", "prompt": "hi"}, timeout=10)
+        assert r.status_code == 200 and r.json()["worker"].startswith("decode@")
+        assert any(ln.startswith("[prefill-1] fake prefill ready") for ln in up.lines)
+        up.proc.send_signal(signal.SIGTERM)
+        code, _ = up.finish()
+        assert code == 0
+        assert [name for name, pid in pids.items() if alive(pid)] == []
+    finally:
+        up.kill()
+
+
+def test_up_fails_fast_when_a_worker_exits_at_startup(model_dir: Path) -> None:
+    up = Up(model_dir, "--prefill", "1", "--decode", "1", env={EXIT_ROLE_ENV: "decode"})
+    try:
+        code, err = up.finish(timeout=60)
+        assert code != 0
+        assert "decode-0" in err and "exited with code 3" in err
+        assert "[decode-0] fake decode: refusing to start" in err  # its last lines, on stderr
+        pids = up.pids()
+        assert "prefill-0" in pids and "router" not in pids
+        assert not alive(pids["prefill-0"])
+    finally:
+        up.kill()
+
+
+def test_up_gives_up_on_a_worker_that_never_turns_healthy(model_dir: Path) -> None:
+    up = Up(model_dir, "--startup-timeout", "1.5", env={UNHEALTHY_ROLE_ENV: "prefill"})
+    try:
+        code, err = up.finish()
+        assert code == 1
+        assert "not healthy after 1.5 s: prefill-0" in err and "pairing refused" in err
+        assert [name for name, pid in up.pids().items() if alive(pid)] == []
+    finally:
+        up.kill()
+
+
+def test_up_stops_everything_when_a_child_dies(model_dir: Path) -> None:
+    up = Up(model_dir)
+    try:
+        up.wait_line("kvfence up: ready on")
+        pids = up.pids()
+        os.kill(pids["decode-0"], signal.SIGKILL)
+        code, err = up.finish()
+        assert code == 1
+        assert "decode-0" in err and "exited unexpectedly" in err
+        assert [name for name, pid in pids.items() if alive(pid)] == []
+    finally:
+        up.kill()
