@@ -7,6 +7,7 @@ import logging
 import os
 import sys
 from collections.abc import Sequence
+from typing import Any
 
 from kvfence.config import DTYPES, KV_CACHE_DTYPES, ConfigError, EngineConfig
 
@@ -60,28 +61,29 @@ def add_pd_args(p: argparse.ArgumentParser) -> None:
     )
 
 
-def role_service(engine: object, args: argparse.Namespace) -> object:
+def role_service(engine: Any, args: argparse.Namespace) -> Any:
     """The object the HTTP layer serves: the engine itself, or its PD role wrapping it."""
     if args.disaggregation_mode == "null":
         return engine
-    if args.disaggregation_transfer_backend != "tcp":
-        raise ConfigError("--disaggregation-transfer-backend mooncake is not available yet")
     from kvfence.pd.pairing import model_fingerprint, node_info
 
-    info = node_info(engine, args.disaggregation_mode, model_fingerprint(args.model))
+    backend = args.disaggregation_transfer_backend
+    mooncake = None
+    if backend == "mooncake":
+        from kvfence.pd.transport.mooncake import MooncakeEndpoint
+
+        host = "127.0.0.1" if args.host in ("0.0.0.0", "") else args.host
+        mooncake = MooncakeEndpoint(engine.pool, hostname=host)
+    info = node_info(engine, args.disaggregation_mode, model_fingerprint(args.model), backend)
+    timeout = args.disaggregation_timeout
     if args.disaggregation_mode == "prefill":
         from kvfence.pd.prefill import PrefillService
 
-        return PrefillService(
-            engine,
-            info,
-            args.host,
-            args.disaggregation_bootstrap_port,
-            timeout_s=args.disaggregation_timeout,
-        )
+        port = args.disaggregation_bootstrap_port
+        return PrefillService(engine, info, args.host, port, timeout, mooncake=mooncake)
     from kvfence.pd.decode import DecodeService
 
-    return DecodeService(engine, info, timeout_s=args.disaggregation_timeout)
+    return DecodeService(engine, info, timeout, mooncake=mooncake)
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
@@ -95,7 +97,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     except CapacityError as e:
         print(f"kvfence: refusing to start: {e}", file=sys.stderr)
         return EXIT_CAPACITY
-    except (ConfigError, UnsupportedModelError, ValueError, OSError) as e:
+    except (ConfigError, UnsupportedModelError, ValueError, OSError, RuntimeError) as e:
         print(f"kvfence: {e}", file=sys.stderr)
         return 1
     return 0

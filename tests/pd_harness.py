@@ -26,13 +26,26 @@ class Result:
 
 class PDPair:
     def __init__(
-        self, model: str, timeout_s: float = 10.0, guards: Guards = ALL_ON, **engine_kwargs
+        self,
+        model: str,
+        timeout_s: float = 10.0,
+        guards: Guards = ALL_ON,
+        backend: str = "tcp",
+        **engine_kwargs,
     ) -> None:
         fp = model_fingerprint(model)
         pe = Engine(EngineConfig(model=model, **engine_kwargs))
         de = Engine(EngineConfig(model=model, **engine_kwargs))
-        self.prefill = PrefillService(pe, node_info(pe, "prefill", fp), "127.0.0.1", 0, timeout_s)
-        self.decode = DecodeService(de, node_info(de, "decode", fp), timeout_s, guards)
+        pm = dm = None
+        if backend == "mooncake":
+            from kvfence.pd.transport.mooncake import MooncakeEndpoint
+
+            pm, dm = MooncakeEndpoint(pe.pool), MooncakeEndpoint(de.pool)
+        self.endpoints = [e for e in (pm, dm) if e is not None]
+        p_info = node_info(pe, "prefill", fp, backend)
+        self.prefill = PrefillService(pe, p_info, "127.0.0.1", 0, timeout_s, mooncake=pm)
+        d_info = node_info(de, "decode", fp, backend)
+        self.decode = DecodeService(de, d_info, timeout_s, guards, mooncake=dm)
         self.prefill.start()
         self.decode.start()
         self.peer = f"127.0.0.1:{self.prefill.port}"
@@ -82,6 +95,8 @@ class PDPair:
     def close(self) -> None:
         self.decode.shutdown()
         self.prefill.shutdown()
+        for e in self.endpoints:
+            e.close()
 
 
 def finished_ok(r: Result) -> bool:

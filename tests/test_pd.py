@@ -20,14 +20,38 @@ def model_dir(checkpoint_dir) -> str:
     return str(checkpoint_dir("llama"))
 
 
+def make_pair(model_dir: str, backend: str = "tcp") -> PDPair:
+    if backend == "mooncake":
+        from kvfence.pd.transport import mooncake
+
+        if not mooncake.available():
+            pytest.skip("mooncake transfer engine not installed (pip install 'kvfence[mooncake]')")
+    return PDPair(
+        model_dir,
+        backend=backend,
+        kv_pool_tokens=1024,
+        context_length=CTX,
+        chunked_prefill_size=64,
+    )
+
+
 @pytest.fixture
 def pair(model_dir: str):
-    pd = PDPair(model_dir, kv_pool_tokens=1024, context_length=CTX, chunked_prefill_size=64)
+    pd = make_pair(model_dir)
     yield pd
     pd.close()
 
 
-def test_pd_greedy_equals_unified_and_transformers(pair: PDPair, model_dir: str) -> None:
+@pytest.mark.parametrize("backend", ["tcp", "mooncake"])
+def test_pd_greedy_equals_unified_and_transformers(backend: str, model_dir: str) -> None:
+    pair = make_pair(model_dir, backend)
+    try:
+        check_equivalence(pair, model_dir)
+    finally:
+        pair.close()
+
+
+def check_equivalence(pair: PDPair, model_dir: str) -> None:
     lengths = [1, 15, 16, 17, CTX - GREEDY.max_tokens]
     prompts = random_prompts(lengths, vocab=256, seed=21)
     got = pair.generate(prompts, GREEDY)
@@ -38,6 +62,7 @@ def test_pd_greedy_equals_unified_and_transformers(pair: PDPair, model_dir: str)
         assert r.token_ids == u.token_ids == h, f"prompt of {n} tokens"
     assert pair.wait_idle()
     assert pair.decode.transfer_stats.get("transfers_committed") == len(prompts)
+    assert pair.decode.transfer_stats.get("checksum_mismatches") == 0
 
 
 def test_pd_many_concurrent_two_tenants(pair: PDPair) -> None:

@@ -34,10 +34,11 @@ def model_fingerprint(model_dir: str | Path) -> str:
     return h.hexdigest()
 
 
-def node_info(engine: Any, role: str, fingerprint: str) -> dict[str, Any]:
+def node_info(engine: Any, role: str, fingerprint: str, backend: str = "tcp") -> dict[str, Any]:
     mc = engine.model_config
     return {
         "role": role,
+        "transfer_backend": backend,
         "model_fingerprint": fingerprint,
         "context_length": engine.context_length,
         "pool_tokens": engine.pool.capacity_tokens,
@@ -49,7 +50,14 @@ def node_info(engine: Any, role: str, fingerprint: str) -> dict[str, Any]:
 
 def pairing_problem(local: dict[str, Any], remote: dict[str, Any]) -> str | None:
     """Why these two nodes must not pair, or None."""
-    for key in ("model_fingerprint", "page_size", "kv_dtype", "kv_layout", "context_length"):
+    for key in (
+        "transfer_backend",
+        "model_fingerprint",
+        "page_size",
+        "kv_dtype",
+        "kv_layout",
+        "context_length",
+    ):
         if local.get(key) != remote.get(key):
             return (
                 f"{key} differs: {local.get('role')} has {local.get(key)!r}, "

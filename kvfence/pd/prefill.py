@@ -38,14 +38,24 @@ class _Room:
     stop_sending: bool = False
     seq: Sequence | None = None
     first_token: int | None = None
+    writing: asyncio.Future | None = None  # an in-flight one-sided write (mooncake)
 
 
 class PrefillService:
     def __init__(
-        self, engine: Engine, info: dict[str, Any], host: str, port: int, timeout_s: float = 30.0
+        self,
+        engine: Engine,
+        info: dict[str, Any],
+        host: str,
+        port: int,
+        timeout_s: float = 30.0,
+        mooncake: Any = None,
     ) -> None:
         self.engine = engine
         self.info = info
+        # Set: pages go by one-sided writes into decode's pool; frames carry only checksums.
+        self.mooncake = mooncake
+        self._remote: dict[Connection, dict] = {}
         self.host, self.port = host, port
         # What decode workers should dial: the bind address unless it is a wildcard.
         self.advertise_host = "127.0.0.1" if host in ("0.0.0.0", "") else host
@@ -141,6 +151,7 @@ class PrefillService:
         finally:
             conn.close()
             self._conns.discard(conn)
+            self._remote.pop(conn, None)
             for rid, room in list(self.rooms.items()):
                 if room.conn is conn:
                     self._feed(rid, p.ConnectionLost())
@@ -155,6 +166,8 @@ class PrefillService:
             log.error("refusing to pair with decode %s: %s", conn.peer, problem)
             await conn.send(wire.HelloRefused(problem))
             return False
+        if self.mooncake is not None:
+            self._remote[conn] = msg.info["mooncake"]
         await conn.send(wire.HelloOk(self.info))
         return True
 
@@ -230,7 +243,8 @@ class PrefillService:
             if isinstance(a, p.Send):
                 if isinstance(a.message, p.Abort):
                     self.transfer_stats.inc("aborts_sent")
-                asyncio.ensure_future(_safe_send(conn, a.message))
+                writing = room.writing if room is not None else None
+                asyncio.ensure_future(_send_after(writing, conn, a.message))
             elif isinstance(a, p.StartCompute):
                 pass  # the engine already queued it at admission
             elif isinstance(a, p.CancelCompute):
@@ -257,6 +271,19 @@ class PrefillService:
             sums: list[tuple[int, int]] = []
             if faults.active("truncate_transfer"):
                 payloads, counts, n_tokens = payloads[:1], counts[:1], counts[0]
+            if self.mooncake is not None:
+                if room.stop_sending:
+                    return
+                # The fence: no frame of this room leaves until its writes have completed.
+                room.writing = asyncio.get_running_loop().run_in_executor(
+                    None,
+                    self.mooncake.write_tokens,
+                    self._remote[room.conn],
+                    list(room.seq.pages),
+                    list(room.reserve.dst_pages),
+                    n_tokens,
+                )
+                await room.writing
             for i, (payload, count) in enumerate(zip(payloads, counts, strict=True)):
                 if room.stop_sending or room.conn.closed:
                     return
@@ -264,11 +291,16 @@ class PrefillService:
                 sums.append((i, c))
                 if faults.active("corrupt_page"):
                     payload = bytes([payload[0] ^ 0xFF]) + payload[1:]
-                await room.conn.send(p.Page(rid, i, count, c), payload)
+                wire_payload = b"" if self.mooncake is not None else payload
+                await room.conn.send(p.Page(rid, i, count, c), wire_payload)
                 self.transfer_stats.inc("pages_sent")
                 self.transfer_stats.inc("bytes_sent", len(payload))
         except ConnectionError:
             return  # the reader sees the close and feeds ConnectionLost
+        except Exception as e:  # a failed one-sided write: abort the room with the reason
+            log.error("sending room %s failed: %s", rid, e)
+            self._feed(rid, p.TimedOut())
+            return
         if room.stop_sending:
             return
         done = p.Done(
@@ -290,6 +322,17 @@ class PrefillService:
 
 def _ignore(_: RequestOutput) -> None:
     """Prefill sequences have no HTTP client; their result travels as pages and DONE."""
+
+
+async def _send_after(writing: asyncio.Future | None, conn: Connection, msg: wire.Frame) -> None:
+    """Send msg once the room's in-flight write (if any) is over: an ABORT_ACK must never
+    overtake a write it claims is finished (I4)."""
+    if writing is not None:
+        try:
+            await writing
+        except Exception:
+            pass
+    await _safe_send(conn, msg)
 
 
 async def _safe_send(conn: Connection, msg: wire.Frame) -> None:
