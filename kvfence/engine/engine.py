@@ -22,7 +22,7 @@ import torch
 from kvfence.config import EngineConfig
 from kvfence.engine.admission import AdmissionLimits, Admitted, Rejected, admit
 from kvfence.engine.output import advance, emit, logprob_entry, sendable_upto
-from kvfence.engine.request import FinishReason, GenerateRequest, RequestOutput
+from kvfence.engine.request import FinishReason, GenerateRequest, RequestOutput, TokenLogprob
 from kvfence.engine.runner import ModelRunner, StepResult
 from kvfence.engine.scheduler import ScheduledChunk, Scheduler, SchedulerLimits
 from kvfence.engine.sequence import SeqMode, SeqStatus, Sequence
@@ -120,9 +120,9 @@ class Engine:
     def abort(self, request_id: str) -> None:
         self._post("abort", request_id)
 
-    def commit(self, request_id: str, first_token: int) -> None:
+    def commit(self, request_id: str, first_token: int, first_logprobs: dict | None = None) -> None:
         """Decode: the transferred KV of a HANDOFF seq was verified; start decoding."""
-        self._post("commit", (request_id, first_token))
+        self._post("commit", (request_id, first_token, first_logprobs or {}))
 
     def fail(self, request_id: str, error: str, code: str, status: int) -> None:
         """Tell a HANDOFF seq's client it failed; its pages stay held until `release`."""
@@ -215,7 +215,7 @@ class Engine:
             if kind == "abort":
                 self._abort(seq)
             elif kind == "commit" and seq.status is SeqStatus.HANDOFF and not seq.client_done:
-                self._commit(seq, payload[1])  # type: ignore[index]
+                self._commit(seq, payload[1], payload[2])  # type: ignore[index]
             elif kind == "fail":
                 _, error, code, status = payload  # type: ignore[misc]
                 emit(seq, len(seq.text), FinishReason.ERROR, error, code, status)
@@ -247,9 +247,14 @@ class Engine:
         if self.hooks is not None:
             self.hooks.on_abort(seq)
 
-    def _commit(self, seq: Sequence, first_token: int) -> None:
+    def _commit(self, seq: Sequence, first_token: int, first_logprobs: dict) -> None:
         seq.num_computed = seq.prompt_len
         seq.token_ids.append(first_token)
+        if seq.admitted.request.sampling.logprobs is not None and first_logprobs:
+            top = tuple((int(t), float(v)) for t, v in first_logprobs.get("top", ()))
+            seq.pending_logprobs.append(
+                TokenLogprob(first_token, float(first_logprobs["logprob"]), top)
+            )
         self.scheduler.resume(seq)
         self._after_token(seq, first_token)
 

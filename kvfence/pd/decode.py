@@ -299,7 +299,7 @@ class DecodeService:
             elif isinstance(a, p.Commit):
                 self.transfer_stats.inc("transfers_committed")
                 self.transfer_stats.observe_latency(time.monotonic() - room.started)
-                self.engine.commit(rid, a.first_token)
+                self.engine.commit(rid, a.first_token, a.first_logprobs)
             elif isinstance(a, p.FailClient):
                 self.transfer_stats.inc(f"transfers_failed_{a.code}")
                 message = a.message if reason is None else f"{a.message}: {reason}"

@@ -303,9 +303,12 @@ class PrefillService:
             return
         if room.stop_sending:
             return
-        done = p.Done(
-            rid, n_tokens, len(payloads), p.digest_of(tuple(sums), n_tokens), room.first_token
-        )
+        first_lp: dict = {}
+        if room.seq.pending_logprobs:
+            lp = room.seq.pending_logprobs[-1]
+            first_lp = {"logprob": lp.logprob, "top": [list(t) for t in lp.top]}
+        digest = p.digest_of(tuple(sums), n_tokens)
+        done = p.Done(rid, n_tokens, len(payloads), digest, room.first_token, first_lp)
         self.transfer_stats.inc("transfers_done")
         self.transfer_stats.observe_latency(time.monotonic() - room.started)
         self._feed(rid, p.SendComplete(done))

@@ -49,6 +49,8 @@ class Done:
     n_pages: int
     digest: int
     first_token: int
+    # The first token's logprob entry when the client asked for logprobs (prefill sampled it).
+    first_logprobs: dict = field(default_factory=dict, compare=False)
 
 
 @dataclass(frozen=True)
@@ -93,6 +95,7 @@ class Commit:
     """Decode: the KV is complete and verified; start decoding after first_token."""
 
     first_token: int
+    first_logprobs: dict = field(default_factory=dict, compare=False)
 
 
 @dataclass(frozen=True)
@@ -252,7 +255,7 @@ def decode_step(
         if problem is None:
             return replace(room, state=DState.COMMITTED), (
                 Send(DoneAck(room.room)),
-                Commit(event.done.first_token),
+                Commit(event.done.first_token, event.done.first_logprobs),
             )
         return replace(room, state=DState.RELEASED), (
             Send(DoneAck(room.room)),

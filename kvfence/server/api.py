@@ -82,10 +82,15 @@ def build_app(
         describe = getattr(engine, "pd_info", None)
         if describe is not None:
             return JSONResponse(describe())
-        return JSONResponse({
-            "role": "unified", "bootstrap_host": None, "bootstrap_port": None,
-            "model": engine.model_name, "context_length": engine.context_length,
-        })
+        return JSONResponse(
+            {
+                "role": "unified",
+                "bootstrap_host": None,
+                "bootstrap_port": None,
+                "model": engine.model_name,
+                "context_length": engine.context_length,
+            }
+        )
 
     @app.get("/metrics")
     async def metrics_route() -> Response:
@@ -115,11 +120,22 @@ def build_app(
         prompts = await asyncio.to_thread(_encode_prompts, engine.tokenizer, req.prompts)
         ids = _request_ids(len(prompts) * req.choices_per_prompt)
         fmt = CompletionFormat(
-            f"cmpl-{ids[0]}", engine.model_name, req.logprobs is not None, _token_text(engine)
+            f"cmpl-{ids[0]}",
+            engine.model_name,
+            req.logprobs is not None,
+            _token_text(engine, req.return_tokens_as_token_ids),
         )
         return await _generate(
-            state, request, tenant, fmt, ids, prompts, sampling, req.choices_per_prompt,
-            bool(req.stream), req.include_usage,
+            state,
+            request,
+            tenant,
+            fmt,
+            ids,
+            prompts,
+            sampling,
+            req.choices_per_prompt,
+            bool(req.stream),
+            req.include_usage,
         )
 
     @app.post("/v1/chat/completions")
@@ -133,11 +149,22 @@ def build_app(
         prompt = await asyncio.to_thread(_render_chat, engine.tokenizer, messages)
         ids = _request_ids(req.choices_per_prompt)
         fmt = ChatFormat(
-            f"chatcmpl-{ids[0]}", engine.model_name, bool(req.logprobs), _token_text(engine)
+            f"chatcmpl-{ids[0]}",
+            engine.model_name,
+            bool(req.logprobs),
+            _token_text(engine, req.return_tokens_as_token_ids),
         )
         return await _generate(
-            state, request, tenant, fmt, ids, [prompt], sampling, req.choices_per_prompt,
-            bool(req.stream), req.include_usage,
+            state,
+            request,
+            tenant,
+            fmt,
+            ids,
+            [prompt],
+            sampling,
+            req.choices_per_prompt,
+            bool(req.stream),
+            req.include_usage,
         )
 
     return app
@@ -158,11 +185,15 @@ class _ReadyServer(uvicorn.Server):
 
 def _ready_line(engine: EngineLike, host: str, port: int) -> str:
     url = f"http://{host}:{port}"
-    body = json.dumps({
-        "model": engine.model_name,
-        "prompt": "name: Ada\ncode: X7qPz91LmWk2\ncity: Paris\ncode:",
-        "max_tokens": 12, "temperature": 0, "stop": "\n",
-    })
+    body = json.dumps(
+        {
+            "model": engine.model_name,
+            "prompt": "name: Ada\ncode: X7qPz91LmWk2\ncity: Paris\ncode:",
+            "max_tokens": 12,
+            "temperature": 0,
+            "stop": "\n",
+        }
+    )
     return (
         f"kvfence ready: {url} (model {engine.model_name}, context {engine.context_length})\n"
         f"  try: curl -s {url}/v1/completions -H 'Content-Type: application/json' -d '{body}'"
@@ -316,7 +347,9 @@ def _render_chat(tokenizer: TokenizerLike, messages: list[dict[str, Any]]) -> li
     return tokenizer.encode(text, add_special_tokens=False)
 
 
-def _token_text(engine: EngineLike) -> Any:
+def _token_text(engine: EngineLike, as_ids: bool | None = False) -> Any:
+    if as_ids:
+        return lambda token_id: f"token_id:{token_id}"
     tok = engine.tokenizer
     return lambda token_id: tok.decode([token_id])
 
@@ -517,8 +550,11 @@ class _SSEResponse(StreamingResponse):
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         try:
             await send(
-                {"type": "http.response.start", "status": self.status_code,
-                 "headers": self.raw_headers}
+                {
+                    "type": "http.response.start",
+                    "status": self.status_code,
+                    "headers": self.raw_headers,
+                }
             )
             async for chunk in self._chunks:
                 await send({"type": "http.response.body", "body": chunk, "more_body": True})

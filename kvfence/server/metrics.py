@@ -23,7 +23,21 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 logger = logging.getLogger("kvfence.server")
 
 _LATENCY_BUCKETS = (
-    0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0,
+    0.001,
+    0.005,
+    0.01,
+    0.025,
+    0.05,
+    0.1,
+    0.25,
+    0.5,
+    1.0,
+    2.5,
+    5.0,
+    10.0,
+    30.0,
+    60.0,
+    120.0,
 )
 _ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 1.0, 2.5)
 
@@ -70,34 +84,46 @@ class ServerMetrics:
         self.registry = CollectorRegistry(auto_describe=True)
         r = self.registry
         self.requests = Counter(
-            "kvfence_requests", "API requests by tenant and HTTP status.", ["tenant", "status"],
+            "kvfence_requests",
+            "API requests by tenant and HTTP status.",
+            ["tenant", "status"],
             registry=r,
         )
         self.prompt_tokens = Counter(
             "kvfence_prompt_tokens", "Prompt tokens admitted, by tenant.", ["tenant"], registry=r
         )
         self.completion_tokens = Counter(
-            "kvfence_completion_tokens", "Completion tokens generated, by tenant.", ["tenant"],
+            "kvfence_completion_tokens",
+            "Completion tokens generated, by tenant.",
+            ["tenant"],
             registry=r,
         )
         self.rejections = Counter(
             "kvfence_rejections", "Requests refused, by reason code.", ["reason"], registry=r
         )
         self.finishes = Counter(
-            "kvfence_request_finish", "Generations ended, by finish reason.", ["reason"],
+            "kvfence_request_finish",
+            "Generations ended, by finish reason.",
+            ["reason"],
             registry=r,
         )
         self.ttft = Histogram(
-            "kvfence_time_to_first_token_seconds", "Arrival to first generated token.",
-            buckets=_LATENCY_BUCKETS, registry=r,
+            "kvfence_time_to_first_token_seconds",
+            "Arrival to first generated token.",
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
         )
         self.e2e = Histogram(
-            "kvfence_e2e_request_latency_seconds", "Arrival to last byte of a generation.",
-            buckets=_LATENCY_BUCKETS, registry=r,
+            "kvfence_e2e_request_latency_seconds",
+            "Arrival to last byte of a generation.",
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
         )
         self.itl = Histogram(
-            "kvfence_inter_token_latency_seconds", "Gap between successive output increments.",
-            buckets=_ITL_BUCKETS, registry=r,
+            "kvfence_inter_token_latency_seconds",
+            "Gap between successive output increments.",
+            buckets=_ITL_BUCKETS,
+            registry=r,
         )
         r.register(_PoolCollector(engine))
 

@@ -45,16 +45,35 @@ HEADER_ROOM = "X-Kvfence-Room"
 
 # An allowlist, not a denylist: only what an OpenAI client legitimately sends travels on, so no
 # spelling of an X-Kvfence-* header (or anything else a worker might trust) gets through.
-_FORWARDED_REQUEST_HEADERS = frozenset({
-    "authorization", "content-type", "accept", "user-agent", "x-request-id",
-    "openai-organization", "openai-project",
-})
+_FORWARDED_REQUEST_HEADERS = frozenset(
+    {
+        "authorization",
+        "content-type",
+        "accept",
+        "user-agent",
+        "x-request-id",
+        "openai-organization",
+        "openai-project",
+    }
+)
 # Bodies are re-framed by our server (length or chunking) and decoded by httpx.
-_DROPPED_RESPONSE_HEADERS = frozenset({
-    "connection", "keep-alive", "proxy-authenticate", "proxy-authorization", "te", "trailer",
-    "trailers", "transfer-encoding", "upgrade", "content-length", "content-encoding", "date",
-    "server",
-})
+_DROPPED_RESPONSE_HEADERS = frozenset(
+    {
+        "connection",
+        "keep-alive",
+        "proxy-authenticate",
+        "proxy-authorization",
+        "te",
+        "trailer",
+        "trailers",
+        "transfer-encoding",
+        "upgrade",
+        "content-length",
+        "content-encoding",
+        "date",
+        "server",
+    }
+)
 _SSE_SEPARATORS = (b"\r\n\r\n", b"\n\n", b"\r\r")
 
 
@@ -135,15 +154,20 @@ class RouterMetrics:
         self.registry = CollectorRegistry(auto_describe=True)
         r = self.registry
         self.requests = Counter(
-            "kvfence_router_requests", "Client requests by route and HTTP status sent.",
-            ["path", "status"], registry=r,
+            "kvfence_router_requests",
+            "Client requests by route and HTTP status sent.",
+            ["path", "status"],
+            registry=r,
         )
         self.upstream_errors = Counter(
-            "kvfence_router_upstream_errors", "Failures talking to a worker, by kind.",
-            ["worker", "kind"], registry=r,
+            "kvfence_router_upstream_errors",
+            "Failures talking to a worker, by kind.",
+            ["worker", "kind"],
+            registry=r,
         )
         self.retries = Counter(
-            "kvfence_router_retries", "Requests re-sent to another decode after a connect error.",
+            "kvfence_router_retries",
+            "Requests re-sent to another decode after a connect error.",
             registry=r,
         )
         r.register(_WorkerCollector(state))
@@ -166,7 +190,8 @@ class _WorkerCollector(Collector):
             "kvfence_router_workers_healthy", "Workers in rotation, by role.", labels=["role"]
         )
         in_flight = GaugeMetricFamily(
-            "kvfence_router_worker_in_flight", "Requests the router has open on a worker.",
+            "kvfence_router_worker_in_flight",
+            "Requests the router has open on a worker.",
             labels=["worker", "role"],
         )
         for pool in self._state.pools():
@@ -461,10 +486,15 @@ class _Relay(Response):
             self._state.metrics.requests.labels(path=self._route, status=str(status)).inc()
             logger.info(
                 "%s %s status=%d decode=%s prefill=%s room=%s client_gone=%s%s duration_s=%.4f",
-                self._method, self._path, status,
-                p.decode.name if p.decode else "-", p.prefill.name if p.prefill else "-",
+                self._method,
+                self._path,
+                status,
+                p.decode.name if p.decode else "-",
+                p.prefill.name if p.prefill else "-",
                 p.room[:8] + "…" if p.room else "-",  # enough to correlate; the id stays secret
-                p.client_gone, "".join(" " + e for e in p.extra), time.monotonic() - start,
+                p.client_gone,
+                "".join(" " + e for e in p.extra),
+                time.monotonic() - start,
             )
 
     async def _watch_client(self, receive: Receive, cancel: anyio.CancelScope) -> None:
@@ -550,10 +580,14 @@ class _Relay(Response):
         except httpx.HTTPError as e:
             st.metrics.upstream_errors.labels(worker=decode.url, kind=_kind(e)).inc()
             self._p.extra.append(f"upstream_error={_kind(e)}")
-            await self._send_error(send, _upstream_error(
-                502, f"The decode worker failed before answering ({type(e).__name__}).",
-                "upstream_failed",
-            ))
+            await self._send_error(
+                send,
+                _upstream_error(
+                    502,
+                    f"The decode worker failed before answering ({type(e).__name__}).",
+                    "upstream_failed",
+                ),
+            )
             return True
         try:
             await self._relay(send, decode, upstream)
@@ -574,9 +608,12 @@ class _Relay(Response):
                 # Nothing sent yet: the client gets a real error status, never a cut 200.
                 st.metrics.upstream_errors.labels(worker=decode.url, kind=_kind(e)).inc()
                 p.extra.append(f"upstream_error={_kind(e)}")
-                await self._send_error(send, _upstream_error(
-                    502, "The decode worker failed while answering.", "upstream_failed"
-                ))
+                await self._send_error(
+                    send,
+                    _upstream_error(
+                        502, "The decode worker failed while answering.", "upstream_failed"
+                    ),
+                )
                 return
             self._release()
             await self._whole(send, upstream.status_code, headers, body)
@@ -594,9 +631,17 @@ class _Relay(Response):
             p.extra.append(f"upstream_error={_kind(e)}")
         self._release()
         # I5: a cut answer ends in an error event, never a bare end that reads as complete.
-        tail = b"" if cutter.ended_cleanly else _sse_error(_upstream_error(
-            502, "The decode worker stopped before the answer was complete.", "upstream_failed",
-        ))
+        tail = (
+            b""
+            if cutter.ended_cleanly
+            else _sse_error(
+                _upstream_error(
+                    502,
+                    "The decode worker stopped before the answer was complete.",
+                    "upstream_failed",
+                )
+            )
+        )
         await self._end_stream(send, tail)
 
     async def _start(self, send: Send, status: int, headers: list[tuple[bytes, bytes]]) -> None:
@@ -708,15 +753,18 @@ def build_router_app(
         # First door: a bad key never costs a worker anything.
         state.auth.tenant_for(request.headers.get("authorization"))
         body = await _read_body(request, settings.max_body_bytes)
-        return _Relay(
-            state, "POST", request.url.path, body, _request_headers(request), paired=True
-        )
+        return _Relay(state, "POST", request.url.path, body, _request_headers(request), paired=True)
 
     async def relay_get(request: Request) -> Response:
         state.auth.tenant_for(request.headers.get("authorization"))
         route = request.scope["route"].path if "route" in request.scope else None
         return _Relay(
-            state, "GET", request.url.path, b"", _request_headers(request), paired=False,
+            state,
+            "GET",
+            request.url.path,
+            b"",
+            _request_headers(request),
+            paired=False,
             route=route,
         )
 
@@ -735,7 +783,8 @@ async def _read_body(request: Request, limit: int) -> bytes:
             received += len(chunk)
             if received > limit:
                 raise APIError(
-                    413, f"Request body is larger than the {limit}-byte limit.",
+                    413,
+                    f"Request body is larger than the {limit}-byte limit.",
                     code="request_too_large",
                 )
             chunks.append(chunk)
@@ -749,18 +798,38 @@ async def _read_body(request: Request, limit: int) -> bytes:
 
 
 def add_router_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--prefill", nargs="+", action="extend", required=True, metavar="URL",
-                   help="prefill worker URL(s), e.g. http://127.0.0.1:30001")
-    p.add_argument("--decode", nargs="+", action="extend", required=True, metavar="URL",
-                   help="decode worker URL(s)")
+    p.add_argument(
+        "--prefill",
+        nargs="+",
+        action="extend",
+        required=True,
+        metavar="URL",
+        help="prefill worker URL(s), e.g. http://127.0.0.1:30001",
+    )
+    p.add_argument(
+        "--decode",
+        nargs="+",
+        action="extend",
+        required=True,
+        metavar="URL",
+        help="decode worker URL(s)",
+    )
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--api-key-file", default=None, help="lines of `key tenant`; enables auth")
-    p.add_argument("--health-interval", type=float, default=DEFAULT_HEALTH_INTERVAL_S,
-                   help="seconds between worker health polls")
+    p.add_argument(
+        "--health-interval",
+        type=float,
+        default=DEFAULT_HEALTH_INTERVAL_S,
+        help="seconds between worker health polls",
+    )
     p.add_argument("--health-timeout", type=float, default=DEFAULT_HEALTH_TIMEOUT_S)
-    p.add_argument("--request-timeout", type=float, default=DEFAULT_REQUEST_TIMEOUT_S,
-                   help="seconds a whole request (stream included) may take")
+    p.add_argument(
+        "--request-timeout",
+        type=float,
+        default=DEFAULT_REQUEST_TIMEOUT_S,
+        help="seconds a whole request (stream included) may take",
+    )
     p.add_argument("--connect-timeout", type=float, default=DEFAULT_CONNECT_TIMEOUT_S)
     p.add_argument("--log-level", default="info")
 
@@ -786,9 +855,13 @@ def run_router(args: argparse.Namespace) -> int:
     try:
         api_keys = load_api_keys(args.api_key_file) if args.api_key_file else None
         app = build_router_app(
-            args.prefill, args.decode, api_keys=api_keys,
-            health_interval=args.health_interval, health_timeout=args.health_timeout,
-            request_timeout=args.request_timeout, connect_timeout=args.connect_timeout,
+            args.prefill,
+            args.decode,
+            api_keys=api_keys,
+            health_interval=args.health_interval,
+            health_timeout=args.health_timeout,
+            request_timeout=args.request_timeout,
+            connect_timeout=args.connect_timeout,
         )
     except (ApiKeyFileError, ValueError) as e:
         print(f"kvfence router: {e}", file=sys.stderr)
@@ -806,7 +879,11 @@ def run_router(args: argparse.Namespace) -> int:
         )
 
     config = uvicorn.Config(
-        app, host=args.host, port=args.port, log_level=args.log_level, access_log=False,
+        app,
+        host=args.host,
+        port=args.port,
+        log_level=args.log_level,
+        access_log=False,
         # Closing what is still open after the grace is safe: a closed upstream connection is
         # how a decode learns to abort its transfer with acknowledgement.
         timeout_graceful_shutdown=DEFAULT_GRACEFUL_SHUTDOWN_S,
@@ -829,8 +906,17 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 __all__ = [
-    "HEADER_PREFILL", "HEADER_ROOM", "Role", "RouterState", "Worker", "WorkerPool",
-    "add_router_args", "build_router_app", "main", "normalize_url", "run_router",
+    "HEADER_PREFILL",
+    "HEADER_ROOM",
+    "Role",
+    "RouterState",
+    "Worker",
+    "WorkerPool",
+    "add_router_args",
+    "build_router_app",
+    "main",
+    "normalize_url",
+    "run_router",
 ]
 
 if __name__ == "__main__":

@@ -43,6 +43,8 @@ class _SamplingFields(_Strict):
     stop: str | list[str] | None = None
     stop_token_ids: list[Annotated[int, Field(ge=0)]] | None = None
     ignore_eos: bool | None = False
+    # vLLM's extension: logprobs name tokens "token_id:<n>", so clients can compare ids exactly.
+    return_tokens_as_token_ids: bool | None = False
     n: int | None = Field(default=1, ge=1, le=MAX_N)
     stream: bool | None = False
     stream_options: StreamOptions | None = None
@@ -203,9 +205,7 @@ class ChatCompletionRequest(_SamplingFields):
         if self.response_format and self.response_format.get("type", "text") != "text":
             raise _unsupported("response_format", "only response_format type 'text' is supported")
         if self.top_logprobs is not None and not self.logprobs:
-            raise bad_request(
-                "top_logprobs requires logprobs to be true", param="top_logprobs"
-            )
+            raise bad_request("top_logprobs requires logprobs to be true", param="top_logprobs")
 
     @property
     def effective_max_tokens(self) -> int | None:
@@ -313,7 +313,11 @@ class CompletionFormat:
         return []
 
     def delta_chunks(
-        self, c: ChoiceState, text: str, lps: tuple[TokenLogprob, ...], offset: int,
+        self,
+        c: ChoiceState,
+        text: str,
+        lps: tuple[TokenLogprob, ...],
+        offset: int,
         finish: str | None,
     ) -> list[dict[str, Any]]:
         if not text and not lps and finish is None:
@@ -380,7 +384,11 @@ class ChatFormat(CompletionFormat):
         ]
 
     def delta_chunks(
-        self, c: ChoiceState, text: str, lps: tuple[TokenLogprob, ...], offset: int,
+        self,
+        c: ChoiceState,
+        text: str,
+        lps: tuple[TokenLogprob, ...],
+        offset: int,
         finish: str | None,
     ) -> list[dict[str, Any]]:
         out = []

@@ -71,16 +71,30 @@ def add_up_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--decode", type=int, default=1, metavar="M", help="decode workers")
     p.add_argument("--host", default="127.0.0.1", help="the router's address (clients use it)")
     p.add_argument("--port", type=int, default=8000, help="the router's port")
-    p.add_argument("--worker-host", default="127.0.0.1",
-                   help="address the workers bind (HTTP and bootstrap); keep it private")
-    p.add_argument("--api-key-file", default=None,
-                   help="lines of `key tenant`; given to the router and every worker")
+    p.add_argument(
+        "--worker-host",
+        default="127.0.0.1",
+        help="address the workers bind (HTTP and bootstrap); keep it private",
+    )
+    p.add_argument(
+        "--api-key-file",
+        default=None,
+        help="lines of `key tenant`; given to the router and every worker",
+    )
     p.add_argument("--log-level", default="info")
     p.add_argument("--disaggregation-transfer-backend", default="tcp", choices=TRANSFER_BACKENDS)
-    p.add_argument("--startup-timeout", type=float, default=DEFAULT_STARTUP_TIMEOUT_S,
-                   help="seconds to wait for every worker and the router to be healthy")
-    p.add_argument("--shutdown-grace", type=float, default=DEFAULT_SHUTDOWN_GRACE_S,
-                   help="seconds each stage of shutdown gets before SIGKILL")
+    p.add_argument(
+        "--startup-timeout",
+        type=float,
+        default=DEFAULT_STARTUP_TIMEOUT_S,
+        help="seconds to wait for every worker and the router to be healthy",
+    )
+    p.add_argument(
+        "--shutdown-grace",
+        type=float,
+        default=DEFAULT_SHUTDOWN_GRACE_S,
+        help="seconds each stage of shutdown gets before SIGKILL",
+    )
     # Tests swap the real processes for fakes; not a user-facing knob.
     p.add_argument("--worker-cmd-prefix", default=None, help=argparse.SUPPRESS)
     p.add_argument("--router-cmd-prefix", default=None, help=argparse.SUPPRESS)
@@ -153,8 +167,12 @@ class Child:
         # Own session: a terminal's Ctrl-C reaches only `up`, which then stops children in order;
         # and killpg reaches anything a child spawned.
         self.proc = subprocess.Popen(
-            cmd, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-            env=env, start_new_session=True,
+            cmd,
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            env=env,
+            start_new_session=True,
         )
         assert self.proc.stdout is not None
         self._reader = threading.Thread(
@@ -256,11 +274,15 @@ def _model_name(args: argparse.Namespace, decode_url: str) -> str:
 
 def ready_lines(args: argparse.Namespace, model: str) -> list[str]:
     url = f"http://{args.host}:{args.port}"
-    body = json.dumps({
-        "model": model,
-        "prompt": "name: Ada\ncode: X7qPz91LmWk2\ncity: Paris\ncode:",
-        "max_tokens": 12, "temperature": 0, "stop": "\n",
-    })
+    body = json.dumps(
+        {
+            "model": model,
+            "prompt": "name: Ada\ncode: X7qPz91LmWk2\ncity: Paris\ncode:",
+            "max_tokens": 12,
+            "temperature": 0,
+            "stop": "\n",
+        }
+    )
     # Never print a real key: the operator has it, logs should not.
     auth = " -H 'Authorization: Bearer YOUR_KEY'" if args.api_key_file else ""
     return [
@@ -280,8 +302,10 @@ def run_up(args: argparse.Namespace) -> int:
         say("kvfence up: need at least one prefill and one decode worker", err=True)
         return 2
     if not 0 < args.port < 65536:
-        say("kvfence up: --port must be a fixed port (1-65535): it is the address we print",
-            err=True)
+        say(
+            "kvfence up: --port must be a fixed port (1-65535): it is the address we print",
+            err=True,
+        )
         return 2
     if not Path(args.model).is_dir():
         say(f"kvfence up: model directory {args.model} does not exist (--model)", err=True)
@@ -309,8 +333,14 @@ def run_up(args: argparse.Namespace) -> int:
         for i in range(args.prefill):
             port, bootstrap = ports.pop(), ports.pop()
             cmd = worker_command(args, "prefill", port, bootstrap)
-            prefills.append(_start(f"prefill-{i}", cmd, f"http://{_hostport(wh, port)}",
-                                   f"bootstrap port {bootstrap}"))
+            prefills.append(
+                _start(
+                    f"prefill-{i}",
+                    cmd,
+                    f"http://{_hostport(wh, port)}",
+                    f"bootstrap port {bootstrap}",
+                )
+            )
         for i in range(args.decode):
             port = ports.pop()
             cmd = worker_command(args, "decode", port)
@@ -375,7 +405,12 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 __all__ = [
-    "add_up_args", "free_port", "main", "router_command", "run_up", "worker_args",
+    "add_up_args",
+    "free_port",
+    "main",
+    "router_command",
+    "run_up",
+    "worker_args",
     "worker_command",
 ]
 

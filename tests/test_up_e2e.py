@@ -1,0 +1,192 @@
+"""`kvfence up` end to end with the bundled model: router + prefill + decode processes over TCP
+(and Mooncake when installed) answer token-exact with the unified engine and transformers, serve
+two tenants concurrently, and reject over-length prompts before any page or transfer exists."""
+
+from __future__ import annotations
+
+import os
+import re
+import secrets
+import signal
+import subprocess
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import httpx
+import pytest
+from conftest import TINY_MODEL, hf_greedy, random_prompts
+from procs import free_port
+
+from kvfence.engine.llm import LLM
+from kvfence.engine.request import SamplingParams
+
+CTX = 512
+KEYS = {"key-alpha": "alpha", "key-beta": "beta"}
+
+
+class Cluster:
+    def __init__(self, tmp: Path, backend: str, prefill: int, decode: int) -> None:
+        keyfile = tmp / "keys.txt"
+        keyfile.write_text("".join(f"{k} {t}\n" for k, t in KEYS.items()))
+        self.url = f"http://127.0.0.1:{free_port()}"
+        self.log = tmp / "up.log"
+        cmd = [
+            sys.executable,
+            "-m",
+            "kvfence.cli",
+            "up",
+            "--model",
+            str(TINY_MODEL),
+            "--port",
+            self.url.rsplit(":", 1)[1],
+            "--prefill",
+            str(prefill),
+            "--decode",
+            str(decode),
+            "--context-length",
+            str(CTX),
+            "--kv-pool-tokens",
+            "4096",
+            "--api-key-file",
+            str(keyfile),
+            "--disaggregation-transfer-backend",
+            backend,
+            "--log-level",
+            "warning",
+        ]
+        self.p = subprocess.Popen(
+            cmd, stdout=self.log.open("wb"), stderr=subprocess.STDOUT, start_new_session=True
+        )
+        deadline = time.monotonic() + 240
+        while "ready on" not in self.log.read_text():
+            if self.p.poll() is not None or time.monotonic() > deadline:
+                self.stop()
+                raise RuntimeError(self.log.read_text()[-3000:])
+            time.sleep(0.3)
+
+    def post(self, body: dict, key: str = "key-alpha") -> httpx.Response:
+        return httpx.post(
+            f"{self.url}/v1/completions",
+            json=body,
+            timeout=120,
+            headers={"Authorization": f"Bearer {key}"},
+        )
+
+    def workers(self) -> list[dict]:
+        return httpx.get(f"{self.url}/health", timeout=5).json()["workers"]
+
+    def pages_used(self) -> list[int]:
+        out = []
+        for w in self.workers():
+            text = httpx.get(f"{w['url']}/metrics", timeout=5).text
+            out.append(int(float(re.search(r"^kvfence_pool_pages_used (\S+)$", text, re.M)[1])))
+        return out
+
+    def stop(self) -> None:
+        if self.p.poll() is None:
+            os.killpg(self.p.pid, signal.SIGTERM)
+            try:
+                self.p.wait(30)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.p.pid, signal.SIGKILL)
+
+
+def backend_or_skip(backend: str) -> None:
+    if backend == "mooncake":
+        from kvfence.pd.transport import mooncake
+
+        if not mooncake.available():
+            pytest.skip("mooncake transfer engine not installed")
+
+
+@pytest.mark.parametrize("backend", ["tcp", "mooncake"])
+def test_up_1p1d_greedy_equals_unified_and_transformers(backend: str, tmp_path: Path) -> None:
+    backend_or_skip(backend)
+    lengths = [1, 15, 16, 17, CTX - 8]
+    prompts = random_prompts(lengths, vocab=2048, seed=31)
+    params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+    unified = LLM(str(TINY_MODEL), kv_pool_tokens=4096, context_length=CTX).generate(
+        prompts, params
+    )
+    hf = hf_greedy(TINY_MODEL, prompts, 8)
+    cluster = Cluster(tmp_path, backend, 1, 1)
+    try:
+        for n, prompt, u, h in zip(lengths, prompts, unified, hf, strict=True):
+            r = cluster.post(
+                {
+                    "model": "kvfence-tiny",
+                    "prompt": prompt,
+                    "max_tokens": 8,
+                    "temperature": 0,
+                    "ignore_eos": True,
+                    "logprobs": 0,
+                    "return_tokens_as_token_ids": True,
+                }
+            )
+            assert r.status_code == 200, r.text
+            tokens = r.json()["choices"][0]["logprobs"]["tokens"]
+            got = [int(t.removeprefix("token_id:")) for t in tokens]
+            assert got == u.token_ids == h, f"prompt of {n} tokens"
+        assert wait_for(lambda: cluster.pages_used() == [0, 0])
+    finally:
+        cluster.stop()
+
+
+def wait_for(pred, timeout: float = 15.0) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if pred():
+            return True
+        time.sleep(0.2)
+    return False
+
+
+def test_up_2p2d_two_tenants_40_concurrent_and_over_length(tmp_path: Path) -> None:
+    cluster = Cluster(tmp_path, "tcp", 2, 2)
+    try:
+        values = [secrets.token_hex(7) for _ in range(40)]
+
+        def ask(i: int) -> tuple[int, str]:
+            filler = "The river ran slow past the mill. " * (3 + i % 5)
+            prompt = f"{filler}\nsecret: {values[i]}\n{filler}\nsecret:"
+            key = "key-alpha" if i % 2 else "key-beta"
+            r = cluster.post(
+                {
+                    "model": "kvfence-tiny",
+                    "prompt": prompt,
+                    "max_tokens": 16,
+                    "temperature": 0,
+                    "stop": "\n",
+                },
+                key,
+            )
+            return r.status_code, r.json()["choices"][0]["text"] if r.status_code == 200 else r.text
+
+        with ThreadPoolExecutor(16) as pool:
+            answers = list(pool.map(ask, range(40)))
+        for i, (status, text) in enumerate(answers):
+            assert status == 200, text
+            assert text.strip() == values[i], f"request {i} got {text!r}"
+            others = [v for j, v in enumerate(values) if j != i]
+            assert not any(v in text for v in others), "another request's secret leaked"
+        assert wait_for(lambda: cluster.pages_used() == [0, 0, 0, 0])
+
+        # The incident's path: an over-length prompt through PD gets the admission reason.
+        r = cluster.post({"model": "kvfence-tiny", "prompt": [7] * (CTX + 1), "max_tokens": 4})
+        assert r.status_code == 400 and r.json()["error"]["code"] == "context_length_exceeded"
+        before = {
+            w["url"]: httpx.get(f"{w['url']}/pd/info").json()["counters"] for w in cluster.workers()
+        }
+        r = cluster.post({"model": "kvfence-tiny", "prompt": [7] * 2000, "max_tokens": 4})
+        assert r.status_code == 400
+        after = {
+            w["url"]: httpx.get(f"{w['url']}/pd/info").json()["counters"] for w in cluster.workers()
+        }
+        assert before == after, "a rejected request reserved pages or started a transfer"
+        assert cluster.pages_used() == [0, 0, 0, 0]
+        r = cluster.post({"model": "kvfence-tiny", "prompt": "hi", "max_tokens": 2}, "wrong-key")
+        assert r.status_code == 401
+    finally:
+        cluster.stop()
