@@ -3,6 +3,8 @@ what prefill computed. Each test has a twin that turns the guard off: the breach
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 from conftest import random_prompts
 from pd_harness import PDPair
@@ -15,13 +17,21 @@ GREEDY = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
 PROMPT = random_prompts([50], vocab=256, seed=8)[0]  # 4 pages of 16
 
 
-def run(model_dir: str, fault: str, guards: Guards = ALL_ON) -> None:
+def run(
+    model_dir: str,
+    fault: str,
+    guards: Guards = ALL_ON,
+    code: str = "kv_transfer_incomplete",
+    also: tuple[str, ...] = (),
+) -> None:
     pair = PDPair(model_dir, guards=guards, kv_pool_tokens=512, context_length=128)
     try:
-        with faults.injected(fault):
+        with faults.injected(fault), contextlib.ExitStack() as stack:
+            for extra in also:
+                stack.enter_context(faults.injected(extra))
             [r] = pair.generate([PROMPT], GREEDY)
         assert r.final.finish_reason is FinishReason.ERROR, "a bad transfer was committed"
-        assert r.final.error_code == "kv_transfer_incomplete"
+        assert r.final.error_code == code
         assert r.token_ids == []
         assert pair.wait_idle(), pair.pages_used()
     finally:
@@ -46,8 +56,15 @@ def test_i3_truncated_transfer_fails_closed(model_dir: str) -> None:
     run(model_dir, "truncate_transfer")
 
 
-def test_i3_twin_without_count_check_truncation_is_committed(model_dir: str) -> None:
-    # The pool read-back digest still covers what DONE claims; with both off, decode would
-    # attend to three pages nobody wrote: the incident's stale-page read.
+NO_COUNTS = Guards(frozenset({"count_check", "checksum"}))
+
+
+def test_i3_without_counts_the_tag_check_still_refuses_unwritten_pages(model_dir: str) -> None:
+    # Defense in depth: the three pages nobody wrote hold no data of this grant (I2's check).
+    run(model_dir, "truncate_transfer", NO_COUNTS, code="kv_integrity_error")
+
+
+def test_i3_twin_without_counts_or_tags_truncation_is_committed(model_dir: str) -> None:
+    # With all three off, decode attends to three pages nobody wrote: the incident's stale read.
     with pytest.raises(AssertionError, match="committed"):
-        run(model_dir, "truncate_transfer", Guards(frozenset({"count_check", "checksum"})))
+        run(model_dir, "truncate_transfer", NO_COUNTS, also=("skip_tag_check",))

@@ -62,6 +62,7 @@ class EngineStats:
     preemptions: int
     handoff: int = 0  # sequences whose pages a transfer holds
     pages_handoff: int = 0  # their pages
+    integrity_failures: int = 0  # requests failed closed by the ownership check (I2)
 
 
 class Engine:
@@ -102,6 +103,7 @@ class Engine:
         self._thread: threading.Thread | None = None
         self._stopping = threading.Event()
         self.hooks: HandoffHooks | None = None
+        self.integrity_failures = 0
 
     # ---- called from any thread -------------------------------------------------------------
 
@@ -144,6 +146,7 @@ class Engine:
             preemptions=self.scheduler.num_preemptions,
             handoff=len(self.scheduler.handoff),
             pages_handoff=self._pages_in_handoff(),
+            integrity_failures=self.integrity_failures,
         )
 
     def _pages_in_handoff(self) -> int:
@@ -249,13 +252,18 @@ class Engine:
 
     def _commit(self, seq: Sequence, first_token: int, first_logprobs: dict) -> None:
         seq.num_computed = seq.prompt_len
+        self.scheduler.resume(seq)
+        probe = ScheduledChunk(seq, seq.prompt_len, 1)
+        if self.runner.check_ownership([probe])[1]:
+            # I2 before a single token is shown: the transferred pages must be this grant's.
+            self._fail_integrity(seq)
+            return
         seq.token_ids.append(first_token)
         if seq.admitted.request.sampling.logprobs is not None and first_logprobs:
             top = tuple((int(t), float(v)) for t, v in first_logprobs.get("top", ()))
             seq.pending_logprobs.append(
                 TokenLogprob(first_token, float(first_logprobs["logprob"]), top)
             )
-        self.scheduler.resume(seq)
         self._after_token(seq, first_token)
 
     def _hand_off_reserved(self) -> None:
@@ -268,19 +276,7 @@ class Engine:
         for chunk in chunks:
             chunk.seq.num_computed = chunk.start + chunk.length
         for chunk in result.rejected:
-            log.error(
-                "kv ownership check failed: tenant=%s request=%s pages=%s",
-                chunk.seq.tenant,
-                chunk.seq.request_id,
-                chunk.seq.pages,
-            )
-            self._finish(
-                chunk.seq,
-                FinishReason.ERROR,
-                "KV cache integrity check failed",
-                "kv_integrity_error",
-                pages_suspect=True,
-            )
+            self._fail_integrity(chunk.seq)
         if result.samples is None:
             return
         s = result.samples
@@ -300,6 +296,28 @@ class Engine:
                 self.hooks.on_prefilled(seq)
                 continue
             self._after_token(seq, tok)
+
+    def _fail_integrity(self, seq: Sequence) -> None:
+        pool = self.pool
+        idx = torch.tensor(seq.pages, dtype=torch.int64)
+        log.error(
+            "kv ownership check failed: tenant=%s request=%s grant=%s pages=%s "
+            "owners=%s written_by=%s",
+            seq.tenant,
+            seq.request_id,
+            seq.grant.grant_id if seq.grant else None,
+            seq.pages,
+            pool.owner_grant[idx].tolist(),
+            pool.written_by[idx].tolist(),
+        )
+        self.integrity_failures += 1
+        self._finish(
+            seq,
+            FinishReason.ERROR,
+            "KV cache integrity check failed",
+            "kv_integrity_error",
+            pages_suspect=True,
+        )
 
     def _after_token(self, seq: Sequence, tok: int) -> None:
         reason = advance(seq, tok, self.eos_token_ids)

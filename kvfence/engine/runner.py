@@ -31,12 +31,13 @@ class ModelRunner:
         self.generator = torch.Generator(device=device).manual_seed(seed)
 
     def run(self, chunks: list[ScheduledChunk]) -> StepResult:
-        chunks, rejected = self._check_ownership(chunks)
+        chunks, rejected = self.check_ownership(chunks)
         if not chunks:
             return StepResult([], None, rejected)
         page_table = self._page_table(chunks)
         starts = torch.tensor([c.start for c in chunks], dtype=torch.int64)
         lengths = torch.tensor([c.length for c in chunks], dtype=torch.int64)
+        self._mark_written(chunks, page_table, starts, lengths)
         flat_offsets = torch.cumsum(lengths, 0) - lengths
         total = int(lengths.sum())
         row = torch.repeat_interleave(torch.arange(len(chunks)), lengths)
@@ -85,18 +86,36 @@ class ModelRunner:
             [c.seq.pages + [0] * (width - len(c.seq.pages)) for c in chunks], dtype=torch.int64
         )
 
-    def _check_ownership(
+    def _mark_written(
+        self,
+        chunks: list[ScheduledChunk],
+        table: torch.Tensor,
+        starts: torch.Tensor,
+        lengths: torch.Tensor,
+    ) -> None:
+        """The pages this step writes will hold their grant's data (one scatter per batch)."""
+        ps = self.pool.page_size
+        cols = torch.arange(table.shape[1])[None, :]
+        hit = (cols >= (starts // ps)[:, None]) & (cols <= ((starts + lengths - 1) // ps)[:, None])
+        grants = torch.tensor([c.seq.grant.grant_id for c in chunks])[:, None].expand_as(table)
+        self.pool.mark_written(table[hit].to(self.device), grants[hit].to(self.device))
+
+    def check_ownership(
         self, chunks: list[ScheduledChunk]
     ) -> tuple[list[ScheduledChunk], list[ScheduledChunk]]:
-        """I2: every page a chunk reads or writes must be owned by its grant and tenant."""
+        """I2: every page a chunk reads or writes must be owned by its grant and tenant, and the
+        pages it reads (those before this chunk) must hold data written under that grant."""
         if not chunks:
             return chunks, []
         table = self._page_table(chunks).to(self.device)
         counts = torch.tensor([len(c.seq.pages) for c in chunks], device=self.device)
-        valid = torch.arange(table.shape[1], device=self.device)[None, :] < counts[:, None]
+        held = torch.tensor([self.pool.pages_for(c.start) for c in chunks], device=self.device)
+        cols = torch.arange(table.shape[1], device=self.device)[None, :]
+        valid = cols < counts[:, None]
+        must_hold = cols < held[:, None]
         grants = torch.tensor([c.seq.grant.grant_id for c in chunks], device=self.device)
         tenants = torch.tensor([c.seq.grant.tenant_id for c in chunks], device=self.device)
-        bad = self.pool.check_owned(table, grants, tenants, valid).tolist()
+        bad = self.pool.check_owned(table, grants, tenants, valid, must_hold).tolist()
         if not any(bad) or faults.active("skip_tag_check"):
             return chunks, []
         return [c for c, b in zip(chunks, bad, strict=True) if not b], [

@@ -65,6 +65,9 @@ class KVPool:
         self.owner_grant[NULL_PAGE] = NULL_OWNER
         self.owner_tenant[NULL_PAGE] = NULL_OWNER
         self.generation = torch.zeros((total,), dtype=torch.int64, device=self.device)
+        # The grant whose data a page holds (set when its K/V are written, never cleared on free):
+        # a page that is owned but holds someone else's stale data fails the read check.
+        self.written_by = torch.full((total,), FREE, dtype=torch.int64, device=self.device)
         self._free: deque[int] = deque(range(1, total))
         self._grant_ids = itertools.count(1)
         self._tenant_ids: dict[str, int] = {}
@@ -130,13 +133,22 @@ class KVPool:
         grant_ids: torch.Tensor,
         tenant_ids: torch.Tensor,
         valid: torch.Tensor,
+        must_hold: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """Rows whose pages are not all owned by the row's grant and tenant: one compare per batch.
+        """Rows whose pages are not all owned by the row's grant and tenant, or (where must_hold)
+        do not hold data the grant wrote: one compare per batch.
 
-        page_ids [B, P] (padding anywhere `valid` is False), grant_ids [B], tenant_ids [B].
-        Returns a bool tensor [B], True where the row must fail closed.
+        page_ids [B, P] (padding anywhere `valid` is False), grant_ids [B], tenant_ids [B],
+        must_hold [B, P]: pages the row will read. Returns bool [B], True = fail closed.
         """
-        ok = (self.owner_grant[page_ids] == grant_ids[:, None]) & (
+        g = grant_ids[:, None]
+        ok = (self.owner_grant[page_ids] == g) & (
             self.owner_tenant[page_ids] == tenant_ids[:, None]
         )
+        if must_hold is not None:
+            ok &= (self.written_by[page_ids] == g) | ~must_hold
         return ~(ok | ~valid).all(dim=1)
+
+    def mark_written(self, page_ids: torch.Tensor, grant_ids: torch.Tensor) -> None:
+        """Record that these pages now hold data written under these grants (same shapes)."""
+        self.written_by[page_ids] = grant_ids

@@ -11,6 +11,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+import torch
+
 from kvfence.engine.admission import Admitted, Rejected
 from kvfence.engine.engine import Engine
 from kvfence.engine.request import GenerateRequest
@@ -259,6 +261,7 @@ class DecodeService:
                 intact = False
             elif intact and self.mooncake is None:
                 kvio.write_page(pool, page, msg.n_tokens, payload)
+                pool.written_by[page] = room.grant_id
                 self.transfer_stats.inc("pages_received")
                 self.transfer_stats.inc("bytes_received", len(payload))
         if not intact:
@@ -297,6 +300,10 @@ class DecodeService:
             if isinstance(a, p.Send):
                 self._send(rid, room.peer, a.message)
             elif isinstance(a, p.Commit):
+                if self.mooncake is not None:
+                    # One-sided writes left no trace; the verified digest vouches for the pages.
+                    idx = torch.tensor(room.pages, dtype=torch.int64)
+                    self.engine.pool.written_by[idx] = room.grant_id
                 self.transfer_stats.inc("transfers_committed")
                 self.transfer_stats.observe_latency(time.monotonic() - room.started)
                 self.engine.commit(rid, a.first_token, a.first_logprobs)

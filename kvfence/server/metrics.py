@@ -71,6 +71,13 @@ class _PoolCollector(Collector):
         pd_metrics = getattr(self._engine, "pd_metrics", None)
         if pd_metrics is not None:
             yield from pd_metrics()
+        failures = getattr(s, "integrity_failures", None)
+        if failures is not None:
+            yield CounterMetricFamily(
+                "kvfence_kv_integrity_errors",
+                "Requests failed closed by the KV page ownership check (I2).",
+                value=failures,
+            )
         preemptions = getattr(s, "preemptions", None)
         if preemptions is not None:
             yield CounterMetricFamily(
