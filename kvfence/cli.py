@@ -30,6 +30,7 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--chunked-prefill-size", type=int, default=d.chunked_prefill_size)
     p.add_argument("--max-running-requests", type=int, default=d.max_running_requests)
     p.add_argument("--seed", type=int, default=d.seed)
+    p.add_argument("--unsafe-skip-preflight", action="store_true", help=argparse.SUPPRESS)
 
 
 def engine_config(args: argparse.Namespace) -> EngineConfig:
@@ -46,6 +47,7 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         chunked_prefill_size=args.chunked_prefill_size,
         max_running_requests=args.max_running_requests,
         seed=args.seed,
+        unsafe_skip_preflight=args.unsafe_skip_preflight,
     )
 
 
@@ -75,6 +77,8 @@ def role_service(engine: Any, args: argparse.Namespace) -> Any:
         host = "127.0.0.1" if args.host in ("0.0.0.0", "") else args.host
         mooncake = MooncakeEndpoint(engine.pool, hostname=host)
     info = node_info(engine, args.disaggregation_mode, model_fingerprint(args.model), backend)
+    if args.unsafe_skip_preflight:
+        info["unsafe_skip_capacity"] = True
     timeout = args.disaggregation_timeout
     if args.disaggregation_mode == "prefill":
         from kvfence.pd.prefill import PrefillService

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 DTYPES = ("float32", "bfloat16", "float16")
@@ -26,6 +27,9 @@ class EngineConfig:
     max_running_requests: int = 64
     seed: int = 0
     served_model_name: str | None = None
+    # Tests only (needs KVFENCE_FAULT_INJECTION=1): run with a pool smaller than one context,
+    # the incident's fault 1, so the other guards can be shown to hold without I7.
+    unsafe_skip_preflight: bool = False
 
     def __post_init__(self) -> None:
         if self.device != "cpu" and not self.device.startswith("cuda"):
@@ -49,6 +53,8 @@ class EngineConfig:
             )
         if self.chunked_prefill_size < 1:
             raise ConfigError(f"--chunked-prefill-size {self.chunked_prefill_size}: must be >= 1")
+        if self.unsafe_skip_preflight and os.environ.get("KVFENCE_FAULT_INJECTION") != "1":
+            raise ConfigError("--unsafe-skip-preflight is for tests: set KVFENCE_FAULT_INJECTION=1")
         if self.max_running_requests < 1:
             raise ConfigError(f"--max-running-requests {self.max_running_requests}: must be >= 1")
 

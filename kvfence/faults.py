@@ -18,6 +18,16 @@ POINTS = frozenset(
         "corrupt_page",  # prefill flips a byte of a page after checksumming it (I3)
         "truncate_transfer",  # prefill sends only the first page, and a DONE that agrees (I3)
         "stall_transfer",  # prefill waits STALL_S before sending pages: a window for kills/aborts
+        "placeholder_on_reject",  # the incident: prefill swaps a request it rejected for a 1-token
+        #                           placeholder that continues through compute and transfer (I1)
+        "skip_count_check",  # decode commits whatever counts DONE reports (I3)
+        "skip_checksum",  # decode ignores page checksums and the read-back digest (I3)
+        "early_release",  # decode frees a room's pages on abort without waiting for the fence (I4)
+        "drop_abort_ack",  # prefill never acknowledges an ABORT (I4, liveness)
+        "late_write",  # prefill keeps sending a room's pages after it acknowledged the abort (I4)
+        "kill_prefill",  # the prefill process dies right after sending a room's first page
+        "kill_decode",  # the decode process dies right after applying a room's first page
+        "client_disconnect",  # decode's client goes away right after the first page arrives
     }
 )
 STALL_S = 3.0

@@ -7,12 +7,14 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import time
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
+from kvfence import faults
 from kvfence.engine.admission import Admitted, Rejected
 from kvfence.engine.engine import Engine
 from kvfence.engine.request import GenerateRequest
@@ -251,7 +253,7 @@ class DecodeService:
         )
         # One-sided: the bytes are already in the pool; the read-back digest at DONE checks them.
         intact = ok_shape and (self.mooncake is not None or kvio.checksum(payload) == msg.checksum)
-        if not self.guards.on("checksum"):
+        if not self._guards().on("checksum"):
             intact = ok_shape  # mutation twin: take the bytes as they come
         if ok_shape:
             page = room.pages[msg.index]
@@ -267,6 +269,10 @@ class DecodeService:
         if not intact:
             self.transfer_stats.inc("checksum_mismatches")
         self._feed(msg.room, p.PageArrived(msg.index, msg.n_tokens, msg.checksum, intact))
+        if msg.index == 0 and faults.active("kill_decode"):
+            os._exit(137)
+        if msg.index == 0 and faults.active("client_disconnect"):
+            self.engine.abort(msg.room)
 
     def _on_done(self, done: p.Done) -> None:
         room = self.rooms.get(done.room)
@@ -290,7 +296,7 @@ class DecodeService:
             if isinstance(event, p.AbortArrived):
                 self._send(rid, None, p.AbortAck(rid))
             return
-        room.state, actions = p.decode_step(room.state, event, self.guards)
+        room.state, actions = p.decode_step(room.state, event, self._guards())
         if room.state.state in (p.DState.RELEASED, p.DState.COMMITTED):
             del self.rooms[rid]
             peer = self.peers.get(room.peer)
@@ -313,6 +319,13 @@ class DecodeService:
                 self.engine.fail(rid, message, a.code, a.status)
             elif isinstance(a, p.ReleasePages):
                 self.engine.release(rid)
+
+    def _guards(self) -> p.Guards:
+        off = set(self.guards.off)
+        for fault, guard in _FAULT_GUARDS.items():
+            if faults.active(fault):
+                off.add(guard)
+        return p.Guards(frozenset(off)) if off else p.ALL_ON
 
     def _send(self, rid: str, peer_addr: str | None, msg: p.Message) -> None:
         peer = self.peers.get(peer_addr) if peer_addr else None
@@ -364,3 +377,11 @@ def _sampling_dict(req: GenerateRequest) -> dict[str, Any]:
         "ignore_eos": sp.ignore_eos,
         "logprobs": sp.logprobs,
     }
+
+
+# Fault points that switch off a protocol guard on the decode side (tests only).
+_FAULT_GUARDS = {
+    "skip_count_check": "count_check",
+    "skip_checksum": "checksum",
+    "early_release": "deferred_release",
+}

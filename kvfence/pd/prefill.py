@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -202,6 +203,12 @@ class PrefillService:
             verdict = self.engine.submit(req, _ignore, SeqMode.PREFILL_ONLY)
         except (TypeError, ValueError) as e:
             verdict = Rejected(r.room, "invalid_request", f"bad RESERVE: {e}")
+        if isinstance(verdict, Rejected) and faults.active("placeholder_on_reject"):
+            # The incident's engine bug, on purpose: keep going with a 1-token stand-in.
+            one = GenerateRequest(
+                r.room, r.tenant, r.prompt[:1] or (0,), SamplingParams(max_tokens=1)
+            )
+            verdict = self.engine.submit(one, _ignore, SeqMode.PREFILL_ONLY)
         if isinstance(verdict, Rejected):
             self.transfer_stats.inc("rejected")
             event = p.ReserveArrived(False, verdict.code, verdict.message, 400)
@@ -231,7 +238,8 @@ class PrefillService:
                 # Idempotent: an abort of a room we no longer hold is still acknowledged.
                 asyncio.ensure_future(_safe_send(conn, p.AbortAck(rid)))
             return
-        room.state, actions = p.prefill_step(room.state, event)
+        guards = p.Guards(frozenset({"abort_ack"})) if faults.active("drop_abort_ack") else p.ALL_ON
+        room.state, actions = p.prefill_step(room.state, event, guards)
         if room.state.state is p.PState.CLOSED:
             del self.rooms[rid]
         self._execute(rid, room.conn, actions, room)
@@ -260,7 +268,7 @@ class PrefillService:
 
     async def _send_pages(self, rid: str, room: _Room) -> None:
         assert room.seq is not None and room.first_token is not None
-        n_tokens = len(room.reserve.prompt)
+        n_tokens = room.seq.prompt_len  # what was computed (a placeholder's is shorter)
         if faults.active("stall_transfer"):
             await asyncio.sleep(faults.STALL_S)
             if room.stop_sending or room.conn.closed:
@@ -284,8 +292,9 @@ class PrefillService:
                     n_tokens,
                 )
                 await room.writing
+            late = faults.active("late_write")
             for i, (payload, count) in enumerate(zip(payloads, counts, strict=True)):
-                if room.stop_sending or room.conn.closed:
+                if (room.stop_sending and not late) or room.conn.closed:
                     return
                 c = kvio.checksum(payload)
                 sums.append((i, c))
@@ -293,6 +302,8 @@ class PrefillService:
                     payload = bytes([payload[0] ^ 0xFF]) + payload[1:]
                 wire_payload = b"" if self.mooncake is not None else payload
                 await room.conn.send(p.Page(rid, i, count, c), wire_payload)
+                if faults.active("kill_prefill"):
+                    os._exit(137)
                 self.transfer_stats.inc("pages_sent")
                 self.transfer_stats.inc("bytes_sent", len(payload))
         except ConnectionError:

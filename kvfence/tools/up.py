@@ -84,6 +84,18 @@ def add_up_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--log-level", default="info")
     p.add_argument("--disaggregation-transfer-backend", default="tcp", choices=TRANSFER_BACKENDS)
     p.add_argument(
+        "--prefill-kv-pool-tokens",
+        type=int,
+        default=None,
+        help="KV pool of the prefill workers (default: --kv-pool-tokens)",
+    )
+    p.add_argument(
+        "--decode-kv-pool-tokens",
+        type=int,
+        default=None,
+        help="KV pool of the decode workers (default: --kv-pool-tokens)",
+    )
+    p.add_argument(
         "--startup-timeout",
         type=float,
         default=DEFAULT_STARTUP_TIMEOUT_S,
@@ -119,6 +131,13 @@ def worker_args(args: argparse.Namespace, role: str) -> list[str]:
             out.append(flag)
         else:
             out += [flag, str(value)]
+    role_pool = getattr(args, f"{role}_kv_pool_tokens", None)
+    if role_pool is not None:
+        # A per-role pool (prefill and decode nodes often differ) replaces the shared one.
+        if "--kv-pool-tokens" in out:
+            i = out.index("--kv-pool-tokens")
+            del out[i : i + 2]
+        out += ["--kv-pool-tokens", str(role_pool)]
     if args.api_key_file:
         out += ["--api-key-file", args.api_key_file]
     out += ["--log-level", args.log_level]
