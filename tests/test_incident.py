@@ -1,0 +1,158 @@
+"""The incident as a regression test, end to end through `kvfence up` on the bundled model.
+
+The prefill pool is smaller than the context length (the report's fault 1, preflight waived for
+the test). Tenant A's canary-dense prompts cycle through decode's pages; then tenant B sends a
+prompt that fits the context but not the prefill pool.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import secrets
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+from conftest import TINY_MODEL
+from procs import free_port
+
+CTX, PREFILL_POOL, DECODE_POOL = 2048, 1024, 2048
+KEYS = {"key-a": "tenant-a", "key-b": "tenant-b"}
+GUARDS_OFF = "skip_count_check,skip_checksum,skip_tag_check"
+
+
+class Up:
+    def __init__(self, tmp: Path, faults: str = "") -> None:
+        keyfile = tmp / "keys.txt"
+        keyfile.write_text("".join(f"{k} {t}\n" for k, t in KEYS.items()))
+        port = free_port()
+        self.url = f"http://127.0.0.1:{port}"
+        self.log = tmp / "up.log"
+        env = {**os.environ, "KVFENCE_FAULT_INJECTION": "1", "KVFENCE_FAULTS": faults}
+        cmd = [
+            sys.executable,
+            "-m",
+            "kvfence.cli",
+            "up",
+            "--model",
+            str(TINY_MODEL),
+            "--port",
+            str(port),
+            "--context-length",
+            str(CTX),
+            "--prefill-kv-pool-tokens",
+            str(PREFILL_POOL),
+            "--decode-kv-pool-tokens",
+            str(DECODE_POOL),
+            "--unsafe-skip-preflight",
+            "--api-key-file",
+            str(keyfile),
+            "--log-level",
+            "warning",
+        ]
+        self.p = subprocess.Popen(
+            cmd,
+            stdout=self.log.open("wb"),
+            stderr=subprocess.STDOUT,
+            env=env,
+            start_new_session=True,
+        )
+        deadline = time.monotonic() + 240
+        while "ready on" not in self.log.read_text():
+            if self.p.poll() is not None or time.monotonic() > deadline:
+                self.stop()
+                raise RuntimeError(self.log.read_text()[-3000:])
+            time.sleep(0.3)
+
+    def post(self, prompt: str, key: str, max_tokens: int = 32) -> httpx.Response:
+        return httpx.post(
+            f"{self.url}/v1/completions",
+            timeout=120,
+            headers={"Authorization": f"Bearer {key}"},
+            json={
+                "model": "kvfence-tiny",
+                "prompt": prompt,
+                "max_tokens": max_tokens,
+                "temperature": 0,
+            },
+        )
+
+    def worker(self, role: str) -> str:
+        workers = httpx.get(f"{self.url}/health", timeout=5).json()["workers"]
+        return next(w["url"] for w in workers if w["role"] == role)
+
+    def counters(self, role: str) -> dict:
+        return httpx.get(f"{self.worker(role)}/pd/info", timeout=5).json()["counters"]
+
+    def pages_used(self, role: str) -> int:
+        text = httpx.get(f"{self.worker(role)}/metrics", timeout=5).text
+        return int(float(re.search(r"^kvfence_pool_pages_used (\S+)$", text, re.M)[1]))
+
+    def stop(self) -> None:
+        if self.p.poll() is None:
+            os.killpg(self.p.pid, signal.SIGTERM)
+            try:
+                self.p.wait(30)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.p.pid, signal.SIGKILL)
+
+
+def canary_prompt(canaries: list[str], lines: int) -> str:
+    """Tenant A: nothing but canary records, so any span a stale read copies carries one."""
+    return "".join(f"vault {i % 97}: {canaries[i % len(canaries)]}\n" for i in range(lines))
+
+
+def leaked(text: str, canaries: list[str]) -> bool:
+    """Any 8+ character piece of any of A's canaries in B's output."""
+    return any(c[i : i + 8] in text for c in canaries for i in range(len(c) - 7))
+
+
+def run_incident(tmp: Path, faults: str) -> tuple[Up, list[str], httpx.Response, dict, dict]:
+    up = Up(tmp, faults)
+    canaries = [f"Cz{secrets.token_hex(6)}" for _ in range(64)]
+    for _ in range(3):  # A's 900-token prompts cycle through all of decode's pages
+        r = up.post(canary_prompt(canaries, 48), "key-a", max_tokens=4)
+        assert r.status_code == 200, r.text
+    before = {"prefill": up.counters("prefill"), "decode": up.counters("decode")}
+    b_prompt = "The river ran slow past the mill and the day was long. " * 68  # ~1500 tokens
+    r = up.post(b_prompt, "key-b")
+    after = {"prefill": up.counters("prefill"), "decode": up.counters("decode")}
+    return up, canaries, r, before, after
+
+
+def test_incident_all_guards_on_b_gets_400_and_nothing_is_transferred(tmp_path: Path) -> None:
+    up, _, r, before, after = run_incident(tmp_path, "")
+    try:
+        assert r.status_code == 400, r.text
+        assert r.json()["error"]["code"] == "exceeds_kv_pool"
+        assert after["prefill"].get("pages_sent") == before["prefill"].get("pages_sent")
+        assert after["prefill"].get("rejected", 0) == before["prefill"].get("rejected", 0) + 1
+        assert up.pages_used("prefill") == 0 and up.pages_used("decode") == 0
+    finally:
+        up.stop()
+
+
+def test_incident_placeholder_with_other_guards_on_fails_closed(tmp_path: Path) -> None:
+    up, canaries, r, _, after = run_incident(tmp_path, "placeholder_on_reject")
+    try:
+        assert r.status_code == 500, r.text
+        assert r.json()["error"]["code"] in ("kv_transfer_incomplete", "kv_integrity_error")
+        assert not leaked(r.text, canaries)
+        assert up.pages_used("prefill") == 0 and up.pages_used("decode") == 0
+    finally:
+        up.stop()
+
+
+def test_incident_placeholder_with_guards_off_leaks_a_canary(tmp_path: Path) -> None:
+    # The twin: proves the canary check above can fail. This is the report's 155 answers.
+    up, canaries, r, _, _ = run_incident(tmp_path, f"placeholder_on_reject,{GUARDS_OFF}")
+    try:
+        assert r.status_code == 200, r.text
+        text = r.json()["choices"][0]["text"]
+        assert leaked(text, canaries), f"expected tenant A's canary in B's answer: {text!r}"
+    finally:
+        up.stop()
