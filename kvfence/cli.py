@@ -56,6 +56,10 @@ def add_pd_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--disaggregation-bootstrap-port", type=int, default=8998)
     p.add_argument("--disaggregation-transfer-backend", default="tcp", choices=("tcp", "mooncake"))
     p.add_argument(
+        "--cluster-secret-file", default=None,
+        help="secret shared by all PD workers (or KVFENCE_CLUSTER_SECRET); authenticates transfers",
+    )
+    p.add_argument(
         "--disaggregation-timeout",
         type=float,
         default=30.0,
@@ -67,8 +71,10 @@ def role_service(engine: Any, args: argparse.Namespace) -> Any:
     """The object the HTTP layer serves: the engine itself, or its PD role wrapping it."""
     if args.disaggregation_mode == "null":
         return engine
+    from kvfence.pd.auth import load_cluster_secret
     from kvfence.pd.pairing import model_fingerprint, node_info
 
+    secret = load_cluster_secret(args.cluster_secret_file)
     backend = args.disaggregation_transfer_backend
     mooncake = None
     if backend == "mooncake":
@@ -84,10 +90,12 @@ def role_service(engine: Any, args: argparse.Namespace) -> Any:
         from kvfence.pd.prefill import PrefillService
 
         port = args.disaggregation_bootstrap_port
-        return PrefillService(engine, info, args.host, port, timeout, mooncake=mooncake)
+        return PrefillService(
+            engine, info, args.host, port, timeout, mooncake=mooncake, secret=secret
+        )
     from kvfence.pd.decode import DecodeService
 
-    return DecodeService(engine, info, timeout, mooncake=mooncake)
+    return DecodeService(engine, info, timeout, mooncake=mooncake, secret=secret)
 
 
 def cmd_serve(args: argparse.Namespace) -> int:

@@ -15,6 +15,8 @@ from kvfence.pd.pairing import model_fingerprint, node_info
 from kvfence.pd.prefill import PrefillService
 from kvfence.pd.protocol import ALL_ON, Guards
 
+SECRET = b"pd-harness-cluster-secret-0123456789"
+
 
 @dataclass
 class Result:
@@ -43,9 +45,11 @@ class PDPair:
             pm, dm = MooncakeEndpoint(pe.pool), MooncakeEndpoint(de.pool)
         self.endpoints = [e for e in (pm, dm) if e is not None]
         p_info = node_info(pe, "prefill", fp, backend)
-        self.prefill = PrefillService(pe, p_info, "127.0.0.1", 0, timeout_s, mooncake=pm)
+        self.prefill = PrefillService(
+            pe, p_info, "127.0.0.1", 0, timeout_s, mooncake=pm, secret=SECRET
+        )
         d_info = node_info(de, "decode", fp, backend)
-        self.decode = DecodeService(de, d_info, timeout_s, guards, mooncake=dm)
+        self.decode = DecodeService(de, d_info, timeout_s, guards, mooncake=dm, secret=SECRET)
         self.prefill.start()
         self.decode.start()
         self.peer = f"127.0.0.1:{self.prefill.port}"

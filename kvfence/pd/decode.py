@@ -19,7 +19,7 @@ from kvfence.engine.admission import Admitted, Rejected
 from kvfence.engine.engine import Engine
 from kvfence.engine.request import GenerateRequest
 from kvfence.engine.sequence import SeqMode, Sequence
-from kvfence.pd import kvio, wire
+from kvfence.pd import auth, kvio, wire
 from kvfence.pd import protocol as p
 from kvfence.pd.ioloop import IOLoop
 from kvfence.pd.pairing import pairing_problem
@@ -55,8 +55,10 @@ class DecodeService:
         timeout_s: float = 30.0,
         guards: p.Guards = p.ALL_ON,
         mooncake: Any = None,
+        secret: bytes = b"",
     ) -> None:
         self.engine = engine
+        self.secret = secret  # I8: every frame is MACed under keys derived from it
         # Set: prefill writes our pool one-sidedly; we cannot veto a write, only verify it.
         self.mooncake = mooncake
         if mooncake is not None:
@@ -181,8 +183,9 @@ class DecodeService:
     async def _connect(self, addr: str, peer: _Peer) -> None:
         try:
             host, port = addr.rsplit(":", 1)
-            conn = await Connection.open(host, int(port), timeout=self.timeout_s)
-            await conn.send(wire.Hello(self.info))
+            conn = await Connection.open(host, int(port), self.timeout_s, self.secret)
+            client_nonce = auth.new_nonce()
+            await conn.send(wire.Hello({**self.info, "nonce": client_nonce}))
             msg, _ = await asyncio.wait_for(conn.recv(), self.timeout_s)
             if isinstance(msg, wire.HelloRefused):
                 self.transfer_stats.inc("pairing_refused")
@@ -196,6 +199,7 @@ class DecodeService:
                 self.pairing_errors[addr] = problem
                 raise ConnectionError(f"refusing to pair with prefill {addr}: {problem}")
             self.pairing_errors.pop(addr, None)
+            conn.start_session(client_nonce, str(msg.info.get("nonce", "")))
             peer.conn = conn
         except (TimeoutError, OSError, ConnectionError, ValueError) as e:
             log.error("cannot use prefill %s: %s", addr, e)
@@ -214,6 +218,8 @@ class DecodeService:
                 msg, payload = await conn.recv()
                 self._on_message(msg, payload)
         except (ConnectionError, wire.WireError) as e:
+            if isinstance(e, wire.WireError):
+                self.transfer_stats.inc("bad_frames")
             log.warning("connection to prefill %s ended: %s", addr, e)
         finally:
             conn.close()

@@ -19,7 +19,7 @@ from kvfence.engine.admission import Admitted, Rejected
 from kvfence.engine.engine import Engine
 from kvfence.engine.request import GenerateRequest, RequestOutput, SamplingParams
 from kvfence.engine.sequence import SeqMode, Sequence
-from kvfence.pd import kvio, wire
+from kvfence.pd import auth, kvio, wire
 from kvfence.pd import protocol as p
 from kvfence.pd.ioloop import IOLoop
 from kvfence.pd.pairing import pairing_problem
@@ -51,9 +51,11 @@ class PrefillService:
         port: int,
         timeout_s: float = 30.0,
         mooncake: Any = None,
+        secret: bytes = b"",
     ) -> None:
         self.engine = engine
         self.info = info
+        self.secret = secret  # I8: every frame is MACed under keys derived from it
         # Set: pages go by one-sided writes into decode's pool; frames carry only checksums.
         self.mooncake = mooncake
         self._remote: dict[Connection, dict] = {}
@@ -135,7 +137,7 @@ class PrefillService:
     # ---- connections ----------------------------------------------------------------------------
 
     async def _serve_conn(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        conn = Connection(reader, writer)
+        conn = Connection(reader, writer, self.secret)
         self._conns.add(conn)
         try:
             if not await self._handshake(conn):
@@ -145,8 +147,9 @@ class PrefillService:
                 self._on_message(conn, msg)
         except asyncio.CancelledError:
             pass  # shutting down: asyncio would log a cancelled connection callback as an error
-        except (ConnectionError, wire.WireError, asyncio.IncompleteReadError) as e:
+        except (ConnectionError, wire.WireError, asyncio.IncompleteReadError, TimeoutError) as e:
             if isinstance(e, wire.WireError):
+                # Forged, replayed or malformed: counted, the connection dropped, nothing else.
                 self.transfer_stats.inc("bad_frames")
                 log.warning("dropping connection from %s: %s", conn.peer, e)
         finally:
@@ -169,7 +172,9 @@ class PrefillService:
             return False
         if self.mooncake is not None:
             self._remote[conn] = msg.info["mooncake"]
-        await conn.send(wire.HelloOk(self.info))
+        server_nonce = auth.new_nonce()
+        await conn.send(wire.HelloOk({**self.info, "nonce": server_nonce}))
+        conn.start_session(str(msg.info.get("nonce", "")), server_nonce)
         return True
 
     def _on_message(self, conn: Connection, msg: wire.Frame) -> None:

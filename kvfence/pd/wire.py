@@ -1,7 +1,8 @@
 """Wire format of the transfer protocol: length-prefixed frames of a JSON header and a payload.
 
-frame = MAGIC | u32 header_len | u64 payload_len | header (JSON) | payload. Sizes are bounded
-so a malformed or hostile frame is refused before anything is allocated for it.
+frame = MAGIC | u32 header_len | u64 payload_len | u64 seq | mac (32) | header (JSON) | payload.
+The MAC (pd/auth.py) covers everything but itself. Sizes are bounded so a malformed or hostile
+frame is refused before anything is allocated for it.
 """
 
 from __future__ import annotations
@@ -11,10 +12,11 @@ import struct
 from dataclasses import asdict, dataclass, fields
 from typing import Any
 
+from kvfence.pd import auth
 from kvfence.pd import protocol as p
 
-MAGIC = b"KVF1"
-_PREFIX = struct.Struct("!4sIQ")
+MAGIC = b"KVF2"
+_PREFIX = struct.Struct("!4sIQQ")  # magic, header_len, payload_len, seq; then the MAC
 MAX_HEADER = 64 << 20  # a RESERVE carries the prompt's token ids
 MAX_PAYLOAD = 1 << 30
 
@@ -64,22 +66,27 @@ _TYPES: dict[str, type] = {
 }
 
 
-def encode(msg: Frame, payload: bytes | memoryview = b"") -> list[bytes | memoryview]:
+def encode(
+    msg: Frame, payload: bytes | memoryview, seq: int, key: bytes
+) -> list[bytes | memoryview]:
     """The frame as buffers to write in order (the payload is not copied)."""
     header = json.dumps({"t": type(msg).__name__, **asdict(msg)}, separators=(",", ":")).encode()
-    return [_PREFIX.pack(MAGIC, len(header), len(payload)), header, payload]
+    prefix = _PREFIX.pack(MAGIC, len(header), len(payload), seq)
+    return [prefix, auth.mac(key, prefix, header, payload), header, payload]
 
 
-def parse_prefix(prefix: bytes) -> tuple[int, int]:
-    magic, header_len, payload_len = _PREFIX.unpack(prefix)
+def parse_prefix(prefix: bytes) -> tuple[int, int, int]:
+    """(header_len, payload_len, seq) of a frame's fixed part, checked before any allocation."""
+    magic, header_len, payload_len, seq = _PREFIX.unpack(prefix)
     if magic != MAGIC:
         raise WireError("bad magic")
     if header_len > MAX_HEADER or payload_len > MAX_PAYLOAD:
         raise WireError(f"frame too large ({header_len}, {payload_len})")
-    return header_len, payload_len
+    return header_len, payload_len, seq
 
 
 PREFIX_SIZE = _PREFIX.size
+MAC_SIZE = auth.MAC_SIZE
 
 
 def decode_header(raw: bytes) -> Frame:

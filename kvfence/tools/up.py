@@ -11,6 +11,7 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from collections import deque
@@ -22,6 +23,7 @@ from typing import IO
 import httpx
 
 from kvfence.cli import add_engine_args
+from kvfence.pd import auth
 
 BUNDLED_MODEL = Path(__file__).resolve().parents[2] / "models" / "kvfence-tiny"
 TRANSFER_BACKENDS = ("tcp", "mooncake")
@@ -84,6 +86,11 @@ def add_up_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--log-level", default="info")
     p.add_argument("--disaggregation-transfer-backend", default="tcp", choices=TRANSFER_BACKENDS)
     p.add_argument(
+        "--cluster-secret-file",
+        default=None,
+        help="secret the workers share (default: KVFENCE_CLUSTER_SECRET, else a new one)",
+    )
+    p.add_argument(
         "--prefill-kv-pool-tokens",
         type=int,
         default=None,
@@ -140,6 +147,8 @@ def worker_args(args: argparse.Namespace, role: str) -> list[str]:
         out += ["--kv-pool-tokens", str(role_pool)]
     if args.api_key_file:
         out += ["--api-key-file", args.api_key_file]
+    if getattr(args, "cluster_secret_file", None):
+        out += ["--cluster-secret-file", args.cluster_secret_file]
     out += ["--log-level", args.log_level]
     out += ["--disaggregation-mode", role]
     out += ["--disaggregation-transfer-backend", args.disaggregation_transfer_backend]
@@ -333,6 +342,16 @@ def run_up(args: argparse.Namespace) -> int:
     args.model = str(Path(args.model).resolve())
     if args.api_key_file:
         args.api_key_file = str(Path(args.api_key_file).resolve())
+    secret_dir = None
+    if args.cluster_secret_file:
+        args.cluster_secret_file = str(Path(args.cluster_secret_file).resolve())
+    elif not os.environ.get(auth.ENV):
+        # I8: the workers of this cluster share a fresh secret nobody else knows.
+        secret_dir = tempfile.TemporaryDirectory(prefix="kvfence-up-")
+        path = Path(secret_dir.name) / "cluster-secret"
+        path.touch(mode=0o600)
+        path.write_text(auth.new_secret())
+        args.cluster_secret_file = str(path)
 
     if not _can_bind(args.host, args.port):
         # Else an old server still on the port could answer our router's health check for it.
