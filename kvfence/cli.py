@@ -31,6 +31,11 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-running-requests", type=int, default=d.max_running_requests)
     p.add_argument("--seed", type=int, default=d.seed)
     p.add_argument("--unsafe-skip-preflight", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument(
+        "--kv-poison-on-free",
+        action="store_true",
+        help="debug: fill freed KV pages with NaN so any stale read shows up",
+    )
 
 
 def engine_config(args: argparse.Namespace) -> EngineConfig:
@@ -48,6 +53,7 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         max_running_requests=args.max_running_requests,
         seed=args.seed,
         unsafe_skip_preflight=args.unsafe_skip_preflight,
+        kv_poison_on_free=args.kv_poison_on_free,
     )
 
 
@@ -56,7 +62,8 @@ def add_pd_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--disaggregation-bootstrap-port", type=int, default=8998)
     p.add_argument("--disaggregation-transfer-backend", default="tcp", choices=("tcp", "mooncake"))
     p.add_argument(
-        "--cluster-secret-file", default=None,
+        "--cluster-secret-file",
+        default=None,
         help="secret shared by all PD workers (or KVFENCE_CLUSTER_SECRET); authenticates transfers",
     )
     p.add_argument(

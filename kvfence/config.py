@@ -30,6 +30,7 @@ class EngineConfig:
     # Tests only (needs KVFENCE_FAULT_INJECTION=1): run with a pool smaller than one context,
     # the incident's fault 1, so the other guards can be shown to hold without I7.
     unsafe_skip_preflight: bool = False
+    kv_poison_on_free: bool = False  # debug: NaN-fill freed pages so any stale read shows
 
     def __post_init__(self) -> None:
         if self.device != "cpu" and not self.device.startswith("cuda"):

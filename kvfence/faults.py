@@ -28,7 +28,7 @@ POINTS = frozenset(
         "kill_prefill",  # the prefill process dies right after sending a room's first page
         "kill_decode",  # the decode process dies right after applying a room's first page
         "client_disconnect",  # decode's client goes away right after the first page arrives
-    "skip_mac",  # transfer connections accept frames whatever their MAC and sequence (I8)
+        "skip_mac",  # transfer connections accept frames whatever their MAC and sequence (I8)
     }
 )
 STALL_S = 3.0

@@ -4,6 +4,7 @@ mismatch fails that request closed and leaves the others sound. The twin turns t
 from __future__ import annotations
 
 import pytest
+import torch
 from conftest import random_prompts
 
 from kvfence import faults
@@ -57,7 +58,7 @@ def make_pool(pages: int = 4) -> KVPool:
         page_size=4,
         num_kv_heads=1,
         head_dim=2,
-        dtype=__import__("torch").float32,
+        dtype=torch.float32,
         device="cpu",
     )
 
@@ -84,3 +85,37 @@ def test_i2_pool_allocation_is_all_or_nothing() -> None:
     with pytest.raises(PoolExhausted):
         pool.allocate(g, 4)
     assert pool.num_free == 3
+
+
+def test_poison_on_free_nans_freed_pages_and_answers_stay_exact(checkpoint_dir) -> None:
+    model_dir = str(checkpoint_dir("llama"))
+    prompts = random_prompts([5, 40, 70], vocab=256, seed=12)
+    plain = LLM(model_dir, kv_pool_tokens=256, context_length=128)
+    poisoned = LLM(model_dir, kv_pool_tokens=256, context_length=128, kv_poison_on_free=True)
+    want = [c.token_ids for c in plain.generate(prompts, PARAMS)]
+    assert [c.token_ids for c in poisoned.generate(prompts, PARAMS)] == want
+    assert [c.token_ids for c in poisoned.generate(prompts, PARAMS)] == want  # reused pages
+    pool = poisoned.engine.pool
+    used = pool.written_by[1:] != -1  # pages that held data, all free again now
+    assert used.any() and torch.isnan(pool.k[:, pool.page_size :]).any()
+
+
+def test_poison_twin_a_stale_read_shows_as_nan_garbage(checkpoint_dir) -> None:
+    """With the tag check off, a page table pointing at a freed page reads poison: the answer
+    is visibly broken instead of silently carrying someone's stale data."""
+    llm = LLM(
+        str(checkpoint_dir("llama")), kv_pool_tokens=256, context_length=128, kv_poison_on_free=True
+    )
+    prompt = random_prompts([40], vocab=256, seed=13)[0]
+    [want] = llm.generate([prompt], PARAMS)
+    engine = llm.engine
+    outs: list[RequestOutput] = []
+    engine.submit(GenerateRequest("s", "t", tuple(prompt), PARAMS), outs.append)
+    engine.step()
+    seq = engine.scheduler.running[0]
+    seq.pages[0] = next(p for p in range(1, engine.pool.num_pages + 1) if p not in seq.pages)
+    with faults.injected("skip_tag_check"), pytest.raises(OwnershipError):
+        while not (outs and outs[-1].finished):
+            engine.step()
+    got = [t for o in outs for t in o.new_token_ids]
+    assert got != want.token_ids[: len(got)] or not got

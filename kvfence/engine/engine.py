@@ -88,6 +88,7 @@ class Engine:
             head_dim=self.model_config.head_dim,
             dtype=TORCH_DTYPES[cfg.effective_kv_cache_dtype],
             device=self.device,
+            poison_on_free=cfg.kv_poison_on_free,
         )
         self.limits = AdmissionLimits(
             context_length=self.context_length,

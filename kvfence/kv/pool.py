@@ -46,7 +46,9 @@ class KVPool:
         head_dim: int,
         dtype: torch.dtype,
         device: torch.device | str,
+        poison_on_free: bool = False,
     ) -> None:
+        self.poison_on_free = poison_on_free  # debug: NaN-fill freed pages so stale reads show
         self.num_layers = num_layers
         self.num_pages = num_pages  # usable pages; the null page comes on top
         self.page_size = page_size
@@ -112,20 +114,25 @@ class KVPool:
         idx = torch.tensor(pages, dtype=torch.int64, device=self.device)
         if not bool((self.owner_grant[idx] == grant.grant_id).all()):
             raise OwnershipError(f"grant {grant.grant_id} frees pages it does not own")
-        self.owner_grant[idx] = FREE
-        self.owner_tenant[idx] = FREE
-        self.generation[idx] += 1
+        self._release(idx)
         self._free.extend(pages)
 
     def free_grant(self, grant: Grant) -> int:
         """Return every page grant owns, found from the side table rather than a page list that
         may be corrupt (the path after an ownership check failed). Returns the page count."""
         idx = torch.nonzero(self.owner_grant == grant.grant_id).flatten()
+        self._release(idx)
+        self._free.extend(idx.tolist())
+        return int(idx.numel())
+
+    def _release(self, idx: torch.Tensor) -> None:
         self.owner_grant[idx] = FREE
         self.owner_tenant[idx] = FREE
         self.generation[idx] += 1
-        self._free.extend(idx.tolist())
-        return int(idx.numel())
+        if self.poison_on_free and idx.numel():
+            slots = idx[:, None] * self.page_size + torch.arange(self.page_size, device=idx.device)
+            self.k[:, slots.flatten()] = float("nan")
+            self.v[:, slots.flatten()] = float("nan")
 
     def check_owned(
         self,

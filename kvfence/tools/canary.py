@@ -297,6 +297,7 @@ def build_prompt(
             drop += 1
             dropped += len(pieces[-drop][0])
         pieces = pieces[:-drop]
+
     # Then pad up to the target; a pad that overshoots (a merging tokenizer) steps back.
     def fit_pad(parts: list[tuple[str, int | None]]) -> tuple[int, int]:
         pad = 0
