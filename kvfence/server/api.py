@@ -20,6 +20,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel, ValidationError
 from starlette.types import Receive, Scope, Send
 
+from kvfence import faults
 from kvfence.engine.request import FinishReason, GenerateRequest, RequestOutput, SamplingParams
 from kvfence.server.app_state import AppState, EngineLike, Event, Generation, TokenizerLike
 from kvfence.server.auth import Authenticator, load_api_keys
@@ -267,6 +268,8 @@ def _record(request: Request) -> RequestRecord:
 def _authenticate(state: AppState, request: Request) -> str:
     # I6: the tenant comes from the credential only; body fields and headers never name it.
     tenant = state.auth.tenant_for(request.headers.get("authorization"))
+    if faults.active("tenant_from_header") and request.headers.get("x-tenant"):
+        tenant = request.headers["x-tenant"]  # the bug I6 forbids, for its twin test only
     _record(request).tenant = tenant
     return tenant
 
