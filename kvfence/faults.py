@@ -29,7 +29,8 @@ POINTS = frozenset(
         "kill_decode",  # the decode process dies right after applying a room's first page
         "client_disconnect",  # decode's client goes away right after the first page arrives
         "skip_mac",  # transfer connections accept frames whatever their MAC and sequence (I8)
-    "tenant_from_header",  # the HTTP layer believes an X-Tenant header (I6)
+        "tenant_from_header",  # the HTTP layer believes an X-Tenant header (I6)
+        "skip_pairing_check",  # prefill and decode pair whatever facts they exchanged (I7)
     }
 )
 STALL_S = 3.0

@@ -33,22 +33,24 @@ class PDPair:
         timeout_s: float = 10.0,
         guards: Guards = ALL_ON,
         backend: str = "tcp",
+        decode_model: str | None = None,
+        decode_kwargs: dict | None = None,
         **engine_kwargs,
     ) -> None:
-        fp = model_fingerprint(model)
+        decode_model = decode_model or model
         pe = Engine(EngineConfig(model=model, **engine_kwargs))
-        de = Engine(EngineConfig(model=model, **engine_kwargs))
+        de = Engine(EngineConfig(model=decode_model, **{**engine_kwargs, **(decode_kwargs or {})}))
         pm = dm = None
         if backend == "mooncake":
             from kvfence.pd.transport.mooncake import MooncakeEndpoint
 
             pm, dm = MooncakeEndpoint(pe.pool), MooncakeEndpoint(de.pool)
         self.endpoints = [e for e in (pm, dm) if e is not None]
-        p_info = node_info(pe, "prefill", fp, backend)
+        p_info = node_info(pe, "prefill", model_fingerprint(model), backend)
         self.prefill = PrefillService(
             pe, p_info, "127.0.0.1", 0, timeout_s, mooncake=pm, secret=SECRET
         )
-        d_info = node_info(de, "decode", fp, backend)
+        d_info = node_info(de, "decode", model_fingerprint(decode_model), backend)
         self.decode = DecodeService(de, d_info, timeout_s, guards, mooncake=dm, secret=SECRET)
         self.prefill.start()
         self.decode.start()

@@ -121,6 +121,7 @@ class DecodeService:
             "page_size": self.engine.pool.page_size,
             "pairing_errors": dict(self.pairing_errors),
             "counters": self.transfer_stats.snapshot(),
+            "pairing": {k: v for k, v in self.info.items() if k != "mooncake"},
         }
 
     # ---- engine hooks (engine thread) -----------------------------------------------------------

@@ -107,6 +107,7 @@ class PrefillService:
             "context_length": self.engine.context_length,
             "page_size": self.engine.pool.page_size,
             "counters": self.transfer_stats.snapshot(),
+            "pairing": {k: v for k, v in self.info.items() if k != "mooncake"},
         }
 
     # ---- the engine facade the HTTP layer talks to ------------------------------------------

@@ -28,6 +28,7 @@ from prometheus_client.registry import Collector
 from starlette.requests import ClientDisconnect
 from starlette.types import Message, Receive, Scope, Send
 
+from kvfence.pd.pairing import pairing_problem
 from kvfence.server.auth import ApiKeyFileError, Authenticator, load_api_keys
 from kvfence.server.errors import SERVER_ERROR, APIError, install_handlers
 
@@ -135,8 +136,12 @@ class WorkerPool:
         # A prefill nobody can reach over the transfer protocol is no use to a decode.
         return w.healthy and (self.role is Role.DECODE or w.bootstrap is not None)
 
-    def pick(self, exclude: Sequence[Worker] = ()) -> Worker | None:
-        candidates = [w for w in self.workers if self.usable(w) and w not in exclude]
+    def pick(self, exclude: Sequence[Worker] = (), partner: Worker | None = None) -> Worker | None:
+        candidates = [
+            w
+            for w in self.workers
+            if self.usable(w) and w not in exclude and pairing_error(w, partner) is None
+        ]
         if not candidates:
             return None
         least = min(w.in_flight for w in candidates)
@@ -305,12 +310,35 @@ class RouterState:
         self.rooms.discard(room)
 
     def health(self) -> tuple[bool, dict[str, Any]]:
-        ok = self.prefill.healthy_count() > 0 and self.decode.healthy_count() > 0
+        pairs, refused = 0, []
+        for d in self.decode.workers:
+            for pf in self.prefill.workers:
+                if not (self.decode.usable(d) and self.prefill.usable(pf)):
+                    continue
+                problem = pairing_error(pf, d)
+                if problem is None:
+                    pairs += 1
+                else:
+                    refused.append({"prefill": pf.name, "decode": d.name, "error": problem})
+        ok = pairs > 0
         workers = [w.status() for pool in self.pools() for w in pool.workers]
         body: dict[str, Any] = {"status": "ok" if ok else "unavailable", "workers": workers}
+        if refused:
+            # I7: a pair that must not exchange KV is never used, and the operator sees why.
+            body["pairing_errors"] = refused
         if not ok:
             body.update(_no_workers().body())
         return ok, body
+
+
+def pairing_error(a: Worker, b: Worker | None) -> str | None:
+    """Why a prefill and a decode must not pair (I7), from the facts each reports in /pd/info."""
+    if b is None or a.info is None or b.info is None:
+        return None
+    fa, fb = a.info.get("pairing"), b.info.get("pairing")
+    if not isinstance(fa, dict) or not isinstance(fb, dict):
+        return None  # a worker that reports no pairing facts pairs at the transfer handshake
+    return pairing_problem(fa, fb)
 
 
 def _error_message(r: httpx.Response) -> str:
@@ -525,8 +553,8 @@ class _Relay(Response):
         st, p = self._state, self._p
         tried: list[Worker] = []
         for attempt in range(2):
-            prefill = st.prefill.pick() if self._paired else None
             decode = st.decode.pick(exclude=tried)
+            prefill = st.prefill.pick(partner=decode) if self._paired and decode else None
             if decode is None or (self._paired and prefill is None):
                 await self._send_error(send, _unreachable() if tried else _no_workers())
                 return

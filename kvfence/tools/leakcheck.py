@@ -276,7 +276,9 @@ def _parse_reply(r: httpx.Response, chat: bool) -> Reply:
             message, code = str(err.get("message", "")), err.get("code")
         else:
             message, code = str(err or body.get("detail") or body)[:500], None
-        where = f" (redirect to {r.headers.get('location')!r} not followed)" if r.is_redirect else ""
+        where = ""
+        if r.is_redirect:
+            where = f" (redirect to {r.headers.get('location')!r} not followed)"
         return Reply(r.status_code, error=message + where, error_code=str(code) if code else None)
     reply = Reply(r.status_code, server_id=body.get("id"))
     for choice in body.get("choices") or []:
@@ -485,7 +487,9 @@ class Run:
         self._ids += 1
         return f"lc-{self._ids:05d}-{probe}"
 
-    def prompt(self, tenant: Tenant, probe: str, tokens: int, *, records: bool = True) -> CanaryPrompt:
+    def prompt(
+        self, tenant: Tenant, probe: str, tokens: int, *, records: bool = True
+    ) -> CanaryPrompt:
         t = self.target
         assert t is not None
         count = approx_counter(t.chars_per_token)
@@ -740,8 +744,9 @@ class Run:
         await self.send("admission", "2N", b, p, 16)
         p, c = await self.fit(a, max(8, n - 48), "N-48")
         if c is not None and c < n:
-            await self.send("admission", "prompt + max_tokens = N+1", a, p, n - c + 1,
-                            known_tokens=c)
+            await self.send(
+                "admission", "prompt + max_tokens = N+1", a, p, n - c + 1, known_tokens=c
+            )
 
     # -- probe 1: canary cross-talk
 
@@ -754,8 +759,9 @@ class Run:
             tenant = t.tenants[i % len(t.tenants)]
             p = self.prompt(tenant, "crosstalk", self.rng.randint(min(48, hi), hi))
             chat = t.chat and i % 3 == 2
-            await self.send("crosstalk", "canary recall", tenant, p, 24, chat=chat,
-                            stream=i % 5 == 4)
+            await self.send(
+                "crosstalk", "canary recall", tenant, p, 24, chat=chat, stream=i % 5 == 4
+            )
 
         await self.pool(n, one)
 
@@ -778,7 +784,7 @@ class Run:
             def fill(_: int, a: Tenant = a) -> Awaitable[object]:
                 # Log-uniform lengths: an unknown pool keeps only the prompts that fit it.
                 size = int(math.exp(self.rng.uniform(math.log(ctx * 0.1), math.log(ctx * 0.9))))
-                return self.send("stale_bait", "fill", a, self.prompt(a, "stale_bait", size), 8)
+                return self.send("stale_bait", "fill", a, self.prompt(a, "stale_bait", size), 16)
 
             await asyncio.gather(*(fill(i) for i in range(min(6, self.left - stop))))
 
@@ -795,7 +801,12 @@ class Run:
                 long_legal(),
                 self.send("stale_bait", "over-length", b, over, 32),
                 self.send(
-                    "stale_bait", "aborted long", b, aborted, 32, stream=True,
+                    "stale_bait",
+                    "aborted long",
+                    b,
+                    aborted,
+                    32,
+                    stream=True,
                     cut_after=self.rng.choice([1, 2]),
                 ),
             )
@@ -823,20 +834,36 @@ class Run:
             cut = self.rng.choice([0, 1, 2, 5])
             if cut == 0:  # hang up before the answer starts (possibly mid-transfer)
                 await self.send(
-                    "cancellation", "cut before first token", x, p, 64, stream=True,
+                    "cancellation",
+                    "cut before first token",
+                    x,
+                    p,
+                    64,
+                    stream=True,
                     cancel_after_s=self.rng.uniform(0.01, 0.2),
                 )
             else:
                 await self.send(
-                    "cancellation", f"cut after {cut} chunks", x, p, 64, stream=True,
+                    "cancellation",
+                    f"cut after {cut} chunks",
+                    x,
+                    p,
+                    64,
+                    stream=True,
                     cut_after=cut,
                 )
             size = max(24, min(160, ctx // 6))
             await asyncio.gather(
-                self.send("cancellation", "bare cue after cut", y,
-                          self.prompt(y, "cancellation", size, records=False), 32),
-                self.send("cancellation", "recall after cut", y,
-                          self.prompt(y, "cancellation", size), 32),
+                self.send(
+                    "cancellation",
+                    "bare cue after cut",
+                    y,
+                    self.prompt(y, "cancellation", size, records=False),
+                    32,
+                ),
+                self.send(
+                    "cancellation", "recall after cut", y, self.prompt(y, "cancellation", size), 32
+                ),
             )
 
     async def run(self) -> None:
@@ -898,7 +925,9 @@ def build_report(
                     "server_id": o.reply.server_id,
                     "status": o.reply.status,
                     "prompt_tokens": o.prompt_tokens,
-                    **leak.as_dict(),
+                    **{k: v for k, v in leak.as_dict().items() if k != "kind"},
+                    "leak_kind": leak.kind,
+                    "cross_tenant": leak.cross_tenant,
                     "output_excerpt": _excerpt(o.reply.text + (o.reply.error or ""), leak.fragment),
                 }
             )
@@ -974,7 +1003,7 @@ def render_summary(report: dict[str, Any]) -> str:
             lines.append(
                 f"  LEAK [{f['probe']}: {f['case']}] request {f['request_id']} "
                 f"(tenant {f['reader_tenant']}, HTTP {f['status']}) holds {f['fragment']!r} of "
-                f"request {f['owner_request_id']} (tenant {f['owner_tenant']}, {f['kind']})"
+                f"request {f['owner_request_id']} (tenant {f['owner_tenant']}, {f['leak_kind']})"
             )
         else:
             lines.append(
@@ -1024,7 +1053,9 @@ def parse_args(argv: Sequence[str] | None) -> Settings:
     p.add_argument(
         "--api-key", action="append", default=[], help="repeat: each key is a tenant (2+ best)"
     )
-    p.add_argument("--api-key-file", default=None, help="lines of `key [tenant]` (keeps keys off ps)")
+    p.add_argument(
+        "--api-key-file", default=None, help="lines of `key [tenant]` (keeps keys off ps)"
+    )
     p.add_argument("--model", default=None, help="default: the first model of /v1/models")
     p.add_argument(
         "--context-length", type=int, default=None, help="default: what /v1/models reports"
