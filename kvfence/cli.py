@@ -1,4 +1,4 @@
-"""The `kvfence` command: serve | router | up | preflight."""
+"""The `kvfence` command: serve | router | up | preflight | leakcheck | check-protocol."""
 
 from __future__ import annotations
 
@@ -137,6 +137,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     sub.add_parser("router", help="OpenAI entry point in front of prefill/decode", add_help=False)
     sub.add_parser("up", help="router + N prefill + M decode workers here", add_help=False)
+    sub.add_parser(
+        "leakcheck", help="check any OpenAI endpoint's answers for other requests' KV",
+        add_help=False,
+    )
     argv = list(sys.argv[1:] if argv is None else argv)
     # These load their own modules only when asked, so `serve` stays light.
     if argv[:1] == ["preflight"]:
@@ -151,6 +155,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         from kvfence.tools.up import main as up_main
 
         return up_main(argv[1:])
+    if argv[:1] == ["leakcheck"]:
+        from kvfence.tools.leakcheck import main as leakcheck_main
+
+        return leakcheck_main(argv[1:])
     args = parser.parse_args(argv)
     logging.basicConfig(
         level=getattr(args, "log_level", "info").upper(),

@@ -27,7 +27,7 @@ POINTS = frozenset(
         "late_write",  # prefill keeps sending a room's pages after it acknowledged the abort (I4)
         "kill_prefill",  # the prefill process dies right after sending a room's first page
         "kill_decode",  # the decode process dies right after applying a room's first page
-        "client_disconnect",  # decode's client goes away right after the first page arrives
+        "client_disconnect",  # decode's client goes away right after its RESERVE was sent
         "skip_mac",  # transfer connections accept frames whatever their MAC and sequence (I8)
         "tenant_from_header",  # the HTTP layer believes an X-Tenant header (I6)
         "skip_pairing_check",  # prefill and decode pair whatever facts they exchanged (I7)

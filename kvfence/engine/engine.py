@@ -221,8 +221,13 @@ class Engine:
                 continue  # finished already: every later message is a no-op
             if kind == "abort":
                 self._abort(seq)
-            elif kind == "commit" and seq.status is SeqStatus.HANDOFF and not seq.client_done:
-                self._commit(seq, payload[1], payload[2])  # type: ignore[index]
+            elif kind == "commit" and seq.status is SeqStatus.HANDOFF:
+                if seq.client_done:
+                    # The client left while the last pages were in flight; the transfer is
+                    # complete now, so no writer remains and the pages can go.
+                    self._finish(seq, FinishReason.ABORT)
+                else:
+                    self._commit(seq, payload[1], payload[2])  # type: ignore[index]
             elif kind == "fail":
                 _, error, code, status = payload  # type: ignore[misc]
                 emit(seq, len(seq.text), FinishReason.ERROR, error, code, status)

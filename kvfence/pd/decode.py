@@ -172,6 +172,9 @@ class DecodeService:
             await peer.conn.send(r)
         except ConnectionError:
             pass  # the reader task feeds ConnectionLost for every room of this peer
+        if faults.active("client_disconnect"):
+            # The client hangs up mid-transfer: by then prefill is computing or sending.
+            asyncio.get_running_loop().call_later(0.5, self.engine.abort, r.room)
 
     async def _peer(self, addr: str) -> _Peer:
         peer = self.peers.get(addr)
@@ -278,8 +281,6 @@ class DecodeService:
         self._feed(msg.room, p.PageArrived(msg.index, msg.n_tokens, msg.checksum, intact))
         if msg.index == 0 and faults.active("kill_decode"):
             os._exit(137)
-        if msg.index == 0 and faults.active("client_disconnect"):
-            self.engine.abort(msg.room)
 
     def _on_done(self, done: p.Done) -> None:
         room = self.rooms.get(done.room)

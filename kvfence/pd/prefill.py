@@ -275,9 +275,10 @@ class PrefillService:
     async def _send_pages(self, rid: str, room: _Room) -> None:
         assert room.seq is not None and room.first_token is not None
         n_tokens = room.seq.prompt_len  # what was computed (a placeholder's is shorter)
+        late = faults.active("late_write")
         if faults.active("stall_transfer"):
             await asyncio.sleep(faults.STALL_S)
-            if room.stop_sending or room.conn.closed:
+            if (room.stop_sending and not late) or room.conn.closed:
                 return
         try:
             payloads = kvio.read_pages(self.engine.pool, list(room.seq.pages), n_tokens)
@@ -298,7 +299,6 @@ class PrefillService:
                     n_tokens,
                 )
                 await room.writing
-            late = faults.active("late_write")
             for i, (payload, count) in enumerate(zip(payloads, counts, strict=True)):
                 if (room.stop_sending and not late) or room.conn.closed:
                     return

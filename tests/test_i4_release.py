@@ -1,0 +1,88 @@
+"""I4: a page returns to the free list only when no writer can still write it. Late writes
+after an abort are refused and counted; a prefill that never acknowledges an abort is fenced by
+closing its connection. Either way the pools return to baseline and later answers are exact."""
+
+from __future__ import annotations
+
+import contextlib
+
+import pytest
+from conftest import random_prompts
+from pd_harness import PDPair, Result, finished_ok
+from procs import wait_until
+
+from kvfence import faults
+from kvfence.engine.llm import LLM
+from kvfence.engine.request import FinishReason, SamplingParams
+
+GREEDY = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+LONG = random_prompts([60], 256, seed=41)[0]  # 4 pages
+CHECK = random_prompts([25], 256, seed=42)[0]
+
+
+@pytest.fixture(scope="module")
+def model_dir(checkpoint_dir) -> str:
+    return str(checkpoint_dir("llama"))
+
+
+@contextlib.contextmanager
+def armed(*names: str):
+    """Faults stay armed for the whole test: the prefill acts on them after the client left."""
+    with contextlib.ExitStack() as stack:
+        for name in names:
+            stack.enter_context(faults.injected(name))
+        yield
+
+
+def run(model_dir: str, timeout_s: float = 10.0) -> tuple[PDPair, Result, list[int]]:
+    want = LLM(model_dir, kv_pool_tokens=512, context_length=128).generate([CHECK], GREEDY)
+    pair = PDPair(model_dir, timeout_s=timeout_s, kv_pool_tokens=512, context_length=128)
+    _, r = pair.submit(LONG, GREEDY)
+    assert isinstance(r, Result) and r.done.wait(30)
+    return pair, r, want
+
+
+def test_i4_late_writes_after_an_abort_are_refused(model_dir: str) -> None:
+    with armed("client_disconnect", "stall_transfer", "late_write"):
+        pair, r, want = run(model_dir)
+        try:
+            assert r.final.finish_reason is FinishReason.ABORT
+            assert pair.wait_idle(), pair.pages_used()
+            # After its stall the faulty prefill writes all 4 pages anyway, after its ABORT_ACK.
+            dropped = lambda: pair.decode.transfer_stats.get("late_writes_dropped")  # noqa: E731
+            assert wait_until(lambda: dropped() == 4), dropped()
+        except BaseException:
+            pair.close()
+            raise
+    try:
+        [after] = pair.generate([CHECK], GREEDY)  # reuses the aborted room's pages
+        assert finished_ok(after) and after.token_ids == want[0].token_ids
+    finally:
+        pair.close()
+
+
+def test_i4_missing_abort_ack_is_fenced_by_closing_the_connection(model_dir: str) -> None:
+    with armed("client_disconnect", "stall_transfer", "drop_abort_ack"):
+        pair, r, want = run(model_dir, timeout_s=1.0)
+        idle = pair.wait_idle(timeout=10)
+    try:
+        assert r.final.finish_reason is FinishReason.ABORT
+        assert idle, pair.pages_used()
+        [after] = pair.generate([CHECK], GREEDY)  # over a fresh connection
+        assert finished_ok(after) and after.token_ids == want[0].token_ids
+    finally:
+        pair.close()
+
+
+def test_i4_twin_without_the_fence_pages_stay_held(model_dir: str) -> None:
+    """The fence-by-close is what frees a room whose ack never comes: without the timeout
+    (here: a timeout longer than the test waits) the pages stay held, which the check sees."""
+    with armed("client_disconnect", "stall_transfer", "drop_abort_ack"):
+        pair, r, _ = run(model_dir, timeout_s=60.0)
+        idle = pair.wait_idle(timeout=4)
+    try:
+        assert r.final.finish_reason is FinishReason.ABORT
+        with pytest.raises(AssertionError):
+            assert idle, pair.pages_used()
+    finally:
+        pair.close()
