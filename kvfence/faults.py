@@ -7,6 +7,7 @@ armed it in-process; nothing reachable from HTTP can arm one.
 from __future__ import annotations
 
 import os
+import random
 from collections.abc import Iterator
 from contextlib import contextmanager
 
@@ -33,13 +34,18 @@ POINTS = frozenset(
         "skip_pairing_check",  # prefill and decode pair whatever facts they exchanged (I7)
     }
 )
-STALL_S = 3.0
+STALL_S = float(os.environ.get("KVFENCE_STALL_S", "3.0"))
+# Chaos: env-armed points fire at each check with this probability instead of always.
+_RATE = float(os.environ.get("KVFENCE_FAULT_RATE", "1.0"))
 
 _armed: set[str] = set()
+_random = random.Random()
 
 
 def active(point: str) -> bool:
-    return bool(_armed) and point in _armed
+    if not _armed or point not in _armed:
+        return False
+    return _RATE >= 1.0 or _random.random() < _RATE
 
 
 def arm(point: str) -> None:

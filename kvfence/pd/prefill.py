@@ -276,6 +276,7 @@ class PrefillService:
         assert room.seq is not None and room.first_token is not None
         n_tokens = room.seq.prompt_len  # what was computed (a placeholder's is shorter)
         late = faults.active("late_write")
+        corrupt = faults.active("corrupt_page")  # decided once per room (chaos fires per room)
         if faults.active("stall_transfer"):
             await asyncio.sleep(faults.STALL_S)
             if (room.stop_sending and not late) or room.conn.closed:
@@ -304,7 +305,7 @@ class PrefillService:
                     return
                 c = kvio.checksum(payload)
                 sums.append((i, c))
-                if faults.active("corrupt_page"):
+                if i == 0 and corrupt:
                     payload = bytes([payload[0] ^ 0xFF]) + payload[1:]
                 wire_payload = b"" if self.mooncake is not None else payload
                 await room.conn.send(p.Page(rid, i, count, c), wire_payload)

@@ -29,20 +29,46 @@ def parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="kvfence check-protocol", description=__doc__)
     ap.add_argument("--config", choices=("small", "medium"), default="small")
     ap.add_argument(
-        "--without", nargs="+", action="extend", default=[], choices=TWINS, metavar="GUARD",
+        "--without",
+        nargs="+",
+        action="extend",
+        default=[],
+        choices=TWINS,
+        metavar="GUARD",
         help=f"remove guards (mutation twins): {', '.join(TWINS)}",
     )
-    ap.add_argument("--with-placeholder", action="store_true",
-                    help="the incident's path: a rejected prompt continues as a 1-token placeholder")
-    ap.add_argument("--fifo", dest="fifo", action="store_true", default=True,
-                    help="per-connection order holds (the default; tcp is one ordered stream)")
-    ap.add_argument("--no-fifo", dest="fifo", action="store_false",
-                    help="drop the ordering assumption: any message or write may arrive any time")
+    ap.add_argument(
+        "--with-placeholder",
+        action="store_true",
+        help="the incident's path: a rejected prompt continues as a 1-token placeholder",
+    )
+    ap.add_argument(
+        "--fifo",
+        dest="fifo",
+        action="store_true",
+        default=True,
+        help="per-connection order holds (the default; tcp is one ordered stream)",
+    )
+    ap.add_argument(
+        "--no-fifo",
+        dest="fifo",
+        action="store_false",
+        help="drop the ordering assumption: any message or write may arrive any time",
+    )
     ap.add_argument("--transport", choices=("tcp", "mooncake"), default="tcp")
-    ap.add_argument("--assume-fixed", nargs="+", action="extend", default=[], metavar="FINDING",
-                    help="model these runtime findings as fixed ('all' for every one)")
-    ap.add_argument("--all-counterexamples", action="store_true",
-                    help="print the shortest trace of every violated invariant, not just one")
+    ap.add_argument(
+        "--assume-fixed",
+        nargs="+",
+        action="extend",
+        default=[],
+        metavar="FINDING",
+        help="model these runtime findings as fixed ('all' for every one)",
+    )
+    ap.add_argument(
+        "--all-counterexamples",
+        action="store_true",
+        help="print the shortest trace of every violated invariant, not just one",
+    )
     ap.add_argument("--max-states", type=int, default=None)
     return ap
 

@@ -85,6 +85,8 @@ def add_up_args(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--log-level", default="info")
     p.add_argument("--disaggregation-transfer-backend", default="tcp", choices=TRANSFER_BACKENDS)
+    p.add_argument("--disaggregation-timeout", type=float, default=None,
+                   help="seconds a KV transfer may take before it is aborted (workers' default 30)")
     p.add_argument(
         "--cluster-secret-file",
         default=None,
@@ -147,6 +149,8 @@ def worker_args(args: argparse.Namespace, role: str) -> list[str]:
         out += ["--kv-pool-tokens", str(role_pool)]
     if args.api_key_file:
         out += ["--api-key-file", args.api_key_file]
+    if getattr(args, "disaggregation_timeout", None) is not None:
+        out += ["--disaggregation-timeout", str(args.disaggregation_timeout)]
     if getattr(args, "cluster_secret_file", None):
         out += ["--cluster-secret-file", args.cluster_secret_file]
     out += ["--log-level", args.log_level]

@@ -1,0 +1,27 @@
+"""Chaos soak, bounded for CI (30 s per configuration, 1P1D and 2P1D): random faults with all
+guards on, three tenants with canaries. `python -m kvfence.tools.chaos --duration 600` soaks
+longer."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from conftest import TINY_MODEL
+
+from kvfence.tools.chaos import run
+
+
+@pytest.mark.parametrize("prefill", [1, 2], ids=["1P1D", "2P1D"])
+def test_chaos_soak_all_guards_on(prefill: int) -> None:
+    res = run(str(TINY_MODEL), prefill, duration=30.0)
+    print(json.dumps(res, indent=1))  # the counts, for the CI log
+    assert res["requests"] >= 40, res
+    assert res["fault_effects_seen"] > 0, "no fault fired: the soak proved nothing"
+    assert res["leaks"] == [], "a foreign canary reached an answer"
+    assert res["short_or_wrong_200"] == [], "a 200 carried a short or over-length answer"
+    assert res["pools_at_baseline"], "pages leaked"
+    assert not res["crashed"]
+    outcomes = res["outcomes"]
+    assert outcomes.get("ok_200", 0) > 0 and outcomes.get("http_400", 0) > 0
+    assert not any(k.startswith(("unexpected", "client_error")) for k in outcomes), outcomes
