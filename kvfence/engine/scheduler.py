@@ -3,11 +3,14 @@ by recompute (newest first) when a running sequence needs a page and none is fre
 
 from __future__ import annotations
 
+import logging
 from collections import deque
 from dataclasses import dataclass
 
 from kvfence.engine.sequence import SeqMode, SeqStatus, Sequence
-from kvfence.kv.pool import KVPool
+from kvfence.kv.pool import KVPool, OwnershipError
+
+log = logging.getLogger("kvfence.engine")
 
 
 @dataclass(frozen=True)
@@ -144,6 +147,14 @@ class Scheduler:
 
     def _release(self, seq: Sequence) -> None:
         assert seq.grant is not None
-        self.pool.free(seq.grant, seq.pages)
+        try:
+            self.pool.free(seq.grant, seq.pages)
+        except OwnershipError:
+            # The page list is corrupt (a bug elsewhere): free what the grant really owns, so
+            # the pool stays sound and no foreign page is handed out twice.
+            log.error(
+                "request %s: page list not owned by its grant; freeing by grant", seq.request_id
+            )
+            self.pool.free_grant(seq.grant)
         seq.pages = []
         seq.grant = None

@@ -14,6 +14,8 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
+import torch
+
 from kvfence import faults
 from kvfence.engine.admission import Admitted, Rejected
 from kvfence.engine.engine import Engine
@@ -281,6 +283,10 @@ class PrefillService:
             await asyncio.sleep(faults.STALL_S)
             if (room.stop_sending and not late) or room.conn.closed:
                 return
+        if not self._source_is_sound(room.seq, n_tokens):
+            self.transfer_stats.inc("source_integrity_errors")
+            self._feed(rid, p.ComputeFailed("kv_integrity_error", "KV source check failed"))
+            return
         try:
             payloads = kvio.read_pages(self.engine.pool, list(room.seq.pages), n_tokens)
             counts = kvio.page_token_counts(n_tokens, self.engine.pool.page_size)
@@ -330,6 +336,34 @@ class PrefillService:
         self.transfer_stats.inc("transfers_done")
         self.transfer_stats.observe_latency(time.monotonic() - room.started)
         self._feed(rid, p.SendComplete(done))
+
+    def _source_is_sound(self, seq: Sequence, n_tokens: int) -> bool:
+        """I2 on the transfer source: every page sent must be owned by the room's grant and
+        hold data written under it (one compare over the room's pages)."""
+        if faults.active("skip_tag_check") or seq.grant is None:
+            return seq.grant is not None
+        pool = self.engine.pool
+        pages = torch.tensor(seq.pages, dtype=torch.int64, device=pool.device)[None, :]
+        n_pages = pool.pages_for(n_tokens)
+        cols = torch.arange(pages.shape[1], device=pool.device)[None, :]
+        bad = pool.check_owned(
+            pages,
+            torch.tensor([seq.grant.grant_id], device=pool.device),
+            torch.tensor([seq.grant.tenant_id], device=pool.device),
+            torch.ones_like(pages, dtype=torch.bool),
+            cols < n_pages,
+        )
+        if bool(bad[0]):
+            log.error(
+                "transfer source check failed: room=%s tenant=%s pages=%s owners=%s written_by=%s",
+                seq.request_id,
+                seq.tenant,
+                seq.pages,
+                pool.owner_grant[pages[0]].tolist(),
+                pool.written_by[pages[0]].tolist(),
+            )
+            return False
+        return True
 
     async def _expire(self) -> None:
         while True:

@@ -414,6 +414,11 @@ def prefill_step(
         return closed, (ReleasePages(),)
     if isinstance(event, ComputeFailed) and s is PState.COMPUTING:
         return closed, (Send(Abort(room.room, event.code, event.message, 500)),)
+    if isinstance(event, ComputeFailed) and s is PState.SENDING:
+        # The sender refused its source (e.g. I2): no page follows, so the ABORT fences decode.
+        return closed, (
+            StopSending(), Send(Abort(room.room, event.code, event.message, 500)), ReleasePages()
+        )
     if isinstance(event, TimedOut | ConnectionLost):
         if s is PState.COMPUTING:
             return closed, (CancelCompute(),)
