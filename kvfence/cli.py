@@ -138,6 +138,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     sub.add_parser("router", help="OpenAI entry point in front of prefill/decode", add_help=False)
     sub.add_parser("up", help="router + N prefill + M decode workers here", add_help=False)
     sub.add_parser(
+        "check-protocol", help="model-check the KV transfer protocol (formal/)", add_help=False
+    )
+    sub.add_parser(
         "leakcheck", help="check any OpenAI endpoint's answers for other requests' KV",
         add_help=False,
     )
@@ -155,6 +158,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         from kvfence.tools.up import main as up_main
 
         return up_main(argv[1:])
+    if argv[:1] == ["check-protocol"]:
+        from kvfence.tools.check_protocol import main as check_protocol_main
+
+        return check_protocol_main(argv[1:])
     if argv[:1] == ["leakcheck"]:
         from kvfence.tools.leakcheck import main as leakcheck_main
 

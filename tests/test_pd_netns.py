@@ -69,12 +69,14 @@ def in_ns(ns: str, args: list[str], log: Path) -> subprocess.Popen:
 
 CLIENT = """
 import httpx, sys, time
-url = sys.argv[1]
-for _ in range(600):
-    try:
-        if httpx.get(url + "/health", timeout=1).status_code == 200:
-            break
-    except httpx.HTTPError:
+url, prefill_url = sys.argv[1], sys.argv[3]
+for u in (prefill_url, url):  # both roles up (the prefill answers across the veth link)
+    for _ in range(900):
+        try:
+            if httpx.get(u + "/health", timeout=1).status_code == 200:
+                break
+        except httpx.HTTPError:
+            pass
         time.sleep(0.2)
 r = httpx.post(url + "/v1/completions", timeout=60, headers={"X-Kvfence-Prefill": sys.argv[2]},
                json={"model": "kvfence-tiny", "prompt": "pin: Q8vR2kLm7Tz\\npin:",
@@ -119,10 +121,11 @@ def test_pd_across_two_network_namespaces(namespaces, tmp_path: Path) -> None:
                 CLIENT,
                 f"http://{IP_D}:8002",
                 f"{IP_P}:8998",
+                f"http://{IP_P}:8001",
             ],
             capture_output=True,
             text=True,
-            timeout=240,
+            timeout=300,
         )
         assert client.returncode == 0, client.stderr + (tmp_path / "d.log").read_text()[-2000:]
         status, _, text = client.stdout.strip().partition(" ")

@@ -195,11 +195,14 @@ class PrefillService:
     def _on_reserve(self, conn: Connection, r: p.Reserve) -> None:
         self.transfer_stats.inc("reserves")
         if r.room in self.rooms:
-            # A second RESERVE for a live room is a collision or a replay: it changes nothing.
+            # A second RESERVE for a live room: abort the live room too, so the ABORT we answer
+            # with (sent after any write of it) really fences the pages decode reserved.
             self.transfer_stats.inc("room_collisions")
-            asyncio.ensure_future(
-                _safe_send(conn, p.Abort(r.room, "room_collision", "room in use", 409))
-            )
+            live = self.rooms[r.room]
+            collision = p.Abort(r.room, "room_collision", "room in use", 409)
+            if live.conn is conn:
+                self._feed(r.room, p.AbortArrived(collision), conn)
+            asyncio.ensure_future(_send_after(live.writing, conn, collision))
             return
         verdict: Any
         try:
@@ -266,7 +269,11 @@ class PrefillService:
             elif isinstance(a, p.CancelCompute):
                 self.engine.abort(rid)
             elif isinstance(a, p.ReleasePages):
-                self.engine.release(rid)
+                if room is not None and room.writing is not None and not room.writing.done():
+                    # A one-sided write may still be reading these pages: free after it.
+                    room.writing.add_done_callback(lambda _f, rid=rid: self.engine.release(rid))
+                else:
+                    self.engine.release(rid)
             elif isinstance(a, p.StopSending):
                 if room is not None:
                     room.stop_sending = True

@@ -417,9 +417,19 @@ def prefill_step(
     if isinstance(event, ComputeFailed) and s is PState.SENDING:
         # The sender refused its source (e.g. I2): no page follows, so the ABORT fences decode.
         return closed, (
-            StopSending(), Send(Abort(room.room, event.code, event.message, 500)), ReleasePages()
+            StopSending(),
+            Send(Abort(room.room, event.code, event.message, 500)),
+            ReleasePages(),
         )
-    if isinstance(event, TimedOut | ConnectionLost):
+    if isinstance(event, TimedOut):
+        # Any failure tells the peer (DESIGN: ABORT with the reason); the ABORT is a fence.
+        abort = Send(Abort(room.room, "kv_transfer_timeout", "prefill timed out the room", 504))
+        if s is PState.COMPUTING:
+            return closed, (CancelCompute(), abort)
+        if s is PState.SENDING:
+            return closed, (StopSending(), abort, ReleasePages())
+        return closed, (ReleasePages(),)  # DONE is out: decode needs nothing more
+    if isinstance(event, ConnectionLost):
         if s is PState.COMPUTING:
             return closed, (CancelCompute(),)
         if s is PState.SENDING:

@@ -1,0 +1,828 @@
+"""The world the explorer walks: one decode and one prefill worker, their page pools, the
+connection between them and a fault-injecting environment, driving kvfence.pd.protocol's own
+state machines (decode_step, prefill_open, prefill_step) and the real admission rule (admit).
+
+Only the runtime's glue (what decode.py, prefill.py and engine.py do with each action) is
+written here; every per-room decision is the protocol module's. Invariants I1-I5 and liveness
+are predicates over the world, checked by the explorer in every reachable state.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Iterator
+from dataclasses import dataclass, field, replace
+
+from kvfence.engine import admission
+from kvfence.engine.admission import AdmissionLimits, Admitted
+from kvfence.engine.request import GenerateRequest, SamplingParams
+from kvfence.pd import protocol as p
+
+# The step functions the explorer drives: the very objects the runtime calls, never a copy.
+decode_step = p.decode_step
+prefill_open = p.prefill_open
+prefill_step = p.prefill_step
+admit = admission.admit
+
+FAULTS = (
+    "drop",  # a control message or tcp page frame vanishes (the connection stays up)
+    "dup",  # a message is delivered twice (a replay; TCP alone never does this, see I8)
+    "decode_timeout",
+    "prefill_timeout",
+    "decode_crash",
+    "prefill_crash",
+    "client_abort",
+    "truncate",  # prefill sends only the first page and a DONE that agrees (a prefill bug)
+    "corrupt",  # one page's bytes change on the way (checksums no longer match)
+)
+# Faults after which a room may legitimately need a timeout to end: something was lost (or a
+# replay orphaned a room).
+LOSSY = frozenset(
+    {"drop", "dup", "decode_timeout", "prefill_timeout", "decode_crash", "prefill_crash"}
+)
+# Guards that live outside protocol.Guards: the environment/runtime applies them.
+MODEL_GUARDS = frozenset({"admission", "tag_check"})
+ALL_GUARDS = p.GUARDS | MODEL_GUARDS
+
+# Bugs this checker found in the runtime's glue (not in protocol.py). The model mirrors the
+# runtime as it is unless a finding is named in Config.assume_fixed.
+# Fixed so far: "ack_to_prefill" (prefill.py now ignores an ABORT_ACK of its own ABORT), and
+# in the mooncake glue: source pages freed under a running one-sided write (now freed after
+# it), the collision ABORT for a live room (now aborts the live room first, so it fences).
+FINDINGS: dict[str, str] = {}
+
+STALE = -1  # KV left in a page by an earlier request of another tenant (pages are never zeroed)
+CORRUPT = -2
+PRIOR_TENANT = "Z"
+
+
+@dataclass(frozen=True)
+class ReqSpec:
+    tenant: str
+    n_tokens: int  # page_size is 1 token in the model, so also the page count
+
+
+@dataclass(frozen=True)
+class Config:
+    name: str
+    requests: tuple[ReqSpec, ...]
+    decode_pages: int
+    prefill_pages: int
+    context_length: int
+    faults: tuple[tuple[str, int], ...]
+    transport: str = "tcp"  # tcp: pages ride the ordered stream; mooncake: one-sided writes
+    fifo: bool = True  # per-connection order (and, for mooncake, the write fence) holds
+    off: frozenset[str] = frozenset()  # guards removed: mutation twins
+    placeholder: bool = False  # the incident's path: a rejected request continues as 1 token
+    max_faults: int = 2  # faults per run, all kinds together (timeouts included)
+    assume_fixed: frozenset[str] = frozenset()  # runtime findings (FINDINGS) modelled as fixed
+
+    def budget(self) -> tuple[int, ...]:
+        b = dict(self.faults)
+        return tuple(b.get(k, 0) for k in FAULTS)
+
+
+class Stage(enum.Enum):
+    NEW = "new"  # the client has not sent it yet
+    WAITING = "waiting"  # admitted at decode, waiting for free pages
+    HANDOFF = "handoff"  # decode pages held, the transfer owns them
+    RUNNING = "running"  # committed: decoding over its pages
+    DONE = "done"  # the engine forgot it; pages returned
+
+
+@dataclass(frozen=True)
+class Req:
+    stage: Stage = Stage.NEW
+    # decode side
+    droom: p.DecodeRoom | None = None
+    dpages: tuple[int, ...] = ()  # the sequence's page table (the full prompt)
+    client: tuple = ()  # () | ("ok",) | ("err", code, status): what the client was told
+    abort_pending: bool = False  # the engine told the client; ClientAborted not yet fed
+    # prefill side
+    proom: p.PrefillRoom | None = None
+    dst: tuple[int, ...] = ()  # decode pages named by the RESERVE prefill acts on
+    n_send: int = 0  # tokens (= pages) prefill computes and sends
+    ppages: tuple[int, ...] = ()
+    computed: bool = False
+    psent: int = 0
+    sums: tuple[tuple[int, int], ...] = ()
+    stop: bool = False  # StopSending seen
+    writing: bool = False  # mooncake: the one-sided writes were issued
+    release_pending: bool = False  # mooncake: ReleasePages waits for this room's writes
+    # safety records made by a transition (a read, a commit) and checked as invariants
+    bad: tuple[tuple[str, str], ...] = ()
+
+
+Msg = tuple  # (kind, room, fenced, *fields): small, hashable, readable in traces
+
+
+@dataclass(frozen=True)
+class World:
+    reqs: tuple[Req, ...]
+    dpool: tuple[tuple[int | None, int], ...]  # (owner request, data) per decode page
+    ppool: tuple[tuple[int | None, int], ...]
+    d2p: tuple[Msg, ...] = ()
+    p2d: tuple[Msg, ...] = ()
+    rdma: tuple[Msg, ...] = ()  # one-sided writes in flight (mooncake)
+    budget: tuple[int, ...] = ()
+    spent: frozenset[str] = field(default_factory=frozenset)  # fault kinds used so far
+
+
+def cks(data: int) -> int:
+    """A page's checksum: the model's data identity (equal data, equal checksum)."""
+    return 1000 + data
+
+
+def data_of(r: int, i: int) -> int:
+    return 10 * r + i
+
+
+class Model:
+    def __init__(self, cfg: Config) -> None:
+        unknown = (cfg.off - ALL_GUARDS) | (cfg.assume_fixed - FINDINGS.keys())
+        if unknown:
+            raise ValueError(f"unknown guards or findings {sorted(unknown)}")
+        self.cfg = cfg
+        self.guards = p.Guards(frozenset(cfg.off & p.GUARDS))
+        self.admission = "admission" not in cfg.off
+        self.tag_check = "tag_check" not in cfg.off
+        self.mooncake = cfg.transport == "mooncake"
+        self.total_budget = sum(cfg.budget())
+        limits = AdmissionLimits(cfg.context_length, cfg.decode_pages, vocab_size=100)
+        plimits = AdmissionLimits(cfg.context_length, cfg.prefill_pages, vocab_size=100)
+        self.dverdict = [admit(self._request(r), limits) for r in range(len(cfg.requests))]
+        self.pverdict = [admit(self._request(r), plimits) for r in range(len(cfg.requests))]
+
+    def _request(self, r: int) -> GenerateRequest:
+        spec = self.cfg.requests[r]
+        prompt = tuple(range(1, spec.n_tokens + 1))
+        return GenerateRequest(f"r{r}", spec.tenant, prompt, SamplingParams(max_tokens=1))
+
+    def rejected(self, r: int) -> bool:
+        return not isinstance(self.dverdict[r], Admitted)
+
+    # ---- the initial world -------------------------------------------------------------------
+
+    def initial(self) -> World:
+        c = self.cfg
+        return World(
+            reqs=tuple(Req() for _ in c.requests),
+            dpool=tuple((None, STALE) for _ in range(c.decode_pages)),
+            ppool=tuple((None, STALE) for _ in range(c.prefill_pages)),
+            budget=c.budget(),
+        )
+
+    # ---- small helpers -----------------------------------------------------------------------
+
+    @staticmethod
+    def _set(w: World, r: int, **kw: object) -> World:
+        reqs = list(w.reqs)
+        reqs[r] = replace(reqs[r], **kw)
+        return replace(w, reqs=tuple(reqs))
+
+    @staticmethod
+    def _spend(w: World, kind: str) -> World:
+        b = list(w.budget)
+        b[FAULTS.index(kind)] -= 1
+        return replace(w, budget=tuple(b), spent=w.spent | {kind})
+
+    def _can(self, w: World, kind: str) -> bool:
+        used = self.total_budget - sum(w.budget)
+        return w.budget[FAULTS.index(kind)] > 0 and used < self.cfg.max_faults
+
+    @staticmethod
+    def _bad(w: World, r: int, inv: str, text: str) -> World:
+        return Model._set(w, r, bad=(*w.reqs[r].bad, (inv, text)))
+
+    @staticmethod
+    def _free_pages(pool: tuple[tuple[int | None, int], ...]) -> list[int]:
+        return [i for i, (owner, _) in enumerate(pool) if owner is None]
+
+    def _tell(self, w: World, r: int, answer: tuple) -> World:
+        """The engine's emit: a request's final output reaches its client at most once."""
+        if w.reqs[r].client:
+            return w
+        return self._set(w, r, client=answer)
+
+    def _free_decode(self, w: World, r: int) -> World:
+        pool = list(w.dpool)
+        for pg in w.reqs[r].dpages:
+            if pool[pg][0] == r:
+                pool[pg] = (None, pool[pg][1])
+        return self._set(replace(w, dpool=tuple(pool)), r, dpages=())
+
+    def _free_prefill(self, w: World, r: int) -> World:
+        pool = list(w.ppool)
+        for pg in w.reqs[r].ppages:
+            if pool[pg][0] == r:
+                pool[pg] = (None, pool[pg][1])
+        return self._set(replace(w, ppool=tuple(pool)), r, ppages=())
+
+    # ---- decode glue: decode.py _feed and the engine's commit / fail / release --------------
+
+    def _decode_feed(self, w: World, r: int, event: object) -> World:
+        room = w.reqs[r].droom
+        if room is None or room.state in (p.DState.RELEASED, p.DState.COMMITTED):
+            if isinstance(event, p.AbortArrived):  # decode.py acks aborts of rooms it forgot
+                w = replace(w, d2p=(*w.d2p, ("ABORT_ACK", r, False)))
+            return w
+        room, actions = decode_step(room, event, self.guards)  # type: ignore[arg-type]
+        w = self._set(w, r, droom=room)
+        for a in actions:
+            if isinstance(a, p.Send):
+                w = replace(w, d2p=(*w.d2p, _to_msg(r, a.message, fenced=False)))
+            elif isinstance(a, p.Commit):
+                w = self._engine_commit(w, r, event)
+            elif isinstance(a, p.FailClient):
+                if w.reqs[r].stage is not Stage.DONE:
+                    w = self._tell(w, r, ("err", a.code, a.status))
+            elif isinstance(a, p.ReleasePages):
+                if w.reqs[r].stage is Stage.HANDOFF:
+                    w = self._free_decode(w, r)
+                    w = self._tell(w, r, ("err", "aborted", 499))
+                    w = self._set(w, r, stage=Stage.DONE)
+        return w
+
+    def _engine_commit(self, w: World, r: int, event: object) -> World:
+        req = w.reqs[r]
+        if req.stage is not Stage.HANDOFF:
+            return w
+        if req.client:
+            # engine.py: the client left while the last pages were in flight; the transfer
+            # is over, so the commit releases the sequence instead.
+            w = self._free_decode(w, r)
+            return self._set(w, r, stage=Stage.DONE)
+        assert isinstance(event, p.DoneArrived)
+        n_true = self.cfg.requests[r].n_tokens
+        wrong = [(i, pg) for i, pg in enumerate(req.dpages) if w.dpool[pg][1] != data_of(r, i)]
+        if event.done.n_tokens != n_true or wrong:
+            what = ", ".join(f"page {pg} holds {describe(w.dpool[pg][1], self)}" for _, pg in wrong)
+            w = self._bad(
+                w,
+                r,
+                "I3",
+                f"r{r} committed {event.done.n_tokens} of {n_true} tokens"
+                + (f"; {what}" * bool(wrong)),
+            )
+        return self._set(w, r, stage=Stage.RUNNING)
+
+    def _decode_read(self, w: World, r: int) -> World:
+        """The runner decodes over the sequence's page table, then the request finishes."""
+        req = w.reqs[r]
+        if self.tag_check and any(w.dpool[pg][0] != r for pg in req.dpages):
+            w = self._tell(w, r, ("err", "page_ownership", 500))
+        else:
+            wrong = False
+            for i, pg in enumerate(req.dpages):
+                data = w.dpool[pg][1]
+                if data != data_of(r, i):
+                    wrong = True
+                    owner = w.dpool[pg][0]
+                    who = "free" if owner is None else f"owned by r{owner}"
+                    w = self._bad(
+                        w,
+                        r,
+                        "I2",
+                        f"decode of r{r} (tenant {self.cfg.requests[r].tenant}) read page {pg} "
+                        f"({who}) holding {describe(data, self)}",
+                    )
+            if not w.reqs[r].client:
+                if wrong:
+                    w = self._bad(w, r, "I5", f"r{r}'s client got HTTP 200 with wrong content")
+                if self.rejected(r):
+                    w = self._bad(w, r, "I5", f"r{r}'s client got HTTP 200 for a rejected prompt")
+            w = self._tell(w, r, ("ok",))
+        w = self._free_decode(w, r)
+        return self._set(w, r, stage=Stage.DONE)
+
+    # ---- prefill glue: prefill.py _on_reserve / _feed / _execute / _send_pages --------------
+
+    def _prefill_reserve(self, w: World, r: int, msg: Msg) -> World:
+        _, _, _, dst, n_tokens = msg
+        req = w.reqs[r]
+        if req.proom is not None and req.proom.state is not p.PState.CLOSED:
+            # prefill.py: a second RESERVE of a live room aborts the live room, then answers
+            # ABORT(room_collision) after its writes, so the answer fences decode's pages.
+            collision = p.Abort(f"r{r}", "room_collision", "", 409)
+            w = self._prefill_feed(w, r, p.AbortArrived(collision))
+            return replace(w, p2d=(*w.p2d, ("ABORT", r, True, "room_collision", 409)))
+        verdict = self.pverdict[r] if n_tokens == self.cfg.requests[r].n_tokens else None
+        if verdict is None or isinstance(verdict, Admitted) or not self.admission:
+            event = p.ReserveArrived(True)
+        elif self.cfg.placeholder:
+            event, n_tokens = p.ReserveArrived(True), 1  # the incident: swap in a placeholder
+        else:
+            event = p.ReserveArrived(False, verdict.code, verdict.message, 400)
+        room, actions = prefill_open(f"r{r}", event)
+        if room.state is not p.PState.CLOSED:
+            w = self._set(
+                w,
+                r,
+                proom=room,
+                dst=dst,
+                n_send=n_tokens,
+                ppages=(),
+                computed=False,
+                psent=0,
+                sums=(),
+                stop=False,
+                writing=False,
+            )
+        return self._prefill_actions(w, r, actions, fenced=room.state is not p.PState.CLOSED)
+
+    def _prefill_feed(self, w: World, r: int, event: object) -> World:
+        room = w.reqs[r].proom
+        if room is None or room.state is p.PState.CLOSED:
+            if isinstance(event, p.AbortArrived):  # prefill.py: _safe_send, no write fence
+                w = replace(w, p2d=(*w.p2d, ("ABORT_ACK", r, False)))
+            return w
+        room, actions = prefill_step(room, event, self.guards)  # type: ignore[arg-type]
+        w = self._set(w, r, proom=room)
+        return self._prefill_actions(w, r, actions, fenced=True)
+
+    def _prefill_actions(self, w: World, r: int, actions: tuple, fenced: bool) -> World:
+        for a in actions:
+            if isinstance(a, p.Send):
+                w = replace(w, p2d=(*w.p2d, _to_msg(r, a.message, fenced)))
+            elif isinstance(a, p.CancelCompute | p.ReleasePages):
+                if self.mooncake and any(m[1] == r for m in w.rdma):
+                    w = self._set(w, r, release_pending=True)  # prefill.py: after the write
+                else:
+                    w = self._free_prefill(w, r)
+            elif isinstance(a, p.StopSending):
+                w = self._set(w, r, stop=True)
+        return w
+
+    def _prefill_compute(self, w: World, r: int) -> World | None:
+        req = w.reqs[r]
+        free = self._free_pages(w.ppool)
+        if len(free) < req.n_send:
+            return None
+        pages = tuple(free[: req.n_send])
+        pool = list(w.ppool)
+        for i, pg in enumerate(pages):
+            pool[pg] = (r, data_of(r, i))
+        w = self._set(replace(w, ppool=tuple(pool)), r, ppages=pages, computed=True)
+        return self._prefill_feed(w, r, p.Prefilled())
+
+    def _send_page(self, w: World, r: int, corrupt: bool) -> World:
+        req = w.reqs[r]
+        i = req.psent
+        data = w.ppool[req.ppages[i]][1]
+        msg = ("PAGE", r, True, i, req.dst[i], CORRUPT if corrupt else data, cks(data))
+        w = replace(w, p2d=(*w.p2d, msg))
+        return self._set(w, r, psent=i + 1, sums=(*req.sums, (i, cks(data))))
+
+    def _send_writes(self, w: World, r: int, corrupt: bool) -> World:
+        req = w.reqs[r]
+        writes = tuple(
+            ("WRITE", r, i, req.dst[i], req.ppages[i], corrupt and i == 0)
+            for i in range(req.n_send)
+        )
+        sums = tuple((i, cks(w.ppool[req.ppages[i]][1])) for i in range(req.n_send))
+        return self._set(replace(w, rdma=w.rdma + writes), r, writing=True, sums=sums)
+
+    def _send_headers_and_done(self, w: World, r: int) -> World:
+        req = w.reqs[r]
+        headers = tuple(("PAGE", r, True, i, req.dst[i], None, c) for i, c in req.sums)
+        w = self._set(replace(w, p2d=w.p2d + headers), r, psent=req.n_send)
+        return self._send_done(w, r)
+
+    def _send_done(self, w: World, r: int) -> World:
+        req = w.reqs[r]
+        done = p.Done(f"r{r}", req.n_send, req.n_send, p.digest_of(req.sums, req.n_send), 0)
+        return self._prefill_feed(w, r, p.SendComplete(done))
+
+    # ---- deliveries --------------------------------------------------------------------------
+
+    def _deliver_to_prefill(self, w: World, msg: Msg) -> World:
+        kind, r = msg[0], msg[1]
+        if kind == "RESERVE":
+            return self._prefill_reserve(w, r, msg)
+        if kind == "ABORT":
+            return self._prefill_feed(w, r, p.AbortArrived(p.Abort(f"r{r}", msg[3], "", msg[4])))
+        if kind == "DONE_ACK":
+            return self._prefill_feed(w, r, p.DoneAckArrived())
+        if kind == "ABORT_ACK":
+            return w  # prefill.py: an ack of its own ABORT; that ABORT already fenced the room
+        # prefill.py _on_message: any other frame is a WireError that drops the connection.
+        return self._bad_frame(w, r, kind)
+
+    def _bad_frame(self, w: World, r: int, kind: str) -> World:
+        w = self._bad(w, r, "W", f"prefill cannot handle {kind} of r{r}: it drops the connection")
+        return self._connection_lost(w)
+
+    def _deliver_to_decode(self, w: World, msg: Msg) -> World:
+        kind, r = msg[0], msg[1]
+        room = w.reqs[r].droom
+        open_ = room is not None and room.state is p.DState.RESERVED
+        if kind == "PAGE":
+            _, _, _, i, pg, data, checksum = msg
+            owner_ok = w.dpool[pg][0] == r
+            if self.mooncake:
+                intact = owner_ok or not self.tag_check
+            else:
+                if self.tag_check and not open_:
+                    return w  # decode.py: the tcp receiver refuses a write to a closed room
+                intact = cks(data) == checksum or "checksum" in self.cfg.off
+                if self.tag_check and not owner_ok:
+                    intact = False
+                if intact:
+                    w = self._write(w, pg, data)
+            if not open_:
+                return w
+            return self._decode_feed(w, r, p.PageArrived(i, 1, checksum, intact))
+        if kind == "DONE":
+            _, _, _, n_tokens, n_pages, digest = msg
+            ok = open_ and self._pool_matches(w, r, n_tokens, n_pages, digest)
+            done = p.Done(f"r{r}", n_tokens, n_pages, digest, 0)
+            return self._decode_feed(w, r, p.DoneArrived(done, ok))
+        if kind == "ABORT":
+            abort = p.Abort(f"r{r}", msg[3], "", msg[4])
+            return self._decode_feed(w, r, p.AbortArrived(abort))
+        if kind == "ABORT_ACK":
+            return self._decode_feed(w, r, p.AbortAckArrived())
+        raise AssertionError(kind)
+
+    def _pool_matches(self, w: World, r: int, n_tokens: int, n_pages: int, digest: int) -> bool:
+        """decode.py _pool_matches: read the room's pages back and hash them. Its count
+        precondition belongs to the count_check guard here, so that twin removes every count
+        comparison; without it the read-back reads the pages prefill declared."""
+        req = w.reqs[r]
+        assert req.droom is not None
+        xfer = req.dpages[: req.droom.n_pages]
+        if self.guards.on("count_check"):
+            if n_tokens != req.droom.n_tokens or n_pages != len(xfer):
+                return False
+        elif n_pages > len(xfer):
+            return False
+        sums = tuple((i, cks(w.dpool[xfer[i]][1])) for i in range(n_pages))
+        return p.digest_of(sums, n_tokens) == digest
+
+    @staticmethod
+    def _write(w: World, pg: int, data: int) -> World:
+        pool = list(w.dpool)
+        pool[pg] = (pool[pg][0], data)
+        return replace(w, dpool=tuple(pool))
+
+    # ---- connection loss and crashes ---------------------------------------------------------
+
+    def _connection_lost(self, w: World, keep_rdma: bool = True) -> World:
+        """Both readers stop: every open room on the connection hears ConnectionLost. In-flight
+        tcp frames die with it; one-sided writes do not (closing a socket fences no RDMA)."""
+        w = replace(w, d2p=(), p2d=(), rdma=w.rdma if keep_rdma else ())
+        for r in range(len(w.reqs)):
+            room = w.reqs[r].droom
+            if room is not None and room.state in (p.DState.RESERVED, p.DState.ABORTING):
+                w = self._decode_feed(w, r, p.ConnectionLost())
+            proom = w.reqs[r].proom
+            if proom is not None and proom.state is not p.PState.CLOSED:
+                w = self._prefill_feed(w, r, p.ConnectionLost())
+            if w.reqs[r].release_pending and not any(m[1] == r for m in w.rdma):
+                w = self._set(self._free_prefill(w, r), r, release_pending=False)
+        return replace(w, d2p=(), p2d=())  # what the rooms sent went into a closed socket
+
+    def _decode_crash(self, w: World) -> World:
+        for r, req in enumerate(w.reqs):
+            if req.stage in (Stage.WAITING, Stage.HANDOFF, Stage.RUNNING):
+                w = self._tell(w, r, ("err", "decode_crashed", 502))
+                w = self._set(w, r, stage=Stage.DONE, droom=None, dpages=(), abort_pending=False)
+        w = replace(w, dpool=tuple((None, data) for _, data in w.dpool))
+        # The registered memory died with the process: in-flight one-sided writes go nowhere.
+        return self._connection_lost(w, keep_rdma=False)
+
+    def _prefill_crash(self, w: World) -> World:
+        for r in range(len(w.reqs)):
+            w = self._set(w, r, proom=None, ppages=(), stop=False, writing=False)
+        w = replace(w, ppool=tuple((None, data) for _, data in w.ppool))
+        return self._connection_lost(w, keep_rdma=False)
+
+    # ---- the transition relation --------------------------------------------------------------
+
+    def successors(self, w: World) -> Iterator[tuple[str, str, World]]:
+        """(label, kind, next world); kind is "env" (a fault-free step), "timeout" or "fault"."""
+        for r, req in enumerate(w.reqs):
+            yield from self._request_moves(w, r, req)
+        yield from self._deliveries(w)
+        if self._can(w, "decode_crash"):
+            yield (
+                "decode crashes and restarts",
+                "fault",
+                self._decode_crash(self._spend(w, "decode_crash")),
+            )
+        if self._can(w, "prefill_crash"):
+            yield (
+                "prefill crashes and restarts",
+                "fault",
+                self._prefill_crash(self._spend(w, "prefill_crash")),
+            )
+
+    def _request_moves(self, w: World, r: int, req: Req) -> Iterator[tuple[str, str, World]]:
+        spec = self.cfg.requests[r]
+        if req.stage is Stage.NEW:
+            verdict = self.dverdict[r]
+            if isinstance(verdict, Admitted) or not self.admission or self.cfg.placeholder:
+                yield (
+                    f"r{r} (tenant {spec.tenant}, {spec.n_tokens} tokens) admitted at decode",
+                    ("env"),
+                    self._set(w, r, stage=Stage.WAITING),
+                )
+            else:
+                nw = self._tell(w, r, ("err", verdict.code, 400))
+                yield (
+                    f"r{r} rejected at decode: {verdict.code} (400)",
+                    "env",
+                    self._set(nw, r, stage=Stage.DONE),
+                )
+        elif req.stage is Stage.WAITING:
+            free = self._free_pages(w.dpool)
+            if len(free) >= spec.n_tokens:
+                yield self._allocate(w, r, tuple(free[: spec.n_tokens]))
+        elif req.stage is Stage.RUNNING:
+            yield (
+                f"decode runs r{r} over pages {list(req.dpages)} and answers",
+                "env",
+                (self._decode_read(w, r)),
+            )
+        if req.abort_pending:
+            yield (
+                f"decode feeds ClientAborted to r{r}",
+                "env",
+                self._decode_feed(self._set(w, r, abort_pending=False), r, p.ClientAborted()),
+            )
+        if (
+            self._can(w, "client_abort")
+            and not req.client
+            and req.stage in (Stage.WAITING, Stage.HANDOFF, Stage.RUNNING)
+        ):
+            nw = self._tell(self._spend(w, "client_abort"), r, ("err", "request_aborted", 499))
+            if req.stage is Stage.HANDOFF:
+                # engine._abort: the client hears now; the transfer hears on the io loop, later.
+                nw = self._set(nw, r, abort_pending=True)
+            else:
+                nw = self._set(self._free_decode(nw, r), r, stage=Stage.DONE)
+            yield f"r{r}'s client goes away", "fault", nw
+        room = req.droom
+        if room is not None and self._can(w, "decode_timeout"):
+            nw = self._spend(w, "decode_timeout")
+            if room.state is p.DState.RESERVED:
+                yield f"decode times r{r} out", "timeout", self._decode_feed(nw, r, p.TimedOut())
+            elif room.state is p.DState.ABORTING:
+                yield (
+                    f"decode times r{r} out again: closes the connection",
+                    "timeout",
+                    (self._connection_lost(nw)),
+                )
+        yield from self._prefill_moves(w, r, req)
+
+    def _allocate(self, w: World, r: int, pages: tuple[int, ...]) -> tuple[str, str, World]:
+        pool = list(w.dpool)
+        for pg in pages:
+            pool[pg] = (r, pool[pg][1])
+        n = self.cfg.requests[r].n_tokens
+        if self.cfg.placeholder and self.rejected(r):
+            n = 1  # the transfer carries the placeholder; the page table spans the prompt
+        room = p.DecodeRoom(f"r{r}", n, n)
+        w = self._set(
+            replace(w, dpool=tuple(pool)), r, stage=Stage.HANDOFF, droom=room, dpages=pages
+        )
+        if self.rejected(r) and self.admission:
+            w = self._bad(
+                w, r, "I1", f"r{r} was rejected by admission but holds pages {list(pages)}"
+            )
+        w = replace(w, d2p=(*w.d2p, ("RESERVE", r, False, pages[:n], n)))
+        return f"decode allocates pages {list(pages)} to r{r}, sends RESERVE", "env", w
+
+    def _prefill_moves(self, w: World, r: int, req: Req) -> Iterator[tuple[str, str, World]]:
+        room = req.proom
+        if room is None or room.state is p.PState.CLOSED:
+            return
+        if room.state is p.PState.COMPUTING and not req.computed:
+            nw = self._prefill_compute(w, r)
+            if nw is not None:
+                yield f"prefill computes r{r} into its pages, starts sending", "env", nw
+        if room.state is p.PState.SENDING and not req.stop:
+            yield from self._sending_moves(w, r, req)
+        if self._can(w, "prefill_timeout"):
+            yield (
+                f"prefill times r{r} out",
+                "timeout",
+                self._prefill_feed(self._spend(w, "prefill_timeout"), r, p.TimedOut()),
+            )
+
+    def _sending_moves(self, w: World, r: int, req: Req) -> Iterator[tuple[str, str, World]]:
+        if req.psent == 0 and not req.writing and req.n_send > 1 and self._can(w, "truncate"):
+            yield (
+                f"prefill truncates r{r} to its first page",
+                "fault",
+                self._set(self._spend(w, "truncate"), r, n_send=1),
+            )
+        if self.mooncake:
+            if not req.writing:
+                yield (
+                    f"prefill issues r{r}'s one-sided writes",
+                    "env",
+                    self._send_writes(w, r, False),
+                )
+                if self._can(w, "corrupt"):
+                    yield (
+                        f"prefill issues r{r}'s writes, one corrupted",
+                        "fault",
+                        (self._send_writes(self._spend(w, "corrupt"), r, True)),
+                    )
+            elif not any(m[1] == r for m in w.rdma):
+                yield (
+                    f"r{r}'s writes completed: prefill sends headers and DONE",
+                    "env",
+                    (self._send_headers_and_done(w, r)),
+                )
+            return
+        if req.psent < req.n_send:
+            yield f"prefill sends page {req.psent} of r{r}", "env", self._send_page(w, r, False)
+            if self._can(w, "corrupt"):
+                yield (
+                    f"prefill sends page {req.psent} of r{r}, corrupted on the way",
+                    "fault",
+                    (self._send_page(self._spend(w, "corrupt"), r, True)),
+                )
+        else:
+            yield f"prefill sends DONE for r{r}", "env", self._send_done(w, r)
+
+    def _deliverable(self, chan: tuple[Msg, ...], rdma: tuple[Msg, ...]) -> Iterator[int]:
+        """Indices of messages that may arrive next: the first of each room (per-connection
+        order; rooms are independent), and for mooncake a fenced message only once the room's
+        writes have landed. Without fifo, any message, any time."""
+        if not self.cfg.fifo:
+            yield from range(len(chan))
+            return
+        seen: set[int] = set()
+        for k, m in enumerate(chan):
+            if m[1] in seen:
+                continue
+            seen.add(m[1])
+            if self.mooncake and m[2] and any(x[1] == m[1] for x in rdma):
+                continue
+            yield k
+
+    def _deliveries(self, w: World) -> Iterator[tuple[str, str, World]]:
+        for name, chan, to_prefill in (("d2p", w.d2p, True), ("p2d", w.p2d, False)):
+            for k in self._deliverable(chan, w.rdma):
+                msg = chan[k]
+                rest = chan[:k] + chan[k + 1 :]
+                nw = replace(w, **{name: rest})
+                side = "prefill" if to_prefill else "decode"
+                text = show_msg(msg)
+                if to_prefill:
+                    yield f"{side} receives {text}", "env", self._deliver_to_prefill(nw, msg)
+                else:
+                    yield f"{side} receives {text}", "env", self._deliver_to_decode(nw, msg)
+                if self._can(w, "drop"):
+                    yield f"{text} is lost on the way to {side}", "fault", self._spend(nw, "drop")
+                if self._can(w, "dup"):
+                    dup = replace(self._spend(w, "dup"), **{name: (*chan, msg)})
+                    yield f"{text} is duplicated (a replay) to {side}", "fault", dup
+        for k, m in enumerate(w.rdma):
+            _, r, i, pg, src, corrupt = m
+            data = CORRUPT if corrupt else w.ppool[src][1]
+            nw = replace(w, rdma=w.rdma[:k] + w.rdma[k + 1 :])
+            nw = self._write(nw, pg, data)
+            if nw.reqs[r].release_pending and not any(x[1] == r for x in nw.rdma):
+                nw = self._set(self._free_prefill(nw, r), r, release_pending=False)
+            yield (
+                (
+                    f"one-sided write of r{r} page {i} lands in decode page {pg} "
+                    f"(reads prefill page {src}: {describe(data, self)})"
+                ),
+                "env",
+                nw,
+            )
+
+    # ---- invariants ----------------------------------------------------------------------------
+
+    def violations(self, w: World) -> list[tuple[str, str]]:
+        out: list[tuple[str, str]] = []
+        for r, req in enumerate(w.reqs):
+            out.extend(req.bad)
+            if self.rejected(r):
+                if req.ppages or (req.proom is not None and req.proom.state is not p.PState.CLOSED):
+                    out.append(("I1", f"rejected r{r} holds a prefill room or pages"))
+            if req.stage in (Stage.HANDOFF, Stage.RUNNING):
+                if any(w.dpool[pg][0] != r for pg in req.dpages):
+                    out.append(("I2", f"r{r}'s page table names a page it does not own"))
+            if req.stage is Stage.DONE and not req.client:
+                out.append(("I5", f"r{r} ended without telling its client"))
+        out.extend(self._i4(w))
+        return out
+
+    def _i4(self, w: World) -> list[tuple[str, str]]:
+        out: list[tuple[str, str]] = []
+        for k in (m for m in w.rdma):
+            _, r, i, pg, src, _ = k
+            if w.dpool[pg][0] != r:
+                out.append(
+                    (
+                        "I4",
+                        f"decode page {pg} is {owner_text(w.dpool[pg][0])} while a "
+                        f"one-sided write of r{r} can still land in it",
+                    )
+                )
+            if w.ppool[src][0] != r:
+                out.append(
+                    (
+                        "I4",
+                        f"prefill page {src} is {owner_text(w.ppool[src][0])} while a "
+                        f"one-sided write of r{r} still reads it",
+                    )
+                )
+        lands_anyway = self.mooncake or not self.tag_check
+        if lands_anyway:
+            for m in w.p2d:
+                if m[0] == "PAGE" and not self.mooncake and w.dpool[m[4]][0] != m[1]:
+                    out.append(
+                        (
+                            "I4",
+                            f"decode page {m[4]} is {owner_text(w.dpool[m[4]][0])} "
+                            f"while a page frame of r{m[1]} that will be applied "
+                            "is in flight",
+                        )
+                    )
+            for r, req in enumerate(w.reqs):
+                room = req.proom
+                if (
+                    room is None
+                    or req.stop
+                    or room.state not in (p.PState.COMPUTING, p.PState.SENDING)
+                ):
+                    continue
+                future = req.dst[req.psent :] if not req.writing else ()
+                for pg in future:
+                    if w.dpool[pg][0] != r:
+                        out.append(
+                            (
+                                "I4",
+                                f"decode page {pg} is {owner_text(w.dpool[pg][0])} "
+                                f"while prefill will still write r{r} into it",
+                            )
+                        )
+        return out
+
+    def quiescent(self, w: World) -> bool:
+        return (
+            all(req.stage is Stage.DONE and req.client for req in w.reqs)
+            and all(req.proom is None or req.proom.state is p.PState.CLOSED for req in w.reqs)
+            and all(owner is None for owner, _ in w.dpool)
+            and all(owner is None for owner, _ in w.ppool)
+            and not (w.d2p or w.p2d or w.rdma)
+        )
+
+    def can_time_out(self, w: World) -> bool:
+        """A timeout that would fire in real time, whatever the fault budget says."""
+        for req in w.reqs:
+            if req.droom is not None and req.droom.state in (p.DState.RESERVED, p.DState.ABORTING):
+                return True
+            if req.proom is not None and req.proom.state is not p.PState.CLOSED:
+                return True
+        return False
+
+    def lost_nothing(self, w: World) -> bool:
+        return not (w.spent & LOSSY)
+
+
+def _to_msg(r: int, m: p.Message, fenced: bool) -> Msg:
+    if isinstance(m, p.Done):
+        return ("DONE", r, fenced, m.n_tokens, m.n_pages, m.digest)
+    if isinstance(m, p.Abort):
+        return ("ABORT", r, fenced, m.code, m.status)
+    if isinstance(m, p.AbortAck):
+        return ("ABORT_ACK", r, fenced)
+    if isinstance(m, p.DoneAck):
+        return ("DONE_ACK", r, fenced)
+    raise AssertionError(f"the model does not carry {m!r}")
+
+
+def owner_text(owner: int | None) -> str:
+    return "free" if owner is None else f"owned by r{owner}"
+
+
+def describe(data: int | None, model: Model) -> str:
+    if data is None:
+        return "?"
+    if data == STALE:
+        return f"stale KV of an earlier request (tenant {PRIOR_TENANT})"
+    if data == CORRUPT:
+        return "corrupted bytes"
+    r, i = divmod(data, 10)
+    return f"KV of r{r} page {i} (tenant {model.cfg.requests[r].tenant})"
+
+
+def show_msg(m: Msg) -> str:
+    kind, r = m[0], m[1]
+    if kind == "RESERVE":
+        return f"RESERVE(r{r}, {m[4]} tokens, dst_pages={list(m[3])})"
+    if kind == "PAGE":
+        return f"PAGE(r{r}, index {m[3]} -> decode page {m[4]})"
+    if kind == "DONE":
+        return f"DONE(r{r}, {m[3]} tokens, {m[4]} pages)"
+    if kind == "ABORT":
+        return f"ABORT(r{r}, {m[3]}, {m[4]})"
+    return f"{kind}(r{r})"
