@@ -7,41 +7,24 @@ prompt that fits the context but not the prefill pool.
 
 from __future__ import annotations
 
-import os
-import re
 import secrets
-import signal
-import subprocess
-import sys
-import time
 from pathlib import Path
 
 import httpx
 from conftest import TINY_MODEL
-from procs import free_port
+
+from kvfence.tools.cluster import LocalCluster
 
 CTX, PREFILL_POOL, DECODE_POOL = 2048, 1024, 2048
 KEYS = {"key-a": "tenant-a", "key-b": "tenant-b"}
 GUARDS_OFF = "skip_count_check,skip_checksum,skip_tag_check"
 
 
-class Up:
+class Up(LocalCluster):
     def __init__(self, tmp: Path, faults: str = "") -> None:
-        keyfile = tmp / "keys.txt"
-        keyfile.write_text("".join(f"{k} {t}\n" for k, t in KEYS.items()))
-        port = free_port()
-        self.url = f"http://127.0.0.1:{port}"
-        self.log = tmp / "up.log"
-        env = {**os.environ, "KVFENCE_FAULT_INJECTION": "1", "KVFENCE_FAULTS": faults}
-        cmd = [
-            sys.executable,
-            "-m",
-            "kvfence.cli",
-            "up",
-            "--model",
-            str(TINY_MODEL),
-            "--port",
-            str(port),
+        super().__init__(
+            tmp,
+            TINY_MODEL,
             "--context-length",
             str(CTX),
             "--prefill-kv-pool-tokens",
@@ -49,56 +32,21 @@ class Up:
             "--decode-kv-pool-tokens",
             str(DECODE_POOL),
             "--unsafe-skip-preflight",
-            "--api-key-file",
-            str(keyfile),
-            "--log-level",
-            "warning",
-        ]
-        self.p = subprocess.Popen(
-            cmd,
-            stdout=self.log.open("wb"),
-            stderr=subprocess.STDOUT,
-            env=env,
-            start_new_session=True,
-        )
-        deadline = time.monotonic() + 240
-        while "ready on" not in self.log.read_text():
-            if self.p.poll() is not None or time.monotonic() > deadline:
-                self.stop()
-                raise RuntimeError(self.log.read_text()[-3000:])
-            time.sleep(0.3)
-
-    def post(self, prompt: str, key: str, max_tokens: int = 32) -> httpx.Response:
-        return httpx.post(
-            f"{self.url}/v1/completions",
-            timeout=120,
-            headers={"Authorization": f"Bearer {key}"},
-            json={
-                "model": "kvfence-tiny",
-                "prompt": prompt,
-                "max_tokens": max_tokens,
-                "temperature": 0,
-            },
+            keys=KEYS,
+            env={"KVFENCE_FAULT_INJECTION": "1", "KVFENCE_FAULTS": faults},
         )
 
-    def worker(self, role: str) -> str:
-        workers = httpx.get(f"{self.url}/health", timeout=5).json()["workers"]
-        return next(w["url"] for w in workers if w["role"] == role)
+    def post(self, prompt: str, key: str, max_tokens: int = 32) -> httpx.Response:  # type: ignore[override]
+        body = {
+            "model": "kvfence-tiny",
+            "prompt": prompt,
+            "max_tokens": max_tokens,
+            "temperature": 0,
+        }
+        return super().post(body, key)
 
-    def counters(self, role: str) -> dict:
-        return httpx.get(f"{self.worker(role)}/pd/info", timeout=5).json()["counters"]
-
-    def pages_used(self, role: str) -> int:
-        text = httpx.get(f"{self.worker(role)}/metrics", timeout=5).text
-        return int(float(re.search(r"^kvfence_pool_pages_used (\S+)$", text, re.M)[1]))
-
-    def stop(self) -> None:
-        if self.p.poll() is None:
-            os.killpg(self.p.pid, signal.SIGTERM)
-            try:
-                self.p.wait(30)
-            except subprocess.TimeoutExpired:
-                os.killpg(self.p.pid, signal.SIGKILL)
+    def pages_used(self, role: str) -> int:  # type: ignore[override]
+        return self.role_pages_used(role)
 
 
 def canary_prompt(canaries: list[str], lines: int) -> str:

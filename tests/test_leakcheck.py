@@ -7,12 +7,9 @@ from __future__ import annotations
 import asyncio
 import io
 import json
-import os
 import re
-import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 from typing import Any
 
@@ -21,6 +18,7 @@ from conftest import TINY_MODEL
 from procs import Proc, free_port
 
 from kvfence.tools import leakcheck
+from kvfence.tools.cluster import LocalCluster
 from kvfence.tools.leakcheck import (
     EXIT_CANNOT_RUN,
     EXIT_CLEAN,
@@ -111,8 +109,13 @@ def test_fake_honest_server_is_clean_with_every_request_counted() -> None:
     report = run_fake(server, requests=90)
     assert report["exit_code"] == EXIT_CLEAN and report["verdict"] == "clean", report["findings"]
     assert report["totals"]["requests"] == server.seen == 90 == len(report["requests"])
-    assert set(report["probes"]) == {"setup", "admission", "crosstalk", "stale_bait",
-                                     "cancellation"}
+    assert set(report["probes"]) == {
+        "setup",
+        "admission",
+        "crosstalk",
+        "stale_bait",
+        "cancellation",
+    }
     assert all(report["probes"][p]["requests"] > 0 for p in report["probes"])
     assert report["totals"]["echoed_own"] > 30  # the probes could have seen a leak
     assert report["target"]["context_length"] == 512
@@ -155,8 +158,17 @@ def test_every_key_refused_is_exit_2() -> None:
 
 def test_unreachable_server_is_exit_2_from_the_command_line(tmp_path: Path) -> None:
     out = tmp_path / "r.json"
-    cmd = [sys.executable, "-m", "kvfence.tools.leakcheck", "--base-url",
-           f"http://127.0.0.1:{free_port()}", "--api-key", "k", "--report", str(out)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "kvfence.tools.leakcheck",
+        "--base-url",
+        f"http://127.0.0.1:{free_port()}",
+        "--api-key",
+        "k",
+        "--report",
+        str(out),
+    ]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=60)
     assert proc.returncode == EXIT_CANNOT_RUN, proc.stderr
     assert "unreachable" in proc.stdout
@@ -172,18 +184,17 @@ def test_redirects_to_other_hosts_are_not_followed() -> None:
         return httpx.Response(307, headers={"location": "http://elsewhere:9/v1/models"})
 
     settings = Settings(base_url="http://fake:8000", tenants=TENANTS, requests=5)
-    report = asyncio.run(
-        check(settings, transport=httpx.MockTransport(handler), err=io.StringIO())
-    )
+    report = asyncio.run(check(settings, transport=httpx.MockTransport(handler), err=io.StringIO()))
     assert report["exit_code"] == EXIT_CANNOT_RUN and set(hosts) == {"fake"}
 
 
 def test_discovery_parsing() -> None:
     assert api_root("http://h:8000/v1/") == api_root("http://h:8000") == "http://h:8000"
     assert pick_model({"data": [{"id": "m", "max_model_len": 4096}, {"id": "n"}]}, None) == (
-        "m", 4096)
-    assert pick_model({"data": [{"id": "m"}, {"id": "n", "context_length": 77}]}, "n") == (
-        "n", 77)
+        "m",
+        4096,
+    )
+    assert pick_model({"data": [{"id": "m"}, {"id": "n", "context_length": 77}]}, "n") == ("n", 77)
     assert pick_model({"data": [{"id": "m", "max_context_length": 9}]}, None) == ("m", 9)
     assert pick_model({"data": []}, None) == (None, None)
     assert pick_model("junk", "w") == ("w", None)
@@ -191,10 +202,14 @@ def test_discovery_parsing() -> None:
 
 
 def test_count_from_error_messages_of_common_servers() -> None:
-    kvfence = ("This model's maximum context length is 1024 tokens. However, your prompt has "
-               "1309 tokens, leaving no room for a completion.")
-    vllm = ("This model's maximum context length is 4096 tokens. However, you requested 5000 "
-            "tokens (4984 in the messages, 16 in the completion).")
+    kvfence = (
+        "This model's maximum context length is 1024 tokens. However, your prompt has "
+        "1309 tokens, leaving no room for a completion."
+    )
+    vllm = (
+        "This model's maximum context length is 4096 tokens. However, you requested 5000 "
+        "tokens (4984 in the messages, 16 in the completion)."
+    )
     assert count_from_error(kvfence) == 1309 and count_from_error(vllm) == 4984
     assert count_from_error("rate limited") is None
 
@@ -218,34 +233,11 @@ def test_judge_status_boundaries() -> None:
 # ---- against kvfence itself ---------------------------------------------------------------------
 
 
-class Up:
-    """`kvfence up` as a subprocess, ready once it prints its ready line."""
+class Up(LocalCluster):
+    """`kvfence up` with the bundled model and both test tenants."""
 
     def __init__(self, tmp: Path, *extra: str, env: dict[str, str] | None = None) -> None:
-        keyfile = tmp / "keys.txt"
-        keyfile.write_text("".join(f"{k} {t}\n" for k, t in KEYS.items()))
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.log = tmp / "up.log"
-        cmd = [sys.executable, "-m", "kvfence.cli", "up", "--model", str(TINY_MODEL),
-               "--port", str(self.port), "--api-key-file", str(keyfile),
-               "--log-level", "warning", *extra]
-        self.p = subprocess.Popen(cmd, stdout=self.log.open("wb"), stderr=subprocess.STDOUT,
-                                  start_new_session=True, env={**os.environ, **(env or {})})
-        deadline = time.monotonic() + 180
-        while "ready on" not in self.log.read_text():
-            if self.p.poll() is not None or time.monotonic() > deadline:
-                self.stop()
-                raise RuntimeError(self.log.read_text()[-3000:])
-            time.sleep(0.3)
-
-    def stop(self) -> None:
-        if self.p.poll() is None:
-            os.killpg(self.p.pid, signal.SIGTERM)
-            try:
-                self.p.wait(30)
-            except subprocess.TimeoutExpired:
-                os.killpg(self.p.pid, signal.SIGKILL)
+        super().__init__(tmp, TINY_MODEL, *extra, keys=KEYS, env=env, startup_timeout=180)
 
 
 def leakcheck_main(url: str, tmp: Path, *extra: str) -> tuple[int, dict[str, Any]]:
@@ -274,8 +266,17 @@ def test_kvfence_pd_incident_faults_leak_and_are_caught(tmp_path: Path) -> None:
     """The incident: a prefill pool smaller than the context, the placeholder swap, and the
     count/checksum/tag guards off. Its twin above is the same cluster with guards on."""
     env = {"KVFENCE_FAULT_INJECTION": "1", "KVFENCE_FAULTS": FAULTS}
-    up = Up(tmp_path, "--context-length", "1024", "--kv-pool-tokens", "8192",
-            "--prefill-kv-pool-tokens", "512", "--unsafe-skip-preflight", env=env)
+    up = Up(
+        tmp_path,
+        "--context-length",
+        "1024",
+        "--kv-pool-tokens",
+        "8192",
+        "--prefill-kv-pool-tokens",
+        "512",
+        "--unsafe-skip-preflight",
+        env=env,
+    )
     try:
         code, report = leakcheck_main(up.url, tmp_path, "--requests", "120")
     finally:
@@ -292,9 +293,25 @@ def test_kvfence_unified_serve_is_clean(tmp_path: Path) -> None:
     keyfile = tmp_path / "keys.txt"
     keyfile.write_text("".join(f"{k} {t}\n" for k, t in KEYS.items()))
     port = free_port()
-    node = Proc(["serve", "--model", str(TINY_MODEL), "--port", str(port), "--context-length",
-                 "1024", "--kv-pool-tokens", "8192", "--api-key-file", str(keyfile),
-                 "--log-level", "warning"], port, tmp_path / "serve.log")
+    node = Proc(
+        [
+            "serve",
+            "--model",
+            str(TINY_MODEL),
+            "--port",
+            str(port),
+            "--context-length",
+            "1024",
+            "--kv-pool-tokens",
+            "8192",
+            "--api-key-file",
+            str(keyfile),
+            "--log-level",
+            "warning",
+        ],
+        port,
+        tmp_path / "serve.log",
+    )
     try:
         node.wait_healthy()
         code, report = leakcheck_main(node.url, tmp_path, "--requests", "80")

@@ -4,12 +4,7 @@ two tenants concurrently, and reject over-length prompts before any page or tran
 
 from __future__ import annotations
 
-import os
-import re
 import secrets
-import signal
-import subprocess
-import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -17,30 +12,20 @@ from pathlib import Path
 import httpx
 import pytest
 from conftest import TINY_MODEL, hf_greedy, random_prompts
-from procs import free_port
 
 from kvfence.engine.llm import LLM
 from kvfence.engine.request import SamplingParams
+from kvfence.tools.cluster import LocalCluster
 
 CTX = 512
 KEYS = {"key-alpha": "alpha", "key-beta": "beta"}
 
 
-class Cluster:
+class Cluster(LocalCluster):
     def __init__(self, tmp: Path, backend: str, prefill: int, decode: int) -> None:
-        keyfile = tmp / "keys.txt"
-        keyfile.write_text("".join(f"{k} {t}\n" for k, t in KEYS.items()))
-        self.url = f"http://127.0.0.1:{free_port()}"
-        self.log = tmp / "up.log"
-        cmd = [
-            sys.executable,
-            "-m",
-            "kvfence.cli",
-            "up",
-            "--model",
-            str(TINY_MODEL),
-            "--port",
-            self.url.rsplit(":", 1)[1],
+        super().__init__(
+            tmp,
+            TINY_MODEL,
             "--prefill",
             str(prefill),
             "--decode",
@@ -49,48 +34,13 @@ class Cluster:
             str(CTX),
             "--kv-pool-tokens",
             "4096",
-            "--api-key-file",
-            str(keyfile),
             "--disaggregation-transfer-backend",
             backend,
-            "--log-level",
-            "warning",
-        ]
-        self.p = subprocess.Popen(
-            cmd, stdout=self.log.open("wb"), stderr=subprocess.STDOUT, start_new_session=True
-        )
-        deadline = time.monotonic() + 240
-        while "ready on" not in self.log.read_text():
-            if self.p.poll() is not None or time.monotonic() > deadline:
-                self.stop()
-                raise RuntimeError(self.log.read_text()[-3000:])
-            time.sleep(0.3)
-
-    def post(self, body: dict, key: str = "key-alpha") -> httpx.Response:
-        return httpx.post(
-            f"{self.url}/v1/completions",
-            json=body,
-            timeout=120,
-            headers={"Authorization": f"Bearer {key}"},
+            keys=KEYS,
         )
 
-    def workers(self) -> list[dict]:
-        return httpx.get(f"{self.url}/health", timeout=5).json()["workers"]
-
-    def pages_used(self) -> list[int]:
-        out = []
-        for w in self.workers():
-            text = httpx.get(f"{w['url']}/metrics", timeout=5).text
-            out.append(int(float(re.search(r"^kvfence_pool_pages_used (\S+)$", text, re.M)[1])))
-        return out
-
-    def stop(self) -> None:
-        if self.p.poll() is None:
-            os.killpg(self.p.pid, signal.SIGTERM)
-            try:
-                self.p.wait(30)
-            except subprocess.TimeoutExpired:
-                os.killpg(self.p.pid, signal.SIGKILL)
+    def post(self, body: dict, key: str = "key-alpha") -> httpx.Response:  # type: ignore[override]
+        return super().post(body, key)
 
 
 def backend_or_skip(backend: str) -> None:

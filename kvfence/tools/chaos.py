@@ -11,12 +11,8 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import random
 import re
-import signal
-import socket
-import subprocess
 import sys
 import tempfile
 import threading
@@ -29,6 +25,7 @@ from pathlib import Path
 import httpx
 
 from kvfence.tools.canary import CanaryRegistry, build_prompt
+from kvfence.tools.cluster import LocalCluster
 
 FAULTS = (
     "corrupt_page,truncate_transfer,placeholder_on_reject,late_write,drop_abort_ack,"
@@ -51,32 +48,16 @@ class Tally:
             self.outcomes[outcome] += 1
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def start_cluster(model: str, prefill: int, ctx: int, tmp: Path, rate: float) -> tuple:
-    keyfile = tmp / "keys.txt"
-    keyfile.write_text("".join(f"{k} {t}\n" for k, t in TENANTS.items()))
-    port = free_port()
+def start_cluster(model: str, prefill: int, ctx: int, tmp: Path, rate: float) -> LocalCluster:
     env = {
-        **os.environ,
         "KVFENCE_FAULT_INJECTION": "1",
         "KVFENCE_FAULTS": FAULTS,
         "KVFENCE_FAULT_RATE": str(rate),
         "KVFENCE_STALL_S": "0.3",
     }
-    cmd = [
-        sys.executable,
-        "-m",
-        "kvfence.cli",
-        "up",
-        "--model",
+    return LocalCluster(
+        tmp,
         model,
-        "--port",
-        str(port),
         "--prefill",
         str(prefill),
         "--decode",
@@ -85,33 +66,11 @@ def start_cluster(model: str, prefill: int, ctx: int, tmp: Path, rate: float) ->
         str(ctx),
         "--kv-pool-tokens",
         str(4 * ctx),
-        "--api-key-file",
-        str(keyfile),
         "--disaggregation-timeout",
         "3",
-        "--log-level",
-        "warning",
-    ]
-    log = tmp / "up.log"
-    proc = subprocess.Popen(
-        cmd, stdout=log.open("wb"), stderr=subprocess.STDOUT, env=env, start_new_session=True
+        keys=TENANTS,
+        env=env,
     )
-    deadline = time.monotonic() + 240
-    while "ready on" not in log.read_text():
-        if proc.poll() is not None or time.monotonic() > deadline:
-            stop_cluster(proc)
-            raise RuntimeError(f"kvfence up did not start:\n{log.read_text()[-3000:]}")
-        time.sleep(0.3)
-    return proc, f"http://127.0.0.1:{port}", log
-
-
-def stop_cluster(proc: subprocess.Popen) -> None:
-    if proc.poll() is None:
-        os.killpg(proc.pid, signal.SIGTERM)
-        try:
-            proc.wait(30)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
 
 
 def one_request(
@@ -225,15 +184,6 @@ def soak(url: str, ctx: int, duration: float, concurrency: int, seed: int, model
     return tally
 
 
-def worker_urls(url: str) -> list[str]:
-    return [w["url"] for w in httpx.get(f"{url}/health", timeout=5).json()["workers"]]
-
-
-def pages_used(worker: str) -> int:
-    text = httpx.get(f"{worker}/metrics", timeout=5).text
-    return int(float(re.search(r"^kvfence_pool_pages_used (\S+)$", text, re.M)[1]))
-
-
 def run(
     model: str,
     prefill: int,
@@ -244,32 +194,32 @@ def run(
     rate: float = 0.05,
 ) -> dict:
     with tempfile.TemporaryDirectory() as tmp:
-        proc, url, log = start_cluster(model, prefill, ctx, Path(tmp), rate)
+        cluster = start_cluster(model, prefill, ctx, Path(tmp), rate)
         try:
-            tally = soak(url, ctx, duration, concurrency, seed, model)
+            tally = soak(cluster.url, ctx, duration, concurrency, seed, model)
             baseline = False
             deadline = time.monotonic() + 20
             while time.monotonic() < deadline and not baseline:
-                baseline = all(pages_used(w) == 0 for w in worker_urls(url))
+                baseline = not any(cluster.pages_used())
                 time.sleep(0.3)
-            health = httpx.get(f"{url}/health", timeout=5).json()
+            workers = cluster.workers()
             crashed = (
-                proc.poll() is not None
-                or not all(w["healthy"] for w in health["workers"])
-                or "Traceback" in log.read_text()
+                not cluster.alive()
+                or not all(w["healthy"] for w in workers)
+                or "Traceback" in cluster.log.read_text()
+            )
+            pattern = re.compile(
+                r"^kvfence_pd_(?:transfers_failed_\w+|late_writes_dropped|checksum_mismatches|"
+                r"source_integrity_errors)_total (\S+)$",
+                re.M,
             )
             injected = sum(
                 int(float(v))
-                for w in worker_urls(url)
-                for v in re.findall(
-                    r"^kvfence_pd_(?:transfers_failed_\w+|late_writes_dropped|"
-                    r"checksum_mismatches)_total (\S+)$",
-                    httpx.get(f"{w}/metrics", timeout=5).text,
-                    re.M,
-                )
+                for w in workers
+                for v in pattern.findall(httpx.get(f"{w['url']}/metrics", timeout=5).text)
             )
         finally:
-            stop_cluster(proc)
+            cluster.stop()
         return {
             "prefill": prefill,
             "duration_s": duration,

@@ -1,0 +1,111 @@
+"""LocalCluster: `kvfence up` as a child process group, for tests, the chaos soak and benchmarks:
+start it, wait for its ready line, look at its workers, and stop it with no orphans."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def write_key_file(path: Path, keys: dict[str, str]) -> Path:
+    path.write_text("".join(f"{key} {tenant}\n" for key, tenant in keys.items()))
+    return path
+
+
+class LocalCluster:
+    def __init__(
+        self,
+        workdir: Path,
+        model: str | Path,
+        *up_args: str,
+        keys: dict[str, str] | None = None,
+        env: dict[str, str] | None = None,
+        startup_timeout: float = 240.0,
+    ) -> None:
+        port = free_port()
+        self.url = f"http://127.0.0.1:{port}"
+        self.log = workdir / "up.log"
+        cmd = [
+            sys.executable,
+            "-m",
+            "kvfence.cli",
+            "up",
+            "--model",
+            str(model),
+            "--port",
+            str(port),
+            "--log-level",
+            "warning",
+            *up_args,
+        ]
+        if keys:
+            cmd += ["--api-key-file", str(write_key_file(workdir / "keys.txt", keys))]
+        self.proc = subprocess.Popen(
+            cmd,
+            stdout=self.log.open("wb"),
+            stderr=subprocess.STDOUT,
+            env={**os.environ, **(env or {})},
+            start_new_session=True,
+        )
+        deadline = time.monotonic() + startup_timeout
+        while "ready on" not in self.log.read_text():
+            if self.proc.poll() is not None or time.monotonic() > deadline:
+                self.stop()
+                raise RuntimeError(f"kvfence up did not start:\n{self.log.read_text()[-3000:]}")
+            time.sleep(0.3)
+
+    def post(self, body: dict, key: str | None = None, timeout: float = 120) -> httpx.Response:
+        headers = {"Authorization": f"Bearer {key}"} if key else {}
+        return httpx.post(f"{self.url}/v1/completions", json=body, headers=headers, timeout=timeout)
+
+    def workers(self) -> list[dict]:
+        return httpx.get(f"{self.url}/health", timeout=5).json()["workers"]
+
+    def worker_url(self, role: str) -> str:
+        return next(w["url"] for w in self.workers() if w["role"] == role)
+
+    def counters(self, role: str) -> dict:
+        return httpx.get(f"{self.worker_url(role)}/pd/info", timeout=5).json()["counters"]
+
+    def pages_used(self) -> list[int]:
+        """Used KV pages of every worker, in /health's order."""
+        return [_pages_used(w["url"]) for w in self.workers()]
+
+    def role_pages_used(self, role: str) -> int:
+        return _pages_used(self.worker_url(role))
+
+    def alive(self) -> bool:
+        return self.proc.poll() is None
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGTERM)
+            try:
+                self.proc.wait(30)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+
+    def __enter__(self) -> LocalCluster:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+
+def _pages_used(worker_url: str) -> int:
+    text = httpx.get(f"{worker_url}/metrics", timeout=5).text
+    return int(float(re.search(r"^kvfence_pool_pages_used (\S+)$", text, re.M)[1]))
