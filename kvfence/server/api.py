@@ -186,6 +186,11 @@ class _ReadyServer(uvicorn.Server):
 
 def _ready_line(engine: EngineLike, host: str, port: int) -> str:
     url = f"http://{host}:{port}"
+    describe = getattr(engine, "pd_info", None)
+    if describe is not None:
+        # A PD worker takes no client requests: point at the router, not at a sample curl.
+        role = describe()["role"]
+        return f"kvfence {role} worker ready: {url} (clients go through `kvfence router`)"
     body = json.dumps(
         {
             "model": engine.model_name,
