@@ -21,7 +21,7 @@ test: $(STAMP)
 	$(PY) -m pytest
 
 lint: $(STAMP)
-	$(VENV)/bin/ruff check kvfence tests scripts
+	$(VENV)/bin/ruff check kvfence tests scripts formal benchmarks
 
 clean:
 	rm -rf $(VENV) .pytest_cache

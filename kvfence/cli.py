@@ -1,4 +1,4 @@
-"""The `kvfence` command: serve | router | up | preflight | leakcheck | check-protocol."""
+"""The `kvfence` command: serve | router | up | preflight | leakcheck | check-protocol | bench."""
 
 from __future__ import annotations
 
@@ -137,6 +137,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     sub.add_parser("router", help="OpenAI entry point in front of prefill/decode", add_help=False)
     sub.add_parser("up", help="router + N prefill + M decode workers here", add_help=False)
+    sub.add_parser("bench", help="load-test any OpenAI-compatible server", add_help=False)
     sub.add_parser(
         "check-protocol", help="model-check the KV transfer protocol (formal/)", add_help=False
     )
@@ -158,6 +159,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         from kvfence.tools.up import main as up_main
 
         return up_main(argv[1:])
+    if argv[:1] == ["bench"]:
+        from kvfence.tools.bench import main as bench_main
+
+        return bench_main(argv[1:])
     if argv[:1] == ["check-protocol"]:
         from kvfence.tools.check_protocol import main as check_protocol_main
 

@@ -25,6 +25,7 @@ class StepResult:
 class ModelRunner:
     def __init__(self, model: CausalLM, pool: KVPool, device: torch.device, seed: int) -> None:
         self.model = model
+        model.fuse_projections()
         self.pool = pool
         self.device = device
         self.sliding_window = model.config.sliding_window

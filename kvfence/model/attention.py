@@ -20,6 +20,8 @@ class AttentionGroup:
     kv_slots: torch.Tensor  # [B, Lk] int64 into the pool's flat slot dim (padding -> 0)
     mask: torch.Tensor  # [B, 1, Lq, Lk] bool, True = may attend
     flat_valid_index: torch.Tensor  # [N] q_index[q_valid], precomputed once per step
+    valid_rows: torch.Tensor | None = None  # [N] rows of the [B*Lq] queries that are real;
+    #                                         None when all are (decode: no padding)
 
 
 @dataclass
@@ -67,6 +69,7 @@ def build_group(
         kv_slots=kv_slots.to(device),
         mask=mask.unsqueeze(1).to(device),
         flat_valid_index=q_index[q_valid].to(device),
+        valid_rows=None if bool(q_valid.all()) else q_valid.view(-1).nonzero().view(-1).to(device),
     )
 
 
@@ -84,11 +87,19 @@ def paged_attention(
     v_cache.index_copy_(0, meta.slot_mapping, v)
     out = torch.empty_like(q)
     for g in meta.groups:
-        qg = q[g.q_index].transpose(1, 2)  # [B, H, Lq, D]
-        kg = k_cache[g.kv_slots].transpose(1, 2)  # [B, KVH, Lk, D]
-        vg = v_cache[g.kv_slots].transpose(1, 2)
+        b, lq = g.q_index.shape
+        lk = g.kv_slots.shape[1]
+        # index_select on flat indices: a plain row copy, much cheaper on CPU than advanced
+        # indexing (aten::index), and the same values.
+        qg = q.index_select(0, g.q_index.view(-1)).view(b, lq, *q.shape[1:]).transpose(1, 2)
+        flat_slots = g.kv_slots.view(-1)
+        kg = k_cache.index_select(0, flat_slots).view(b, lk, *k_cache.shape[1:]).transpose(1, 2)
+        vg = v_cache.index_select(0, flat_slots).view(b, lk, *v_cache.shape[1:]).transpose(1, 2)
         o = F.scaled_dot_product_attention(
             qg, kg, vg, attn_mask=g.mask, scale=scale, enable_gqa=True
         )
-        out[g.flat_valid_index] = o.transpose(1, 2)[g.q_valid]
+        o = o.transpose(1, 2).reshape(b * lq, *q.shape[1:])
+        if g.valid_rows is not None:
+            o = o.index_select(0, g.valid_rows)
+        out.index_copy_(0, g.flat_valid_index, o)
     return out

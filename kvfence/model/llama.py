@@ -16,6 +16,17 @@ from kvfence.model.config import ModelConfig
 from kvfence.model.rope import RotaryTable
 
 
+def _fuse_rows(params: list[nn.Parameter]) -> torch.Tensor:
+    """One [sum(rows), cols] tensor holding the params' rows; each param becomes a view of it."""
+    fused = torch.cat([p.detach() for p in params], dim=0)
+    row = 0
+    for p in params:
+        n = p.shape[0]
+        p.data = fused[row : row + n]
+        row += n
+    return fused
+
+
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float) -> None:
         super().__init__()
@@ -48,14 +59,29 @@ class Attention(nn.Module):
             self.k_norm = RMSNorm(self.head_dim, mc.rms_norm_eps)
         self.qk_norm = mc.qk_norm
         self.scale = self.head_dim**-0.5
+        self.qkv_weight: torch.Tensor | None = None  # set by fuse(): one matmul instead of three
+        self.qkv_bias: torch.Tensor | None = None
+
+    def fuse(self) -> None:
+        """Concatenate q/k/v weights into one tensor and make the per-name parameters views of
+        it: HF names still load and save, memory stays the same, and a step does one matmul."""
+        projs = (self.q_proj, self.k_proj, self.v_proj)
+        self.qkv_weight = _fuse_rows([p.weight for p in projs])
+        if self.q_proj.bias is not None:
+            self.qkv_bias = _fuse_rows([p.bias for p in projs])  # type: ignore[misc]
 
     def forward(
         self, x: torch.Tensor, meta: AttentionMetadata, rope: RotaryTable, pool: KVPool
     ) -> torch.Tensor:
         t = x.shape[0]
-        q = self.q_proj(x).view(t, self.num_heads, self.head_dim)
-        k = self.k_proj(x).view(t, self.num_kv_heads, self.head_dim)
-        v = self.v_proj(x).view(t, self.num_kv_heads, self.head_dim)
+        nq, nkv = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        if self.qkv_weight is not None:
+            q, k, v = F.linear(x, self.qkv_weight, self.qkv_bias).split((nq, nkv, nkv), dim=-1)
+        else:
+            q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        q = q.reshape(t, self.num_heads, self.head_dim)
+        k = k.reshape(t, self.num_kv_heads, self.head_dim)
+        v = v.reshape(t, self.num_kv_heads, self.head_dim)
         if self.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = rope.apply(q, k, meta.positions)
@@ -69,9 +95,16 @@ class MLP(nn.Module):
         self.gate_proj = nn.Linear(mc.hidden_size, mc.intermediate_size, bias=False)
         self.up_proj = nn.Linear(mc.hidden_size, mc.intermediate_size, bias=False)
         self.down_proj = nn.Linear(mc.intermediate_size, mc.hidden_size, bias=False)
+        self.gate_up_weight: torch.Tensor | None = None  # set by fuse()
+
+    def fuse(self) -> None:
+        self.gate_up_weight = _fuse_rows([self.gate_proj.weight, self.up_proj.weight])
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        if self.gate_up_weight is None:
+            return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        gate, up = F.linear(x, self.gate_up_weight).chunk(2, dim=-1)
+        return self.down_proj(F.silu(gate).mul_(up))
 
 
 class DecoderLayer(nn.Module):
@@ -108,6 +141,12 @@ class CausalLM(nn.Module):
         if mc.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
         self.rope: RotaryTable | None = None
+
+    def fuse_projections(self) -> None:
+        """q/k/v and gate/up become one matmul each (weights shared with the HF-named params)."""
+        for layer in self.model.layers:
+            layer.self_attn.fuse()
+            layer.mlp.fuse()
 
     def init_rope(self, max_positions: int, device: torch.device) -> None:
         mc = self.config

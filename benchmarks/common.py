@@ -1,0 +1,341 @@
+"""Shared helpers for the benchmark scripts: the SmolLM-135M-shaped random checkpoint, command
+logging, machine facts, JSON output and simple statistics. Never downloads anything."""
+
+from __future__ import annotations
+
+import datetime as _dt
+import json
+import math
+import os
+import platform
+import shlex
+import statistics
+import subprocess
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+RESULTS = ROOT / "benchmarks" / "results"
+
+# SmolLM-135M's shape (hidden 576, intermediate 1536, 30 layers, 9 heads, 3 KV heads, head_dim
+# 64, vocab 49152, tied embeddings); weights are random, so the checkpoint is built here.
+SMOL_SHAPE = dict(
+    vocab_size=49152,
+    hidden_size=576,
+    intermediate_size=1536,
+    num_hidden_layers=30,
+    num_attention_heads=9,
+    num_key_value_heads=3,
+    max_position_embeddings=2048,
+    rms_norm_eps=1e-5,
+    rope_theta=10000.0,
+    tie_word_embeddings=True,
+    bos_token_id=0,
+    eos_token_id=1,
+)
+
+
+def build_smol_checkpoint(out: Path, seed: int = 0, **overrides: object) -> Path:
+    """A random-init Llama checkpoint of SmolLM-135M's shape (float32) plus a word-level
+    tokenizer covering the whole vocabulary, written by transformers into `out`."""
+    import shutil
+
+    import torch
+    import transformers as tf
+
+    out = Path(out)
+    if (out / "config.json").is_file() and (out / "model.safetensors").is_file():
+        return out
+    # Built aside and renamed into place, so concurrent scripts never read a half-written one.
+    tmp = out.with_name(f"{out.name}.tmp{os.getpid()}")
+    tmp.mkdir(parents=True, exist_ok=True)
+    shape = {**SMOL_SHAPE, **overrides}
+    cfg = tf.LlamaConfig(**shape)
+    torch.manual_seed(seed)
+    model = tf.LlamaForCausalLM(cfg).eval().to(torch.float32)
+    model.save_pretrained(tmp, safe_serialization=True)
+    write_wordlevel_tokenizer(tmp, int(shape["vocab_size"]))  # type: ignore[arg-type]
+    try:
+        os.rename(tmp, out)
+    except OSError:  # another process got there first
+        shutil.rmtree(tmp, ignore_errors=True)
+    return out
+
+
+def write_wordlevel_tokenizer(out: Path, vocab: int) -> None:
+    """One word per id ("<s>", "</s>", "w2", ...), so every id decodes and random text encodes."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    words = {"<s>": 0, "</s>": 1, **{f"w{i}": i for i in range(2, vocab)}}
+    tok = Tokenizer(models.WordLevel(words, unk_token="<s>"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tok.save(str(out / "tokenizer.json"))
+    (out / "tokenizer_config.json").write_text(
+        json.dumps(
+            {
+                "bos_token": "<s>",
+                "eos_token": "</s>",
+                "add_bos_token": False,
+                "tokenizer_class": "PreTrainedTokenizerFast",
+                "model_max_length": shape_ctx(out),
+            }
+        )
+    )
+
+
+def shape_ctx(out: Path) -> int:
+    return int(json.loads((out / "config.json").read_text())["max_position_embeddings"])
+
+
+def random_prompts(n: int, length: int, vocab: int, seed: int) -> list[list[int]]:
+    """Token-id prompts avoiding ids 0 and 1 (BOS/EOS)."""
+    import random
+
+    rng = random.Random(seed)
+    return [[rng.randrange(2, vocab) for _ in range(length)] for _ in range(n)]
+
+
+def machine() -> dict[str, object]:
+    def sh(cmd: str) -> str:
+        try:
+            return subprocess.run(
+                cmd, shell=True, capture_output=True, text=True, timeout=10
+            ).stdout.strip()
+        except Exception as e:  # noqa: BLE001 - facts are best effort
+            return f"unavailable: {e}"
+
+    import torch
+
+    model = next(
+        (
+            line.split(":", 1)[1].strip()
+            for line in sh("lscpu").splitlines()
+            if line.startswith("Model name")
+        ),
+        platform.processor(),
+    )
+    return {
+        "date": _dt.datetime.now(_dt.UTC).isoformat(timespec="seconds"),
+        "nproc": sh("nproc"),
+        "cpu_model": model,
+        "torch": torch.__version__,
+        "torch_threads": torch.get_num_threads(),
+        # Other work shares this machine: the 1/5/15-minute load average when the run ended.
+        "loadavg": os.getloadavg(),
+        "python": platform.python_version(),
+        "git": sh(f"git -C {ROOT} rev-parse --short HEAD"),
+    }
+
+
+def log_command(argv: Sequence[str], env: dict[str, str] | None = None) -> str:
+    """Print (and return) the exact command line, with the env vars that matter for it."""
+    prefix = " ".join(f"{k}={shlex.quote(v)}" for k, v in (env or {}).items())
+    line = (prefix + " " if prefix else "") + " ".join(shlex.quote(a) for a in argv)
+    print(f"$ {line}", flush=True)
+    return line
+
+
+def this_command() -> str:
+    return log_command([sys.executable.replace(str(ROOT) + "/", ""), *sys.argv])
+
+
+def write_json(path: Path, data: dict) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(data, indent=2, default=str) + "\n")
+    print(f"wrote {path}", flush=True)
+    return path
+
+
+def pct(xs: Sequence[float], p: float) -> float:
+    """Linear-interpolated percentile, p in [0, 100]; NaN for no data."""
+    if not xs:
+        return float("nan")
+    s = sorted(xs)
+    k = (len(s) - 1) * p / 100.0
+    lo, hi = math.floor(k), math.ceil(k)
+    return s[lo] + (s[hi] - s[lo]) * (k - lo)
+
+
+# Two-sided 95% Student t quantiles for small samples (df -> t).
+_T95 = {
+    1: 12.706,
+    2: 4.303,
+    3: 3.182,
+    4: 2.776,
+    5: 2.571,
+    6: 2.447,
+    7: 2.365,
+    8: 2.306,
+    9: 2.262,
+    10: 2.228,
+    11: 2.201,
+    12: 2.179,
+    13: 2.160,
+    14: 2.145,
+    15: 2.131,
+    19: 2.093,
+    24: 2.064,
+    29: 2.045,
+}
+
+
+def t95(df: int) -> float:
+    if df in _T95:
+        return _T95[df]
+    below = [d for d in _T95 if d <= df]
+    return _T95[max(below)] if below and df < 30 else 1.96
+
+
+def ratio_ci(ratios: Sequence[float]) -> dict[str, float]:
+    """Mean of per-pair ratios with a 95% t interval on their log (ratios are multiplicative)."""
+    logs = [math.log(r) for r in ratios if r > 0 and math.isfinite(r)]
+    if not logs:
+        return {"mean": float("nan"), "lo": float("nan"), "hi": float("nan"), "n": 0}
+    m = statistics.fmean(logs)
+    if len(logs) < 2:
+        return {"mean": math.exp(m), "lo": float("nan"), "hi": float("nan"), "n": len(logs)}
+    half = t95(len(logs) - 1) * statistics.stdev(logs) / math.sqrt(len(logs))
+    return {"mean": math.exp(m), "lo": math.exp(m - half), "hi": math.exp(m + half), "n": len(logs)}
+
+
+def plot_available() -> bool:
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        print("matplotlib missing: pip install 'kvfence[bench]' for plots", file=sys.stderr)
+        return False
+    return True
+
+
+def new_figure(*args: object, **kwargs: object):  # type: ignore[no-untyped-def]
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt.subplots(*args, **kwargs)
+
+
+def env_threads() -> dict[str, str]:
+    return {k: os.environ[k] for k in ("OMP_NUM_THREADS", "MKL_NUM_THREADS") if k in os.environ}
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+class Server:
+    """A `kvfence` (or any) server process: started, waited for on /health, stopped by its id."""
+
+    def __init__(
+        self,
+        argv: list[str],
+        port: int,
+        env: dict[str, str] | None = None,
+        health: str = "/health",
+        log: Path | None = None,
+    ) -> None:
+        self.argv, self.port, self.extra_env = argv, port, env or {}
+        self.command = log_command(argv, self.extra_env)
+        self.log = log
+        out = open(log, "w") if log else subprocess.DEVNULL  # noqa: SIM115 - closed in stop()
+        self._out = out
+        self.proc = subprocess.Popen(
+            argv,
+            env={**os.environ, **self.extra_env},
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+        self.health = health
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def wait_ready(self, timeout: float = 300.0) -> None:
+        import time
+
+        import httpx
+
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                tail = self.log.read_text()[-2000:] if self.log else ""
+                raise RuntimeError(f"server exited {self.proc.returncode}: {tail}")
+            try:
+                if httpx.get(self.url + self.health, timeout=2, trust_env=False).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.5)
+        raise TimeoutError(f"{self.argv[:3]} not ready after {timeout}s")
+
+    def stop(self) -> None:
+        import signal
+
+        if self.proc.poll() is None:
+            try:
+                os.killpg(self.proc.pid, signal.SIGTERM)  # the server and the workers it started
+                self.proc.wait(timeout=20)
+            except (ProcessLookupError, subprocess.TimeoutExpired):
+                try:
+                    os.killpg(self.proc.pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+                self.proc.wait(timeout=10)
+        if self._out is not subprocess.DEVNULL:
+            self._out.close()
+
+
+def kvfence_bin() -> str:
+    return str(Path(sys.executable).with_name("kvfence"))
+
+
+def run_bench(
+    url: str,
+    num_prompts: int,
+    input_len: int,
+    output_len: int,
+    concurrency: int | None,
+    vocab: int,
+    seed: int = 0,
+    warmup: int = 1,
+    progress: bool = False,
+) -> dict:
+    """One `kvfence bench serve` run in-process; logs the equivalent command."""
+    import asyncio
+
+    from kvfence.tools import bench
+
+    argv = [
+        "serve",
+        "--base-url",
+        url,
+        "--num-prompts",
+        str(num_prompts),
+        "--input-len",
+        str(input_len),
+        "--output-len",
+        str(output_len),
+        "--vocab-size",
+        str(vocab),
+        "--seed",
+        str(seed),
+        "--warmup",
+        str(warmup),
+    ]
+    if concurrency:
+        argv += ["--concurrency", str(concurrency)]
+    if not progress:
+        argv.append("--no-progress")
+    log_command(["kvfence", "bench", *argv])
+    code, result = asyncio.run(bench.bench(bench.parse_args(argv[1:])))
+    if code != 0:
+        raise RuntimeError(f"bench failed ({code}): {result.get('error') or result.get('errors')}")
+    return result

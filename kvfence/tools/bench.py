@@ -1,0 +1,401 @@
+"""`kvfence bench serve`: an HTTP load generator for any OpenAI-compatible server (like vLLM's
+`vllm bench serve` and SGLang's bench_serving): throughput, TTFT, ITL, TPOT, end-to-end latency."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import math
+import random
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import httpx
+
+EXIT_OK, EXIT_FAILED, EXIT_CANNOT_RUN = 0, 1, 2
+PERCENTILES = (50, 90, 99)
+
+
+@dataclass
+class RequestRecord:
+    index: int
+    prompt_len: int
+    ok: bool = False
+    status: int | None = None
+    error: str | None = None
+    start: float = 0.0
+    ttft: float | None = None  # seconds to the first chunk that carried output
+    latency: float | None = None  # seconds to the end of the stream
+    output_tokens: int = 0  # from usage when the server sends it, else output chunks
+    itl: list[float] = field(default_factory=list)  # gaps between output chunks after the first
+
+
+@dataclass(frozen=True)
+class Workload:
+    base_url: str
+    model: str
+    prompts: list[list[int]] | list[str]
+    output_len: int
+    ignore_eos: bool
+    api_key: str | None
+    concurrency: int | None
+    request_rate: float
+    seed: int
+    timeout_s: float
+
+
+def percentile(xs: list[float], p: float) -> float:
+    if not xs:
+        return float("nan")
+    s = sorted(xs)
+    k = (len(s) - 1) * p / 100.0
+    lo, hi = math.floor(k), math.ceil(k)
+    return s[lo] + (s[hi] - s[lo]) * (k - lo)
+
+
+def summarize(xs: list[float]) -> dict[str, float]:
+    out = {"mean": sum(xs) / len(xs) if xs else float("nan")}
+    out.update({f"p{p}": percentile(xs, p) for p in PERCENTILES})
+    return out
+
+
+def _headers(api_key: str | None) -> dict[str, str]:
+    h = {"Content-Type": "application/json"}
+    if api_key:
+        h["Authorization"] = f"Bearer {api_key}"
+    return h
+
+
+def _client(timeout_s: float, limit: int) -> httpx.AsyncClient:
+    # Only ever talks to --base-url: no proxy from the environment, no redirects.
+    return httpx.AsyncClient(
+        timeout=httpx.Timeout(timeout_s, connect=10.0),
+        limits=httpx.Limits(max_connections=limit, max_keepalive_connections=limit),
+        trust_env=False,
+        follow_redirects=False,
+    )
+
+
+def make_prompts(
+    n: int, input_len: int, vocab: int, seed: int, as_text: bool
+) -> list[list[int]] | list[str]:
+    """Random token ids (ids 0..9 avoided: specials live there in most vocabularies), or random
+    lowercase words of about one token each for servers that take text only."""
+    rng = random.Random(seed)
+    if as_text:
+        letters = "abcdefghijklmnopqrstuvwxyz"
+        return [
+            " ".join("".join(rng.choices(letters, k=3)) for _ in range(input_len)) for _ in range(n)
+        ]
+    return [[rng.randrange(10, vocab) for _ in range(input_len)] for _ in range(n)]
+
+
+def body(w: Workload, prompt: list[int] | str, max_tokens: int, ignore_eos: bool) -> dict:
+    b: dict[str, Any] = {
+        "model": w.model,
+        "prompt": prompt,
+        "max_tokens": max_tokens,
+        "temperature": 0.0,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
+    if ignore_eos:
+        b["ignore_eos"] = True
+    return b
+
+
+async def one_request(
+    client: httpx.AsyncClient, w: Workload, index: int, prompt: list[int] | str
+) -> RequestRecord:
+    plen = len(prompt) if isinstance(prompt, list) else len(prompt.split())
+    rec = RequestRecord(index, plen)
+    url = w.base_url.rstrip("/") + "/v1/completions"
+    rec.start = time.perf_counter()
+    last = rec.start
+    chunks = 0
+    usage_tokens: int | None = None
+    try:
+        b = body(w, prompt, w.output_len, w.ignore_eos)
+        async with client.stream("POST", url, json=b, headers=_headers(w.api_key)) as r:
+            rec.status = r.status_code
+            if r.status_code != 200:
+                rec.error = (await r.aread()).decode(errors="replace")[:300]
+                return rec
+            async for line in r.aiter_lines():
+                if not line.startswith("data:"):
+                    continue
+                data = line[5:].strip()
+                if data == "[DONE]":
+                    break
+                obj = json.loads(data)
+                if obj.get("error"):
+                    rec.error = json.dumps(obj["error"])[:300]
+                    return rec
+                if obj.get("usage"):
+                    usage_tokens = obj["usage"].get("completion_tokens", usage_tokens)
+                choices = obj.get("choices") or []
+                if not any(c.get("text") for c in choices):
+                    continue
+                now = time.perf_counter()
+                if rec.ttft is None:
+                    rec.ttft = now - rec.start
+                else:
+                    rec.itl.append(now - last)
+                last = now
+                chunks += 1
+        rec.latency = time.perf_counter() - rec.start
+        rec.output_tokens = usage_tokens if usage_tokens is not None else chunks
+        rec.ok = rec.ttft is not None
+        if not rec.ok:
+            rec.error = "stream ended without output"
+    except (httpx.HTTPError, json.JSONDecodeError, OSError) as e:
+        rec.error = f"{type(e).__name__}: {e}"[:300]
+    return rec
+
+
+class Progress:
+    """One live line on stderr: done/total, failures, elapsed."""
+
+    def __init__(self, total: int, enabled: bool) -> None:
+        self.total, self.done, self.failed, self.enabled = total, 0, 0, enabled
+        self.t0 = time.perf_counter()
+
+    def update(self, rec: RequestRecord) -> None:
+        self.done += 1
+        self.failed += not rec.ok
+        if self.enabled:
+            width = 30
+            filled = int(width * self.done / max(self.total, 1))
+            sys.stderr.write(
+                f"\r[{'#' * filled}{'.' * (width - filled)}] {self.done}/{self.total}"
+                f" failed {self.failed} {time.perf_counter() - self.t0:6.1f}s"
+            )
+            sys.stderr.flush()
+
+    def close(self) -> None:
+        if self.enabled:
+            sys.stderr.write("\n")
+
+
+async def run_workload(w: Workload, progress: bool = True) -> tuple[list[RequestRecord], float]:
+    """All prompts, by a fixed number in flight or by Poisson arrivals; returns (records, wall)."""
+    n = len(w.prompts)
+    limit = w.concurrency or n
+    sem = asyncio.Semaphore(limit)
+    bar = Progress(n, progress)
+    rng = random.Random(w.seed)
+    records: list[RequestRecord] = []
+    async with _client(w.timeout_s, limit) as client:
+
+        async def task(i: int, p: list[int] | str) -> None:
+            async with sem:
+                rec = await one_request(client, w, i, p)
+            records.append(rec)
+            bar.update(rec)
+
+        t0 = time.perf_counter()
+        tasks = []
+        for i, p in enumerate(w.prompts):
+            tasks.append(asyncio.create_task(task(i, p)))
+            if math.isfinite(w.request_rate) and w.request_rate > 0 and i < n - 1:
+                await asyncio.sleep(rng.expovariate(w.request_rate))
+        await asyncio.gather(*tasks)
+        wall = time.perf_counter() - t0
+    bar.close()
+    return sorted(records, key=lambda r: r.index), wall
+
+
+def metrics(records: list[RequestRecord], wall: float) -> dict[str, Any]:
+    ok = [r for r in records if r.ok]
+    in_tok = sum(r.prompt_len for r in ok)
+    out_tok = sum(r.output_tokens for r in ok)
+    tpot = [
+        (r.latency - r.ttft) / (r.output_tokens - 1)
+        for r in ok
+        if r.latency is not None and r.ttft is not None and r.output_tokens > 1
+    ]
+    ms = 1000.0
+    return {
+        "completed": len(ok),
+        "failed": len(records) - len(ok),
+        "duration_s": wall,
+        "total_input_tokens": in_tok,
+        "total_output_tokens": out_tok,
+        "request_throughput": len(ok) / wall if wall > 0 else float("nan"),
+        "input_throughput": in_tok / wall if wall > 0 else float("nan"),
+        "output_throughput": out_tok / wall if wall > 0 else float("nan"),
+        "total_token_throughput": (in_tok + out_tok) / wall if wall > 0 else float("nan"),
+        "ttft_ms": summarize([r.ttft * ms for r in ok if r.ttft is not None]),
+        "itl_ms": summarize([x * ms for r in ok for x in r.itl]),
+        "tpot_ms": summarize([x * ms for x in tpot]),
+        "e2e_latency_ms": summarize([r.latency * ms for r in ok if r.latency is not None]),
+    }
+
+
+async def discover(
+    base_url: str, api_key: str | None, model: str | None, timeout_s: float
+) -> tuple[str, int | None]:
+    """The model to name (first of /v1/models unless given) and its vocabulary hint, if any."""
+    async with _client(timeout_s, 1) as c:
+        r = await c.get(base_url.rstrip("/") + "/v1/models", headers=_headers(api_key))
+        if r.status_code != 200:
+            if model:
+                return model, None
+            raise RuntimeError(f"GET /v1/models: HTTP {r.status_code}: {r.text[:200]}")
+        data = r.json().get("data") or []
+        if model is None:
+            if not data:
+                raise RuntimeError("GET /v1/models lists no model; pass --model")
+            model = str(data[0]["id"])
+        return model, None
+
+
+async def probe(
+    w: Workload, prompt_ids: list[int], prompt_text: str
+) -> tuple[bool, bool, str | None]:
+    """Which prompt form and whether `ignore_eos` the server accepts: (ids, ignore_eos, error)."""
+    url = w.base_url.rstrip("/") + "/v1/completions"
+    async with _client(w.timeout_s, 1) as c:
+        last = None
+        for ids, ign in ((True, True), (True, False), (False, True), (False, False)):
+            b = body(w, prompt_ids if ids else prompt_text, 1, ign)
+            b["stream"] = False
+            b.pop("stream_options")
+            r = await c.post(url, json=b, headers=_headers(w.api_key))
+            if r.status_code == 200:
+                return ids, ign, None
+            last = f"HTTP {r.status_code}: {r.text[:200]}"
+            if r.status_code in (401, 403, 404):
+                break
+        return True, True, last
+
+
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="kvfence bench serve", description=__doc__)
+    p.add_argument("--base-url", required=True, help="e.g. http://127.0.0.1:8000")
+    p.add_argument("--num-prompts", type=int, default=100)
+    p.add_argument("--input-len", type=int, default=256, help="prompt tokens per request")
+    p.add_argument("--output-len", type=int, default=64, help="max_tokens per request")
+    g = p.add_mutually_exclusive_group()
+    g.add_argument("--concurrency", type=int, default=None, help="requests in flight at most")
+    g.add_argument(
+        "--request-rate",
+        type=float,
+        default=float("inf"),
+        help="Poisson arrivals per second (default inf: all at once)",
+    )
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--json", default=None, help="write results here")
+    p.add_argument("--api-key", default=None)
+    p.add_argument("--model", default=None, help="default: the first of GET /v1/models")
+    p.add_argument(
+        "--prompt-format",
+        choices=("auto", "ids", "text"),
+        default="auto",
+        help="token-id prompts, random text, or ids when the server takes them",
+    )
+    p.add_argument("--vocab-size", type=int, default=2048, help="random ids are below this")
+    p.add_argument("--no-ignore-eos", action="store_true", help="never send ignore_eos")
+    p.add_argument("--warmup", type=int, default=1, help="requests sent (and dropped) first")
+    p.add_argument("--timeout", type=float, default=600.0, help="seconds per request")
+    p.add_argument("--no-progress", action="store_true")
+    a = p.parse_args(argv)
+    for name in ("num_prompts", "input_len", "output_len"):
+        if getattr(a, name) < 1:
+            p.error(f"--{name.replace('_', '-')} must be >= 1")
+    if a.concurrency is not None and a.concurrency < 1:
+        p.error("--concurrency must be >= 1")
+    return a
+
+
+async def bench(a: argparse.Namespace) -> tuple[int, dict[str, Any]]:
+    try:
+        model, _ = await discover(a.base_url, a.api_key, a.model, a.timeout)
+    except (httpx.HTTPError, RuntimeError, ValueError, OSError) as e:
+        return EXIT_CANNOT_RUN, {"error": f"cannot reach {a.base_url}: {e}"}
+    base = Workload(
+        a.base_url,
+        model,
+        [],
+        a.output_len,
+        not a.no_ignore_eos,
+        a.api_key,
+        a.concurrency,
+        a.request_rate,
+        a.seed,
+        a.timeout,
+    )
+    ids_p = make_prompts(1, a.input_len, a.vocab_size, a.seed + 1, as_text=False)[0]
+    txt_p = make_prompts(1, a.input_len, a.vocab_size, a.seed + 1, as_text=True)[0]
+    use_ids, ignore_eos, err = await probe(base, ids_p, txt_p)  # type: ignore[arg-type]
+    if err is not None:
+        return EXIT_CANNOT_RUN, {"error": f"probe request failed: {err}"}
+    if a.prompt_format != "auto":
+        use_ids = a.prompt_format == "ids"
+    ignore_eos = ignore_eos and not a.no_ignore_eos
+    prompts = make_prompts(a.num_prompts, a.input_len, a.vocab_size, a.seed, as_text=not use_ids)
+    w = Workload(**{**asdict(base), "prompts": prompts, "ignore_eos": ignore_eos})
+    if a.warmup:
+        warm = make_prompts(a.warmup, a.input_len, a.vocab_size, a.seed + 2, as_text=not use_ids)
+        await run_workload(Workload(**{**asdict(w), "prompts": warm}), progress=False)
+    records, wall = await run_workload(w, progress=not a.no_progress)
+    result = {
+        "base_url": a.base_url,
+        "model": model,
+        "num_prompts": a.num_prompts,
+        "input_len": a.input_len,
+        "output_len": a.output_len,
+        "concurrency": a.concurrency,
+        "request_rate": a.request_rate if math.isfinite(a.request_rate) else "inf",
+        "seed": a.seed,
+        "prompt_format": "ids" if use_ids else "text",
+        "ignore_eos": ignore_eos,
+        **metrics(records, wall),
+        "errors": sorted({r.error for r in records if r.error})[:10],
+    }
+    return (EXIT_OK if result["failed"] == 0 else EXIT_FAILED), result
+
+
+def report(r: dict[str, Any]) -> str:
+    if "error" in r and "completed" not in r:
+        return f"kvfence bench: {r['error']}"
+    lines = [
+        f"{'model':<28}{r['model']}",
+        f"{'prompts (ok/failed)':<28}{r['completed']}/{r['failed']}"
+        f"  ({r['prompt_format']}, ignore_eos={r['ignore_eos']})",
+        f"{'duration (s)':<28}{r['duration_s']:.2f}",
+        f"{'request throughput (req/s)':<28}{r['request_throughput']:.3f}",
+        f"{'output tokens/s':<28}{r['output_throughput']:.1f}",
+        f"{'total tokens/s':<28}{r['total_token_throughput']:.1f}",
+        f"{'(ms)':<16}{'mean':>10}{'p50':>10}{'p90':>10}{'p99':>10}",
+    ]
+    for key in ("ttft_ms", "itl_ms", "tpot_ms", "e2e_latency_ms"):
+        s = r[key]
+        lines.append(
+            f"{key[:-3].upper():<16}"
+            + "".join(f"{s[k]:>10.1f}" for k in ("mean", "p50", "p90", "p99"))
+        )
+    for e in r.get("errors", []):
+        lines.append(f"error: {e}")
+    return "\n".join(lines)
+
+
+def main(argv: list[str]) -> int:
+    if argv[:1] != ["serve"]:
+        print("usage: kvfence bench serve --base-url URL [options]  (see --help)", file=sys.stderr)
+        return EXIT_CANNOT_RUN
+    a = parse_args(argv[1:])
+    code, result = asyncio.run(bench(a))
+    print(report(result))
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump(result, f, indent=2)
+            f.write("\n")
+    return code
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

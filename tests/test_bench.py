@@ -1,0 +1,144 @@
+"""The benchmark scripts and `kvfence bench serve` keep working: each script runs on a tiny
+configuration (no timing is asserted; speed is measured in benchmarks/, never here)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+BENCH = ROOT / "benchmarks"
+
+SMOKE = {
+    "guard_overhead": [
+        "--i-understand-guards-off-is-unsafe",
+        "--pairs",
+        "2",
+        "--num-prompts",
+        "2",
+        "--input-len",
+        "32",
+        "--output-len",
+        "4",
+        "--concurrency",
+        "2",
+        "--micro-repeats",
+        "1",
+    ],
+    "vs_engines": [
+        "--tiny",
+        "--engines",
+        "kvfence,hf",
+        "--rounds",
+        "1",
+        "--num-prompts",
+        "2",
+        "--input-len",
+        "16",
+        "--output-len",
+        "4",
+        "--concurrency",
+        "",
+    ],
+    "kv_transfer": ["--prompt-len", "64", "--repeats", "1", "--backends", "tcp"],
+    "pd_vs_unified": [
+        "--lengths",
+        "32,64",
+        "--num-prompts",
+        "1",
+        "--output-len",
+        "4",
+        "--rounds",
+        "1",
+    ],
+    "decode_floor": [
+        "--tiny",
+        "--prompt-len",
+        "8",
+        "--output-len",
+        "4",
+        "--repeats",
+        "1",
+        "--bandwidth-mib",
+        "16",
+    ],
+}
+
+
+def test_every_benchmark_script_runs_on_a_tiny_configuration(tmp_path: Path) -> None:
+    # All at once: most of their time is process start-up and model loading, not compute.
+    procs = {
+        name: subprocess.Popen(
+            [sys.executable, str(BENCH / f"{name}.py"), *args, "--out", str(tmp_path)],
+            cwd=ROOT,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        for name, args in SMOKE.items()
+    }
+    failures = []
+    for name, p in procs.items():
+        out, _ = p.communicate(timeout=240)
+        if p.returncode != 0:
+            failures.append(f"{name}: exit {p.returncode}\n{out[-3000:]}")
+            continue
+        data = json.loads((tmp_path / f"{name}.json").read_text())
+        assert data["command"] and data["machine"]["nproc"], name
+        assert "$ " in out, f"{name} did not print the commands it ran"
+    assert not failures, "\n\n".join(failures)
+
+
+def test_guard_overhead_refuses_without_the_unsafe_flag(tmp_path: Path) -> None:
+    p = subprocess.run(
+        [sys.executable, str(BENCH / "guard_overhead.py"), "--out", str(tmp_path)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert p.returncode == 2
+    assert "--i-understand-guards-off-is-unsafe" in p.stderr
+    assert not (tmp_path / "guard_overhead.json").exists()
+
+
+def test_bench_metrics_from_records() -> None:
+    from kvfence.tools.bench import RequestRecord, metrics
+
+    recs = [
+        RequestRecord(
+            0, 10, ok=True, ttft=0.1, latency=0.5, output_tokens=5, itl=[0.1, 0.1, 0.1, 0.1]
+        ),
+        RequestRecord(1, 10, ok=False, error="HTTP 500"),
+    ]
+    m = metrics(recs, wall=1.0)
+    assert (m["completed"], m["failed"]) == (1, 1)
+    assert m["total_input_tokens"] == 10 and m["total_output_tokens"] == 5
+    assert m["ttft_ms"]["p50"] == pytest.approx(100.0)
+    assert m["tpot_ms"]["mean"] == pytest.approx(100.0)
+    assert m["itl_ms"]["p99"] == pytest.approx(100.0)
+
+
+def test_bench_cli_cannot_run_against_nothing(capsys: pytest.CaptureFixture[str]) -> None:
+    from kvfence.tools.bench import EXIT_CANNOT_RUN, main
+
+    assert (
+        main(
+            [
+                "serve",
+                "--base-url",
+                "http://127.0.0.1:9",
+                "--num-prompts",
+                "1",
+                "--timeout",
+                "2",
+                "--no-progress",
+            ]
+        )
+        == EXIT_CANNOT_RUN
+    )
+    assert "cannot reach" in capsys.readouterr().out
