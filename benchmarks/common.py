@@ -12,6 +12,7 @@ import shlex
 import statistics
 import subprocess
 import sys
+import tempfile
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -339,3 +340,24 @@ def run_bench(
     if code != 0:
         raise RuntimeError(f"bench failed ({code}): {result.get('error') or result.get('errors')}")
     return result
+
+
+TINY_SHAPE = {
+    "num_hidden_layers": 2,
+    "hidden_size": 128,
+    "intermediate_size": 256,
+    "num_attention_heads": 2,
+    "num_key_value_heads": 1,
+    "vocab_size": 512,
+}
+
+
+def bench_model(model: str | None, tiny: bool) -> Path:
+    """The checkpoint a benchmark runs: the given one, else the SmolLM-135M-shaped one built
+    locally (or a 2-layer stand-in of it for the smoke tests)."""
+    if model:
+        return Path(model)
+    name = "kvfence-bench-tiny" if tiny else "kvfence-bench-smol135"
+    return build_smol_checkpoint(
+        Path(tempfile.gettempdir()) / name, **(TINY_SHAPE if tiny else {})
+    )

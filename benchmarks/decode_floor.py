@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import argparse
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -15,7 +14,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks.common import (  # noqa: E402
     RESULTS,
-    build_smol_checkpoint,
+    bench_model,
     machine,
     new_figure,
     plot_available,
@@ -56,27 +55,7 @@ def main(argv: list[str] | None = None) -> int:
 
     out = Path(a.out)
     cmd = this_command()
-    shape = (
-        {
-            "num_hidden_layers": 2,
-            "hidden_size": 128,
-            "intermediate_size": 256,
-            "num_attention_heads": 2,
-            "num_key_value_heads": 1,
-            "vocab_size": 512,
-        }
-        if a.tiny
-        else {}
-    )
-    model = (
-        Path(a.model)
-        if a.model
-        else build_smol_checkpoint(
-            Path(tempfile.gettempdir())
-            / ("kvfence-bench-tiny" if a.tiny else "kvfence-bench-smol135"),
-            **shape,
-        )
-    )
+    model = bench_model(a.model, a.tiny)
     llm = LLM(
         str(model),
         context_length=a.prompt_len + a.output_len + 16,

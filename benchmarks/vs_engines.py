@@ -12,7 +12,6 @@ import json
 import os
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -21,7 +20,7 @@ sys.path.append(str(Path(__file__).resolve().parent.parent))  # after PYTHONPATH
 from benchmarks.common import (  # noqa: E402
     RESULTS,
     Server,
-    build_smol_checkpoint,
+    bench_model,
     free_port,
     kvfence_bin,
     log_command,
@@ -276,27 +275,7 @@ def main(argv: list[str] | None = None) -> int:
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
     cmd = this_command()
-    shape = (
-        {
-            "num_hidden_layers": 2,
-            "hidden_size": 128,
-            "intermediate_size": 256,
-            "num_attention_heads": 2,
-            "num_key_value_heads": 1,
-            "vocab_size": 512,
-        }
-        if a.tiny
-        else {}
-    )
-    model = (
-        Path(a.model)
-        if a.model
-        else build_smol_checkpoint(
-            Path(tempfile.gettempdir())
-            / ("kvfence-bench-tiny" if a.tiny else "kvfence-bench-smol135"),
-            **shape,
-        )
-    )
+    model = bench_model(a.model, a.tiny)
     engines = a.engines.split(",")
     pythons = {"kvfence": sys.executable, "hf": sys.executable, "vllm": a.vllm_python}
     skipped: dict[str, str] = {}
