@@ -61,14 +61,18 @@ def leaked(text: str, canaries: list[str]) -> bool:
 
 def run_incident(tmp: Path, faults: str) -> tuple[Up, list[str], httpx.Response, dict, dict]:
     up = Up(tmp, faults)
-    canaries = [f"Cz{secrets.token_hex(6)}" for _ in range(64)]
-    for _ in range(3):  # A's 900-token prompts cycle through all of decode's pages
-        r = up.post(canary_prompt(canaries, 48), "key-a", max_tokens=4)
-        assert r.status_code == 200, r.text
-    before = {"prefill": up.counters("prefill"), "decode": up.counters("decode")}
-    b_prompt = "The river ran slow past the mill and the day was long. " * 68  # ~1500 tokens
-    r = up.post(b_prompt, "key-b")
-    after = {"prefill": up.counters("prefill"), "decode": up.counters("decode")}
+    try:
+        canaries = [f"Cz{secrets.token_hex(6)}" for _ in range(64)]
+        for _ in range(3):  # A's 900-token prompts cycle through all of decode's pages
+            r = up.post(canary_prompt(canaries, 48), "key-a", max_tokens=4)
+            assert r.status_code == 200, r.text
+        before = {"prefill": up.counters("prefill"), "decode": up.counters("decode")}
+        b_prompt = "The river ran slow past the mill and the day was long. " * 68  # ~1500 tok
+        r = up.post(b_prompt, "key-b")
+        after = {"prefill": up.counters("prefill"), "decode": up.counters("decode")}
+    except BaseException:
+        up.stop()  # the callers' finally blocks only start once we return
+        raise
     return up, canaries, r, before, after
 
 
