@@ -63,17 +63,22 @@ def run_incident(tmp: Path, faults: str) -> tuple[Up, list[str], httpx.Response,
     up = Up(tmp, faults)
     try:
         canaries = [f"Cz{secrets.token_hex(6)}" for _ in range(64)]
-        for _ in range(3):  # A's 900-token prompts cycle through all of decode's pages
-            r = up.post(canary_prompt(canaries, 48), "key-a", max_tokens=4)
-            assert r.status_code == 200, r.text
-        before = {"prefill": up.counters("prefill"), "decode": up.counters("decode")}
-        b_prompt = "The river ran slow past the mill and the day was long. " * 68  # ~1500 tok
-        r = up.post(b_prompt, "key-b")
-        after = {"prefill": up.counters("prefill"), "decode": up.counters("decode")}
+        r, before, after = bait_and_ask(up, canaries)
     except BaseException:
         up.stop()  # the callers' finally blocks only start once we return
         raise
     return up, canaries, r, before, after
+
+
+def bait_and_ask(up: Up, canaries: list[str]) -> tuple[httpx.Response, dict, dict]:
+    for _ in range(3):  # A's 900-token prompts cycle through all of decode's pages
+        r = up.post(canary_prompt(canaries, 48), "key-a", max_tokens=4)
+        assert r.status_code == 200, r.text
+    before = {"prefill": up.counters("prefill"), "decode": up.counters("decode")}
+    b_prompt = "The river ran slow past the mill and the day was long. " * 68  # ~1500 tokens
+    r = up.post(b_prompt, "key-b")
+    after = {"prefill": up.counters("prefill"), "decode": up.counters("decode")}
+    return r, before, after
 
 
 def test_incident_all_guards_on_b_gets_400_and_nothing_is_transferred(tmp_path: Path) -> None:
@@ -103,8 +108,13 @@ def test_incident_placeholder_with_guards_off_leaks_a_canary(tmp_path: Path) -> 
     # The twin: proves the canary check above can fail. This is the report's 155 answers.
     up, canaries, r, _, _ = run_incident(tmp_path, f"placeholder_on_reject,{GUARDS_OFF}")
     try:
-        assert r.status_code == 200, r.text
-        text = r.json()["choices"][0]["text"]
-        assert leaked(text, canaries), f"expected tenant A's canary in B's answer: {text!r}"
+        answers = []
+        for _ in range(3):  # which stale span decode copies varies; the report saw 155 of many
+            assert r.status_code == 200, r.text
+            answers.append(r.json()["choices"][0]["text"])
+            if leaked(answers[-1], canaries):
+                break
+            r, _, _ = bait_and_ask(up, canaries)
+        assert leaked(answers[-1], canaries), f"no canary of tenant A in B's answers: {answers!r}"
     finally:
         up.stop()
