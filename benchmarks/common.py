@@ -148,16 +148,6 @@ def write_json(path: Path, data: dict) -> Path:
     return path
 
 
-def pct(xs: Sequence[float], p: float) -> float:
-    """Linear-interpolated percentile, p in [0, 100]; NaN for no data."""
-    if not xs:
-        return float("nan")
-    s = sorted(xs)
-    k = (len(s) - 1) * p / 100.0
-    lo, hi = math.floor(k), math.ceil(k)
-    return s[lo] + (s[hi] - s[lo]) * (k - lo)
-
-
 # Two-sided 95% Student t quantiles for small samples (df -> t).
 _T95 = {
     1: 12.706,
@@ -358,6 +348,4 @@ def bench_model(model: str | None, tiny: bool) -> Path:
     if model:
         return Path(model)
     name = "kvfence-bench-tiny" if tiny else "kvfence-bench-smol135"
-    return build_smol_checkpoint(
-        Path(tempfile.gettempdir()) / name, **(TINY_SHAPE if tiny else {})
-    )
+    return build_smol_checkpoint(Path(tempfile.gettempdir()) / name, **(TINY_SHAPE if tiny else {}))

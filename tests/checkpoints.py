@@ -6,7 +6,6 @@ from pathlib import Path
 
 import torch
 
-ARCHES = ("llama", "mistral", "qwen2", "qwen3")
 CHAT_TEMPLATE = (
     "{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}\n{% endfor %}"
     "{% if add_generation_prompt %}<assistant>{% endif %}"

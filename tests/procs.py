@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import os
-import re
-import socket
 import subprocess
 import sys
 import time
@@ -13,11 +11,9 @@ from pathlib import Path
 import httpx
 from conftest import TINY_MODEL
 
+from kvfence.tools.cluster import free_port, worker_pages_used
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+__all__ = ["Proc", "free_port", "serve", "wait_until"]
 
 
 class Proc:
@@ -28,7 +24,9 @@ class Proc:
         full_env = {**os.environ, **(env or {})}
         self.p = subprocess.Popen(
             [sys.executable, "-m", "kvfence.cli", *args],
-            stdout=log.open("wb"), stderr=subprocess.STDOUT, env=full_env,
+            stdout=log.open("wb"),
+            stderr=subprocess.STDOUT,
+            env=full_env,
         )
 
     def wait_healthy(self, timeout: float = 120) -> None:
@@ -45,8 +43,7 @@ class Proc:
         raise TimeoutError(self.log.read_text()[-2000:])
 
     def pages_used(self) -> int:
-        text = httpx.get(f"{self.url}/metrics", timeout=5).text
-        return int(float(re.search(r"^kvfence_pool_pages_used (\S+)$", text, re.M).group(1)))
+        return worker_pages_used(self.url)
 
     def kill(self) -> None:
         self.p.kill()
@@ -63,8 +60,20 @@ class Proc:
 
 def serve(role: str, tmp: Path, *extra: str, env: dict[str, str] | None = None) -> Proc:
     port = free_port()
-    args = ["serve", "--model", str(TINY_MODEL), "--port", str(port), "--kv-pool-tokens", "8192",
-            "--disaggregation-mode", role, "--disaggregation-timeout", "10", *extra]
+    args = [
+        "serve",
+        "--model",
+        str(TINY_MODEL),
+        "--port",
+        str(port),
+        "--kv-pool-tokens",
+        "8192",
+        "--disaggregation-mode",
+        role,
+        "--disaggregation-timeout",
+        "10",
+        *extra,
+    ]
     if role == "prefill":
         args += ["--disaggregation-bootstrap-port", str(free_port())]
     return Proc(args, port, tmp / f"{role}-{port}.log", env)

@@ -5,13 +5,13 @@ two tenants concurrently, and reject over-length prompts before any page or tran
 from __future__ import annotations
 
 import secrets
-import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import httpx
 import pytest
 from conftest import TINY_MODEL, hf_greedy, random_prompts
+from procs import wait_until
 
 from kvfence.engine.llm import LLM
 from kvfence.engine.request import SamplingParams
@@ -79,18 +79,9 @@ def test_up_1p1d_greedy_equals_unified_and_transformers(backend: str, tmp_path: 
             tokens = r.json()["choices"][0]["logprobs"]["tokens"]
             got = [int(t.removeprefix("token_id:")) for t in tokens]
             assert got == u.token_ids == h, f"prompt of {n} tokens"
-        assert wait_for(lambda: cluster.pages_used() == [0, 0])
+        assert wait_until(lambda: cluster.pages_used() == [0, 0])
     finally:
         cluster.stop()
-
-
-def wait_for(pred, timeout: float = 15.0) -> bool:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if pred():
-            return True
-        time.sleep(0.2)
-    return False
 
 
 def test_up_2p2d_two_tenants_40_concurrent_and_over_length(tmp_path: Path) -> None:
@@ -121,7 +112,7 @@ def test_up_2p2d_two_tenants_40_concurrent_and_over_length(tmp_path: Path) -> No
             assert text.strip() == values[i], f"request {i} got {text!r}"
             others = [v for j, v in enumerate(values) if j != i]
             assert not any(v in text for v in others), "another request's secret leaked"
-        assert wait_for(lambda: cluster.pages_used() == [0, 0, 0, 0])
+        assert wait_until(lambda: cluster.pages_used() == [0, 0, 0, 0])
 
         # The incident's path: an over-length prompt through PD gets the admission reason.
         r = cluster.post({"model": "kvfence-tiny", "prompt": [7] * (CTX + 1), "max_tokens": 4})

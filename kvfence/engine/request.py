@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import enum
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 
 @dataclass(frozen=True)
@@ -76,11 +76,3 @@ class RequestOutput:
     @property
     def finished(self) -> bool:
         return self.finish_reason is not None
-
-
-@dataclass
-class RequestStats:
-    arrival: float
-    first_token: float | None = None
-    finished: float | None = None
-    extra: dict[str, float] = field(default_factory=dict)

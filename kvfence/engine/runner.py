@@ -4,6 +4,7 @@ runs the model and samples. It owns no scheduling state."""
 from __future__ import annotations
 
 from dataclasses import dataclass
+from itertools import chain
 
 import torch
 
@@ -46,7 +47,9 @@ class ModelRunner:
         ps = self.pool.page_size
         slots = page_table[row, positions // ps] * ps + positions % ps
         input_ids = torch.tensor(
-            [t for c in chunks for t in c.seq.token_ids[c.start : c.start + c.length]],
+            list(
+                chain.from_iterable(c.seq.token_ids[c.start : c.start + c.length] for c in chunks)
+            ),
             dtype=torch.int64,
         )
         groups = []

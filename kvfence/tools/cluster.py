@@ -83,10 +83,10 @@ class LocalCluster:
 
     def pages_used(self) -> list[int]:
         """Used KV pages of every worker, in /health's order."""
-        return [_pages_used(w["url"]) for w in self.workers()]
+        return [worker_pages_used(w["url"]) for w in self.workers()]
 
-    def role_pages_used(self, role: str) -> int:
-        return _pages_used(self.worker_url(role))
+    def roleworker_pages_used(self, role: str) -> int:
+        return worker_pages_used(self.worker_url(role))
 
     def alive(self) -> bool:
         return self.proc.poll() is None
@@ -106,6 +106,6 @@ class LocalCluster:
         self.stop()
 
 
-def _pages_used(worker_url: str) -> int:
+def worker_pages_used(worker_url: str) -> int:
     text = httpx.get(f"{worker_url}/metrics", timeout=5).text
     return int(float(re.search(r"^kvfence_pool_pages_used (\S+)$", text, re.M)[1]))
