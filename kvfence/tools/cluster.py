@@ -85,7 +85,7 @@ class LocalCluster:
         """Used KV pages of every worker, in /health's order."""
         return [worker_pages_used(w["url"]) for w in self.workers()]
 
-    def roleworker_pages_used(self, role: str) -> int:
+    def role_pages_used(self, role: str) -> int:
         return worker_pages_used(self.worker_url(role))
 
     def alive(self) -> bool:
