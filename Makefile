@@ -12,6 +12,7 @@ $(STAMP): pyproject.toml
 	test -x $(PY) || python3 -m venv $(VENV)
 	$(PY) -m pip install --quiet -e '.[test]'
 	$(PY) -m pip install --quiet -e '.[test,mooncake]' || echo "mooncake unavailable"
+	$(PY) -m kvfence.model.kernels
 	touch $(STAMP)
 
 serve: $(STAMP)

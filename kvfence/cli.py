@@ -9,7 +9,13 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
-from kvfence.config import DTYPES, KV_CACHE_DTYPES, ConfigError, EngineConfig
+from kvfence.config import (
+    ATTENTION_BACKENDS,
+    DTYPES,
+    KV_CACHE_DTYPES,
+    ConfigError,
+    EngineConfig,
+)
 
 EXIT_CAPACITY = 2
 
@@ -28,6 +34,12 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kv-pool-tokens", type=int, default=None)
     p.add_argument("--mem-fraction-static", type=float, default=d.mem_fraction_static)
     p.add_argument("--chunked-prefill-size", type=int, default=d.chunked_prefill_size)
+    p.add_argument(
+        "--attention-backend",
+        default=d.attention_backend,
+        choices=ATTENTION_BACKENDS,
+        help="decode attention: native CPU kernel reading pages in place, or torch gather+SDPA",
+    )
     p.add_argument("--max-running-requests", type=int, default=d.max_running_requests)
     p.add_argument("--seed", type=int, default=d.seed)
     p.add_argument("--unsafe-skip-preflight", action="store_true", help=argparse.SUPPRESS)
@@ -50,6 +62,7 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         kv_pool_tokens=args.kv_pool_tokens,
         mem_fraction_static=args.mem_fraction_static,
         chunked_prefill_size=args.chunked_prefill_size,
+        attention_backend=args.attention_backend,
         max_running_requests=args.max_running_requests,
         seed=args.seed,
         unsafe_skip_preflight=args.unsafe_skip_preflight,

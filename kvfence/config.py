@@ -7,6 +7,8 @@ from dataclasses import dataclass
 
 DTYPES = ("float32", "bfloat16", "float16")
 KV_CACHE_DTYPES = ("auto", "float32", "bfloat16", "float16")
+# auto: the native paged decode kernel on CPU when it builds here, else torch; native: require it
+ATTENTION_BACKENDS = ("auto", "native", "torch")
 
 
 class ConfigError(ValueError):
@@ -24,6 +26,7 @@ class EngineConfig:
     kv_pool_tokens: int | None = None  # wins over mem_fraction_static when set
     mem_fraction_static: float = 0.5
     chunked_prefill_size: int = 512
+    attention_backend: str = "auto"
     max_running_requests: int = 64
     seed: int = 0
     served_model_name: str | None = None
@@ -52,6 +55,13 @@ class EngineConfig:
             raise ConfigError(
                 f"--mem-fraction-static {self.mem_fraction_static}: must be in (0, 1]"
             )
+        if self.attention_backend not in ATTENTION_BACKENDS:
+            raise ConfigError(
+                f"--attention-backend {self.attention_backend!r}: "
+                f"expected one of {', '.join(ATTENTION_BACKENDS)}"
+            )
+        if self.attention_backend == "native" and self.device != "cpu":
+            raise ConfigError("--attention-backend native: the native kernel is CPU-only")
         if self.chunked_prefill_size < 1:
             raise ConfigError(f"--chunked-prefill-size {self.chunked_prefill_size}: must be >= 1")
         if self.unsafe_skip_preflight and os.environ.get("KVFENCE_FAULT_INJECTION") != "1":

@@ -98,7 +98,9 @@ class Engine:
         self.scheduler = Scheduler(
             self.pool, SchedulerLimits(cfg.chunked_prefill_size, cfg.max_running_requests)
         )
-        self.runner = ModelRunner(self.model, self.pool, self.device, cfg.seed)
+        self.runner = ModelRunner(
+            self.model, self.pool, self.device, cfg.seed, cfg.attention_backend
+        )
         self.eos_token_ids = self._eos_ids(Path(cfg.model))
         self._inbox: queue.SimpleQueue[tuple[str, object]] = queue.SimpleQueue()
         self._wake = threading.Event()

@@ -11,7 +11,8 @@ import torch
 from kvfence import faults
 from kvfence.engine.scheduler import ScheduledChunk
 from kvfence.kv.pool import KVPool
-from kvfence.model.attention import AttentionMetadata, build_group
+from kvfence.model import kernels
+from kvfence.model.attention import AttentionMetadata, NativeDecodeGroup, build_group
 from kvfence.model.llama import CausalLM
 from kvfence.model.sampling import SampleResult, SamplingBatch, sample
 
@@ -24,13 +25,36 @@ class StepResult:
 
 
 class ModelRunner:
-    def __init__(self, model: CausalLM, pool: KVPool, device: torch.device, seed: int) -> None:
+    def __init__(
+        self,
+        model: CausalLM,
+        pool: KVPool,
+        device: torch.device,
+        seed: int,
+        attention_backend: str = "auto",
+    ) -> None:
         self.model = model
         model.fuse_projections()
         self.pool = pool
         self.device = device
         self.sliding_window = model.config.sliding_window
         self.generator = torch.Generator(device=device).manual_seed(seed)
+        self.decode_kernel = self._pick_decode_kernel(attention_backend)
+
+    def _pick_decode_kernel(self, backend: str):  # type: ignore[no-untyped-def]
+        """The native paged decode kernel, or None for torch's gather + SDPA."""
+        if backend == "torch":
+            return None
+        usable = self.device.type == "cpu" and self.pool.k.dtype == next(
+            self.model.parameters()
+        ).dtype
+        kernel = kernels.paged_decode() if usable else None
+        if kernel is None and backend == "native":
+            raise RuntimeError(
+                "--attention-backend native: the kernel needs a CPU device, a KV cache in the "
+                "model's dtype and a C++ toolchain (g++, ninja); see the log for the build error"
+            )
+        return kernel
 
     def run(self, chunks: list[ScheduledChunk]) -> StepResult:
         chunks, rejected = self.check_ownership(chunks)
@@ -57,8 +81,21 @@ class ModelRunner:
             idx = [i for i, c in enumerate(chunks) if (c.length == 1) == is_decode]
             if idx:
                 sel = torch.tensor(idx, dtype=torch.int64)
-                ctx = (starts[sel] + lengths[sel]).tolist()
+                ctx_t = starts[sel] + lengths[sel]
+                ctx = ctx_t.tolist()
                 pages_needed = max(self.pool.pages_for(n) for n in ctx)
+                if is_decode and self.decode_kernel is not None:
+                    groups.append(
+                        NativeDecodeGroup(
+                            q_index=flat_offsets[sel].to(self.device),
+                            page_table=page_table[sel, :pages_needed].contiguous(),
+                            ctx_lens=ctx_t,
+                            kernel=self.decode_kernel,
+                            page_size=ps,
+                            window=self.sliding_window or 0,
+                        )
+                    )
+                    continue
                 groups.append(
                     build_group(
                         flat_offsets[sel].tolist(),

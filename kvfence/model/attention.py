@@ -1,12 +1,15 @@
-"""Paged attention over the KV pool: write new K/V by slot, gather each sequence's pages, SDPA.
+"""Paged attention over the KV pool: write new K/V by slot, then attend per group of rows.
 
 A step's tokens are flat [T]. Sequences are split into groups of similar query length (decode:
-1, prefill: a chunk) and each group runs as one padded, masked SDPA call, so the hot path is a
-handful of tensor ops per layer, never a Python loop over tokens or pages.
+1, prefill: a chunk). A torch group gathers its rows' pages into a padded tensor and runs one
+masked SDPA call; a native decode group hands the page table to the CPU kernel
+(kvfence/model/kernels), which reads each row's K/V in place and never copies the context. Either
+way the hot path is a handful of tensor ops per layer, never a Python loop over tokens or pages.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -25,10 +28,23 @@ class AttentionGroup:
 
 
 @dataclass
+class NativeDecodeGroup:
+    """Decode rows (one query each) for the native kernel: it reads slots [max(0, ctx - window),
+    ctx) of each row's pages and nothing else."""
+
+    q_index: torch.Tensor  # [B] int64 into the flat token dim
+    page_table: torch.Tensor  # [B, P] int64
+    ctx_lens: torch.Tensor  # [B] int64
+    kernel: Callable[..., torch.Tensor]
+    page_size: int
+    window: int  # 0: no sliding window
+
+
+@dataclass
 class AttentionMetadata:
     positions: torch.Tensor  # [T]
     slot_mapping: torch.Tensor  # [T] where each token's K/V is written
-    groups: list[AttentionGroup]
+    groups: list[AttentionGroup | NativeDecodeGroup]
 
 
 def build_group(
@@ -87,6 +103,19 @@ def paged_attention(
     v_cache.index_copy_(0, meta.slot_mapping, v)
     out = torch.empty_like(q)
     for g in meta.groups:
+        if isinstance(g, NativeDecodeGroup):
+            o = g.kernel(
+                q.index_select(0, g.q_index),
+                k_cache,
+                v_cache,
+                g.page_table,
+                g.ctx_lens,
+                g.page_size,
+                scale,
+                g.window,
+            )
+            out.index_copy_(0, g.q_index, o)
+            continue
         b, lq = g.q_index.shape
         lk = g.kv_slots.shape[1]
         # index_select on flat indices: a plain row copy, much cheaper on CPU than advanced

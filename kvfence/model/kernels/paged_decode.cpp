@@ -1,0 +1,120 @@
+// Decode attention straight from the paged KV pool: one query token per sequence, every K/V row
+// read once, in place, from the sequence's own pages. No gathered copy of the context is made, and
+// no slot outside [window start, context length) of a row's page table is ever touched, so a
+// page's stale tail (or another grant's data) is never read, not even to be masked out.
+//
+// q [B, H, D], k_cache / v_cache [slots, KVH, D] (one layer), page_table [B, P] int64,
+// ctx_lens [B] int64. Returns [B, H, D]. Accumulates in float32 for every cache dtype.
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <cmath>
+#include <limits>
+#include <vector>
+
+namespace {
+
+template <typename T>
+inline float dot(const float* q, const T* k, int64_t d) {
+    float s = 0.f;
+#pragma omp simd reduction(+ : s)
+    for (int64_t i = 0; i < d; ++i) s += q[i] * static_cast<float>(k[i]);
+    return s;
+}
+
+template <typename T>
+inline void axpy(float a, const T* x, float* y, int64_t d) {
+#pragma omp simd
+    for (int64_t i = 0; i < d; ++i) y[i] += a * static_cast<float>(x[i]);
+}
+
+template <typename T>
+void decode_kernel(const T* q, const T* kc, const T* vc, const int64_t* pt, const int64_t* ctx,
+                   T* out, int64_t B, int64_t H, int64_t KVH, int64_t D, int64_t P,
+                   int64_t page_size, float scale, int64_t window) {
+    const int64_t G = H / KVH;  // query heads per KV head
+    const int64_t row = KVH * D;  // floats per slot in the cache
+    int64_t max_ctx = 0;
+    for (int64_t b = 0; b < B; ++b) max_ctx = std::max(max_ctx, ctx[b]);
+    at::parallel_for(0, B * KVH, 1, [&](int64_t begin, int64_t end) {
+        std::vector<float> scores(G * std::max<int64_t>(max_ctx, 1));
+        std::vector<float> qf(G * D), acc(G * D), inv(G);
+        for (int64_t job = begin; job < end; ++job) {
+            const int64_t b = job / KVH, h = job % KVH;
+            const int64_t n = ctx[b];
+            const int64_t t0 = window > 0 ? std::max<int64_t>(0, n - window) : 0;
+            const int64_t len = n - t0;
+            for (int64_t g = 0; g < G; ++g)
+                for (int64_t i = 0; i < D; ++i)
+                    qf[g * D + i] = static_cast<float>(q[(b * H + h * G + g) * D + i]) * scale;
+            const int64_t* pages = pt + b * P;
+            for (int64_t t = t0; t < n; ++t) {
+                const T* kr = kc + (pages[t / page_size] * page_size + t % page_size) * row + h * D;
+                for (int64_t g = 0; g < G; ++g) scores[g * len + (t - t0)] = dot(&qf[g * D], kr, D);
+            }
+            std::fill(acc.begin(), acc.end(), 0.f);
+            for (int64_t g = 0; g < G; ++g) {
+                float* s = &scores[g * len];
+                float m = -std::numeric_limits<float>::infinity();
+                for (int64_t i = 0; i < len; ++i) m = std::max(m, s[i]);
+                float z = 0.f;
+#pragma omp simd reduction(+ : z)
+                for (int64_t i = 0; i < len; ++i) {
+                    s[i] = std::exp(s[i] - m);
+                    z += s[i];
+                }
+                inv[g] = 1.f / z;
+            }
+            for (int64_t t = t0; t < n; ++t) {
+                const T* vr = vc + (pages[t / page_size] * page_size + t % page_size) * row + h * D;
+                for (int64_t g = 0; g < G; ++g) axpy(scores[g * len + (t - t0)], vr, &acc[g * D], D);
+            }
+            for (int64_t g = 0; g < G; ++g) {
+                T* o = out + (b * H + h * G + g) * D;
+                for (int64_t i = 0; i < D; ++i) o[i] = static_cast<T>(acc[g * D + i] * inv[g]);
+            }
+        }
+    });
+}
+
+torch::Tensor paged_decode(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
+                           torch::Tensor page_table, torch::Tensor ctx_lens, int64_t page_size,
+                           double scale, int64_t window) {
+    TORCH_CHECK(q.dim() == 3 && k_cache.dim() == 3 && v_cache.dim() == 3, "bad ranks");
+    TORCH_CHECK(q.is_contiguous() && k_cache.is_contiguous() && v_cache.is_contiguous(),
+                "q and caches must be contiguous");
+    TORCH_CHECK(q.scalar_type() == k_cache.scalar_type() && k_cache.sizes() == v_cache.sizes(),
+                "q/k/v dtype or shape mismatch");
+    TORCH_CHECK(page_table.scalar_type() == at::kLong && ctx_lens.scalar_type() == at::kLong,
+                "page_table and ctx_lens must be int64");
+    const int64_t B = q.size(0), H = q.size(1), D = q.size(2), KVH = k_cache.size(1);
+    TORCH_CHECK(k_cache.size(2) == D && H % KVH == 0, "head shapes");
+    TORCH_CHECK(page_table.size(0) == B && ctx_lens.size(0) == B, "batch shapes");
+    auto pt = page_table.contiguous();
+    auto ctx = ctx_lens.contiguous();
+    const int64_t P = pt.size(1), slots = k_cache.size(0);
+    const int64_t* ctx_p = ctx.data_ptr<int64_t>();
+    const int64_t* pt_p = pt.data_ptr<int64_t>();
+    for (int64_t b = 0; b < B; ++b) {  // bounds: a bad table is an error, never a wild read
+        TORCH_CHECK(ctx_p[b] >= 1 && (ctx_p[b] + page_size - 1) / page_size <= P,
+                    "context longer than its page table");
+        for (int64_t i = 0; i < (ctx_p[b] + page_size - 1) / page_size; ++i)
+            TORCH_CHECK(pt_p[b * P + i] >= 0 && (pt_p[b * P + i] + 1) * page_size <= slots,
+                        "page index out of the pool");
+    }
+    auto out = torch::empty_like(q);
+    AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "paged_decode", [&] {
+        decode_kernel<scalar_t>(q.data_ptr<scalar_t>(), k_cache.data_ptr<scalar_t>(),
+                                v_cache.data_ptr<scalar_t>(), pt_p, ctx_p,
+                                out.data_ptr<scalar_t>(), B, H, KVH, D, P, page_size,
+                                static_cast<float>(scale), window);
+    });
+    return out;
+}
+
+}  // namespace
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+    m.def("paged_decode", &paged_decode, "decode attention read in place from the paged KV pool");
+}
