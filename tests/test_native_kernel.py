@@ -51,10 +51,15 @@ def random_case(heads, kv_heads, ctx_lens, dtype=torch.float32, seed=0, pages=64
     return q, kc, vc, table, torch.tensor(ctx_lens, dtype=torch.int64)
 
 
+# Few rows: the kernel splits each row's heads across jobs; many rows: one job per row.
+CTX_SETS = {"few": [1, 15, 16, 17, 33, 64], "many": [1, 2, 15, 16, 17, 31, 33, 40, 64, 5, 9, 70]}
+
+
 @pytest.mark.parametrize("heads,kv_heads", [(4, 4), (6, 2), (4, 1)])
 @pytest.mark.parametrize("window", [0, 5, 20])
-def test_kernel_equals_sdpa_over_the_rows_own_slots(kernel, heads, kv_heads, window) -> None:
-    q, kc, vc, table, ctx = random_case(heads, kv_heads, [1, 15, 16, 17, 33, 64])
+@pytest.mark.parametrize("rows", sorted(CTX_SETS))
+def test_kernel_equals_sdpa_over_the_rows_own_slots(kernel, heads, kv_heads, window, rows) -> None:
+    q, kc, vc, table, ctx = random_case(heads, kv_heads, CTX_SETS[rows], pages=128)
     got = kernel(q, kc, vc, table, ctx, PAGE, q.shape[-1] ** -0.5, window)
     torch.testing.assert_close(got, reference(q, kc, vc, table, ctx, window), atol=1e-5, rtol=1e-5)
 
@@ -83,8 +88,9 @@ def poisoned_outside(kc, vc, table, ctx, window):
 
 
 @pytest.mark.parametrize("window", [0, 7])
-def test_kernel_never_reads_a_slot_the_row_does_not_own(kernel, window) -> None:
-    q, kc, vc, table, ctx = random_case(6, 2, [1, 15, 17, 50])
+@pytest.mark.parametrize("rows", sorted(CTX_SETS))
+def test_kernel_never_reads_a_slot_the_row_does_not_own(kernel, window, rows) -> None:
+    q, kc, vc, table, ctx = random_case(6, 2, CTX_SETS[rows], pages=128)
     want = kernel(q, kc, vc, table, ctx, PAGE, 0.2, window)
     kc_p, vc_p = poisoned_outside(kc, vc, table, ctx, window)
     got = kernel(q, kc_p, vc_p, table, ctx, PAGE, 0.2, window)

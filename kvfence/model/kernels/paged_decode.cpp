@@ -33,29 +33,36 @@ template <typename T>
 void decode_kernel(const T* q, const T* kc, const T* vc, const int64_t* pt, const int64_t* ctx,
                    T* out, int64_t B, int64_t H, int64_t KVH, int64_t D, int64_t P,
                    int64_t page_size, float scale, int64_t window) {
+    // A job is one sequence and a range of its KV heads. A slot's K (and V) row holds every KV
+    // head, KVH * D contiguous values, and a page is page_size such rows back to back, so a job
+    // with all heads streams whole pages; small batches split by head to keep every core busy.
     const int64_t G = H / KVH;  // query heads per KV head
-    const int64_t row = KVH * D;  // floats per slot in the cache
+    const int64_t row = KVH * D;  // values per slot in the cache
+    const int64_t per_b = B < 4 * at::get_num_threads() ? KVH : 1;  // jobs per sequence
+    const int64_t heads = KVH / per_b;
     int64_t max_ctx = 0;
     for (int64_t b = 0; b < B; ++b) max_ctx = std::max(max_ctx, ctx[b]);
-    at::parallel_for(0, B * KVH, 1, [&](int64_t begin, int64_t end) {
-        std::vector<float> scores(G * std::max<int64_t>(max_ctx, 1));
-        std::vector<float> qf(G * D), acc(G * D), inv(G);
+    at::parallel_for(0, B * per_b, 1, [&](int64_t begin, int64_t end) {
+        std::vector<float> scores(H * std::max<int64_t>(max_ctx, 1));
+        std::vector<float> qf(H * D), acc(H * D), inv(H);
         for (int64_t job = begin; job < end; ++job) {
-            const int64_t b = job / KVH, h = job % KVH;
+            const int64_t b = job / per_b, h0 = (job % per_b) * heads, h1 = h0 + heads;
             const int64_t n = ctx[b];
             const int64_t t0 = window > 0 ? std::max<int64_t>(0, n - window) : 0;
             const int64_t len = n - t0;
-            for (int64_t g = 0; g < G; ++g)
-                for (int64_t i = 0; i < D; ++i)
-                    qf[g * D + i] = static_cast<float>(q[(b * H + h * G + g) * D + i]) * scale;
+            for (int64_t i = h0 * G * D; i < h1 * G * D; ++i)
+                qf[i] = static_cast<float>(q[b * H * D + i]) * scale;
             const int64_t* pages = pt + b * P;
             for (int64_t t = t0; t < n; ++t) {
-                const T* kr = kc + (pages[t / page_size] * page_size + t % page_size) * row + h * D;
-                for (int64_t g = 0; g < G; ++g) scores[g * len + (t - t0)] = dot(&qf[g * D], kr, D);
+                const T* kr = kc + (pages[t / page_size] * page_size + t % page_size) * row;
+                for (int64_t h = h0; h < h1; ++h)
+                    for (int64_t g = 0; g < G; ++g) {
+                        const int64_t qh = h * G + g;
+                        scores[qh * len + (t - t0)] = dot(&qf[qh * D], kr + h * D, D);
+                    }
             }
-            std::fill(acc.begin(), acc.end(), 0.f);
-            for (int64_t g = 0; g < G; ++g) {
-                float* s = &scores[g * len];
+            for (int64_t qh = h0 * G; qh < h1 * G; ++qh) {
+                float* s = &scores[qh * len];
                 float m = -std::numeric_limits<float>::infinity();
                 for (int64_t i = 0; i < len; ++i) m = std::max(m, s[i]);
                 float z = 0.f;
@@ -64,16 +71,21 @@ void decode_kernel(const T* q, const T* kc, const T* vc, const int64_t* pt, cons
                     s[i] = std::exp(s[i] - m);
                     z += s[i];
                 }
-                inv[g] = 1.f / z;
+                inv[qh] = 1.f / z;
             }
+            std::fill(acc.begin() + h0 * G * D, acc.begin() + h1 * G * D, 0.f);
             for (int64_t t = t0; t < n; ++t) {
-                const T* vr = vc + (pages[t / page_size] * page_size + t % page_size) * row + h * D;
-                for (int64_t g = 0; g < G; ++g) axpy(scores[g * len + (t - t0)], vr, &acc[g * D], D);
+                const T* vr = vc + (pages[t / page_size] * page_size + t % page_size) * row;
+                for (int64_t h = h0; h < h1; ++h)
+                    for (int64_t g = 0; g < G; ++g) {
+                        const int64_t qh = h * G + g;
+                        axpy(scores[qh * len + (t - t0)], vr + h * D, &acc[qh * D], D);
+                    }
             }
-            for (int64_t g = 0; g < G; ++g) {
-                T* o = out + (b * H + h * G + g) * D;
-                for (int64_t i = 0; i < D; ++i) o[i] = static_cast<T>(acc[g * D + i] * inv[g]);
-            }
+            T* o = out + b * H * D;
+            for (int64_t qh = h0 * G; qh < h1 * G; ++qh)
+                for (int64_t i = 0; i < D; ++i)
+                    o[qh * D + i] = static_cast<T>(acc[qh * D + i] * inv[qh]);
         }
     });
 }
