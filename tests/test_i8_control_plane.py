@@ -26,8 +26,11 @@ def pair(checkpoint_dir):
     pd.close()
 
 
-def frame(msg, key: bytes, seq: int, payload: bytes = b"") -> bytes:
-    return b"".join(bytes(b) for b in wire.encode(msg, payload, seq, key))
+def frame(msg, mac: auth.FrameMac | bytes, seq: int, payload: bytes = b"") -> bytes:
+    """A whole frame; a bare key means the hello phase's MAC under it."""
+    if isinstance(mac, bytes):
+        mac = auth.HelloMac(mac)
+    return b"".join(bytes(b) for b in wire.encode(msg, payload, seq, mac))
 
 
 def reserve(room: str) -> p.Reserve:
@@ -45,8 +48,8 @@ class Raw:
         self.sent.append(data)
         self.sock.sendall(data)
 
-    def handshake(self, pair: PDPair, secret: bytes) -> bytes:
-        """Hello under `secret`; returns the session key (only right if secret is)."""
+    def handshake(self, pair: PDPair, secret: bytes) -> auth.SessionMac:
+        """Hello under `secret`; returns this client's sending MAC (only right if secret is)."""
         nonce = auth.new_nonce()
         self.send(
             frame(wire.Hello({**pair.decode.info, "nonce": nonce}), auth.hello_key(secret), 1)
@@ -55,7 +58,7 @@ class Raw:
         header_len = wire.parse_prefix(data[: wire.PREFIX_SIZE])[0]
         start = wire.PREFIX_SIZE + wire.MAC_SIZE
         ok = wire.decode_header(data[start : start + header_len])
-        return auth.session_key(secret, nonce, ok.info["nonce"])
+        return auth.SessionMac(auth.session_keys(secret, nonce, ok.info["nonce"])[0])
 
     def closed_by_peer(self) -> bool:
         """Drain whatever the peer still sends (e.g. an ABORT_ACK); True once it hangs up."""
@@ -122,8 +125,14 @@ def test_i8_frame_replayed_on_the_same_connection_is_refused(pair: PDPair) -> No
 
 @pytest.mark.parametrize(
     "garbage",
-    [b"GET / HTTP/1.1\r\n\r\n" + b"x" * 64, b"KVF2" + b"\xff" * 60, b"\x00" * 80],
-    ids=["http", "huge-sizes", "zeros"],
+    [
+        b"GET / HTTP/1.1\r\n\r\n" + b"x" * 64,
+        wire.MAGIC + b"\xff" * 60,
+        # Sizes within the wire's bounds, but more than a hello may carry before any key.
+        wire.MAGIC + (2 << 20).to_bytes(4, "big") + (1 << 20).to_bytes(8, "big") + b"\x00" * 56,
+        b"\x00" * 80,
+    ],
+    ids=["http", "huge-sizes", "big-hello", "zeros"],
 )
 def test_i8_malformed_frames_are_dropped(pair: PDPair, garbage: bytes) -> None:
     before, bad = snapshot(pair), pair.prefill.transfer_stats.get("bad_frames")
@@ -186,6 +195,39 @@ def test_i8_decode_refuses_a_prefill_without_the_secret(pair: PDPair) -> None:
         srv.close()
 
 
+def test_i8_frame_reflected_to_its_sender_is_refused() -> None:
+    """Each direction has its own session key: a frame a side sent, bounced back to it by
+    someone on the path, fails its MAC even though its sequence number fits."""
+    import asyncio
+
+    from kvfence.pd.transport.tcp import Connection
+
+    async def go() -> None:
+        mine, theirs = socket.socketpair()
+        conn = Connection(mine, SECRET, client=True)
+        conn.start_session("c" * 32, "s" * 32)
+        await conn.send(p.Abort("e" * 32, "x", "y", 400))
+        theirs.setblocking(True)
+        sent = theirs.recv(65536)
+        theirs.sendall(sent)  # the same bytes, back where they came from
+        with pytest.raises(wire.WireError, match="bad MAC"):
+            await conn.recv()
+        conn.close()
+        theirs.close()
+
+    asyncio.run(go())
+
+
+def test_i8_page_runs_decode_strictly() -> None:
+    import json
+
+    ok = {"t": "PageRun", "room": "a" * 32, "first": 0, "n_tokens": 16, "checksums": [1, 2]}
+    assert wire.decode_header(json.dumps(ok).encode()).checksums == (1, 2)
+    for bad in ([], [-1], [1 << 64], [1.5], ["1"], [True]):
+        with pytest.raises(wire.WireError):
+            wire.decode_header(json.dumps({**ok, "checksums": bad}).encode())
+
+
 @settings(max_examples=300, deadline=None)
 @given(st.binary(min_size=0, max_size=200))
 def test_i8_fuzz_header_decoder_only_raises_wire_errors(data: bytes) -> None:
@@ -198,14 +240,16 @@ def test_i8_fuzz_header_decoder_only_raises_wire_errors(data: bytes) -> None:
 @settings(max_examples=300, deadline=None)
 @given(
     st.dictionaries(
-        st.sampled_from(["t", "room", "index", "n_tokens", "checksum", "prompt", "info", "x"]),
+        st.sampled_from(
+            ["t", "room", "index", "first", "n_tokens", "checksum", "checksums", "prompt", "x"]
+        ),
         st.one_of(
             st.integers(),
             st.text(max_size=8),
             st.lists(st.integers(), max_size=4),
             st.none(),
             st.booleans(),
-            st.sampled_from(["Page", "Reserve", "Hello", "Done"]),
+            st.sampled_from(["PageRun", "Page", "Reserve", "Hello", "Done"]),
         ),
     )
 )

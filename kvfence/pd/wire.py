@@ -1,8 +1,9 @@
 """Wire format of the transfer protocol: length-prefixed frames of a JSON header and a payload.
 
-frame = MAGIC | u32 header_len | u64 payload_len | u64 seq | mac (32) | header (JSON) | payload.
+frame = MAGIC | u32 header_len | u64 payload_len | u64 seq | mac (16) | header (JSON) | payload.
 The MAC (pd/auth.py) covers everything but itself. Sizes are bounded so a malformed or hostile
-frame is refused before anything is allocated for it.
+frame is refused before anything is allocated for it. K/V travel as PageRun frames: a run of a
+room's pages in one frame (the protocol's per-page Page events, batched for the wire).
 """
 
 from __future__ import annotations
@@ -15,10 +16,11 @@ from typing import Any
 from kvfence.pd import auth
 from kvfence.pd import protocol as p
 
-MAGIC = b"KVF2"
+MAGIC = b"KVF3"  # KVF3: 16-byte tags, PageRun frames
 _PREFIX = struct.Struct("!4sIQQ")  # magic, header_len, payload_len, seq; then the MAC
 MAX_HEADER = 64 << 20  # a RESERVE carries the prompt's token ids
-MAX_PAYLOAD = 1 << 30
+MAX_PAYLOAD = 256 << 20  # a PageRun is a few MiB (kvio.RUN_BYTES), or one page if larger
+MAX_HELLO_HEADER = 1 << 20  # before the session keys, nothing is authenticated yet
 
 
 class WireError(ValueError):
@@ -47,13 +49,32 @@ class Heartbeat:
     pass
 
 
-Frame = p.Message | Hello | HelloOk | HelloRefused | Heartbeat
+@dataclass(frozen=True)
+class PageRun:
+    """prefill -> decode: pages first .. first + len(checksums) - 1 of a room (positions in
+    dst_pages), each holding n_tokens valid tokens, with one checksum per page. The payload is
+    kvio's run layout (empty when the pages went by one-sided writes). The receiver handles it
+    as one protocol Page event per page, so the state machines never see the batching."""
+
+    room: str
+    first: int
+    n_tokens: int
+    checksums: tuple[int, ...]
+
+    def pages(self) -> list[p.Page]:
+        return [
+            p.Page(self.room, self.first + i, self.n_tokens, c)
+            for i, c in enumerate(self.checksums)
+        ]
+
+
+Frame = p.Message | Hello | HelloOk | HelloRefused | Heartbeat | PageRun
 
 _TYPES: dict[str, type] = {
     cls.__name__: cls
     for cls in (
         p.Reserve,
-        p.Page,
+        PageRun,
         p.Done,
         p.DoneAck,
         p.Abort,
@@ -67,12 +88,14 @@ _TYPES: dict[str, type] = {
 
 
 def encode(
-    msg: Frame, payload: bytes | memoryview, seq: int, key: bytes
+    msg: Frame, payload: bytes | memoryview, seq: int, mac: auth.FrameMac
 ) -> list[bytes | memoryview]:
-    """The frame as buffers to write in order (the payload is not copied)."""
+    """The frame as buffers to write in order: prefix, tag and header joined, then the payload
+    (not copied)."""
     header = json.dumps({"t": type(msg).__name__, **asdict(msg)}, separators=(",", ":")).encode()
-    prefix = _PREFIX.pack(MAGIC, len(header), len(payload), seq)
-    return [prefix, auth.mac(key, prefix, header, payload), header, payload]
+    payload = memoryview(payload).cast("B")
+    prefix = _PREFIX.pack(MAGIC, len(header), payload.nbytes, seq)
+    return [b"".join((prefix, mac.tag(seq, prefix, header, payload), header)), payload]
 
 
 def parse_prefix(prefix: bytes) -> tuple[int, int, int]:
@@ -104,19 +127,21 @@ def decode_header(raw: bytes) -> Frame:
         raise WireError(f"{cls.__name__}: fields {sorted(obj)} != {sorted(names)}")
     for name, value in obj.items():
         _check_type(cls.__name__, name, names[name].type, value)
-    if cls is p.Reserve:
-        obj["prompt"] = tuple(obj["prompt"])
-        obj["dst_pages"] = tuple(obj["dst_pages"])
+    for name in _INT_LISTS & set(obj):
+        obj[name] = tuple(obj[name])
+    if cls is PageRun and not obj["checksums"]:
+        raise WireError("PageRun carries no pages")
     return cls(**obj)
 
 
-_INT_LISTS = {"prompt", "dst_pages"}
+_INT_LISTS = {"prompt", "dst_pages", "checksums"}
+_U64 = 1 << 64
 
 
 def _check_type(msg: str, name: str, annotation: Any, value: Any) -> None:
     ann = str(annotation)
     if name in _INT_LISTS:
-        ok = isinstance(value, list) and all(type(v) is int and v >= 0 for v in value)
+        ok = isinstance(value, list) and all(type(v) is int and 0 <= v < _U64 for v in value)
     elif ann == "int":
         ok = type(value) is int
     elif ann == "str":
