@@ -233,9 +233,9 @@ class DecodeService:
             for rid in list(peer.rooms):
                 self._feed(rid, p.ConnectionLost())
 
-    def _on_message(self, msg: wire.Frame, payload: bytes) -> None:
-        if isinstance(msg, p.Page):
-            self._on_page(msg, payload)
+    def _on_message(self, msg: wire.Frame, payload: memoryview) -> None:
+        if isinstance(msg, wire.PageRun):
+            self._on_run(msg, payload)
         elif isinstance(msg, p.Done):
             self._on_done(msg)
         elif isinstance(msg, p.Abort):
@@ -247,39 +247,57 @@ class DecodeService:
         else:
             raise wire.WireError(f"unexpected {type(msg).__name__} from prefill")
 
-    def _on_page(self, msg: p.Page, payload: bytes) -> None:
-        room = self.rooms.get(msg.room)
+    def _on_run(self, run: wire.PageRun, payload: memoryview) -> None:
+        """A run of pages: every page is checked (position, size, checksum, grant) on its own,
+        the good ones are written in one batch, and the state machine sees one Page each."""
+        room = self.rooms.get(run.room)
         if room is None or room.state.state is not p.DState.RESERVED:
-            self.transfer_stats.inc(
-                "late_writes_dropped"
-            )  # the tcp receiver can refuse a late write
+            # the tcp receiver can refuse a late write
+            self.transfer_stats.inc("late_writes_dropped", len(run.checksums))
             return
         pool = self.engine.pool
-        expected = 0 if self.mooncake is not None else kvio.payload_size(pool, msg.n_tokens)
+        n = len(run.checksums)
+        one_sided = self.mooncake is not None
+        expected = 0 if one_sided else n * kvio.payload_size(pool, run.n_tokens)
         ok_shape = (
-            0 <= msg.index < len(room.pages)
-            and 0 < msg.n_tokens <= pool.page_size
-            and len(payload) == expected
+            0 <= run.first
+            and run.first + n <= len(room.pages)
+            and 0 < run.n_tokens <= pool.page_size
+            and payload.nbytes == expected
         )
+        intact = [ok_shape] * n
+        data = None
+        if ok_shape and not one_sided:
+            size = run.n_tokens * kvio.token_bytes(pool)
+            data = torch.frombuffer(payload, dtype=torch.uint8).view(2, pool.num_layers, n, size)
+            if self._guards().on("checksum"):
+                got = kvio.run_checksums(data)
+                intact = [g == c for g, c in zip(got, run.checksums, strict=True)]
+            # else: mutation twin, take the bytes as they come
         # One-sided: the bytes are already in the pool; the read-back digest at DONE checks them.
-        intact = ok_shape and (self.mooncake is not None or kvio.checksum(payload) == msg.checksum)
-        if not self._guards().on("checksum"):
-            intact = ok_shape  # mutation twin: take the bytes as they come
         if ok_shape:
-            page = room.pages[msg.index]
-            # I2 on the write path: the destination page must still belong to this room's grant.
-            if int(pool.owner_grant[page]) != room.grant_id:
-                self.transfer_stats.inc("grant_mismatches")
-                intact = False
-            elif intact and self.mooncake is None:
-                kvio.write_page(pool, page, msg.n_tokens, payload)
-                pool.written_by[page] = room.grant_id
-                self.transfer_stats.inc("pages_received")
-                self.transfer_stats.inc("bytes_received", len(payload))
-        if not intact:
-            self.transfer_stats.inc("checksum_mismatches")
-        self._feed(msg.room, p.PageArrived(msg.index, msg.n_tokens, msg.checksum, intact))
-        if msg.index == 0 and faults.active("kill_decode"):
+            pages = room.pages[run.first : run.first + n]
+            # I2 on the write path: every destination page must still belong to this room's grant.
+            owned = (pool.owner_grant[torch.tensor(pages)] == room.grant_id).tolist()
+            if not all(owned):
+                self.transfer_stats.inc("grant_mismatches", owned.count(False))
+                intact = [i and o for i, o in zip(intact, owned, strict=True)]
+            good = [i for i, ok in enumerate(intact) if ok]
+            if data is not None and good:
+                which = None if len(good) == n else good
+                dst = [pages[i] for i in good]
+                kvio.scatter(pool, dst, run.n_tokens, data, which)
+                pool.written_by[torch.tensor(dst)] = room.grant_id
+                self.transfer_stats.inc("pages_received", len(good))
+                self.transfer_stats.inc(
+                    "bytes_received", len(good) * kvio.payload_size(pool, run.n_tokens)
+                )
+        bad = intact.count(False)
+        if bad:
+            self.transfer_stats.inc("checksum_mismatches", bad)
+        for page, ok in zip(run.pages(), intact, strict=True):
+            self._feed(run.room, p.PageArrived(page.index, page.n_tokens, page.checksum, ok))
+        if run.first == 0 and faults.active("kill_decode"):
             os._exit(137)
 
     def _on_done(self, done: p.Done) -> None:
@@ -294,9 +312,8 @@ class DecodeService:
         exactly what prefill computed, whatever wrote it (late, foreign or one-sided writes)."""
         if done.n_tokens != room.state.n_tokens or done.n_pages != len(room.pages):
             return False
-        payloads = kvio.read_pages(self.engine.pool, room.pages, done.n_tokens)
-        sums = tuple((i, kvio.checksum(b)) for i, b in enumerate(payloads))
-        return p.digest_of(sums, done.n_tokens) == done.digest
+        sums = kvio.pool_checksums(self.engine.pool, room.pages, done.n_tokens)
+        return p.digest_of(tuple(enumerate(sums)), done.n_tokens) == done.digest
 
     def _feed(self, rid: str, event: Any, reason: str | None = None) -> None:
         room = self.rooms.get(rid)

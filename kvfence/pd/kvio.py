@@ -1,21 +1,24 @@
-"""Moving one room's K/V between a pool and per-page byte payloads, with per-page checksums.
+"""Moving one room's K/V between a pool and byte payloads, with per-page checksums.
 
 A page's payload is its valid tokens only (never the stale tail of a partly filled page, which
-may hold another tenant's data): [tokens, 2 (K, V), layers, kv_heads, head_dim] in the pool's
-dtype.
+may hold another tenant's data), laid out as the pool holds them: [2 (K, V), layers, tokens,
+kv_heads, head_dim] in the pool's dtype, i.e. 2 * layers contiguous runs of the pool. Its
+checksum is xxh3-64 of those bytes. A run of pages with the same token count travels as one
+frame: [2, layers, pages, tokens, kv_heads, head_dim], gathered and scattered as whole blocks
+(a page's tokens of one layer), one vectorised take / put per K and V.
 """
 
 from __future__ import annotations
 
-import warnings
-
+import numpy as np
 import torch
 import xxhash
 
 from kvfence.kv.pool import KVPool
 
-# Received payloads are read-only bytes that we only read from; torch warns on every wrap.
-warnings.filterwarnings("ignore", message="The given buffer is not writable")
+# Frames of up to this many payload bytes: big enough that per-frame costs vanish, small enough
+# that a run's gather, send, receive and scatter overlap across frames.
+RUN_BYTES = 2 << 20
 
 
 def checksum(data: bytes | memoryview) -> int:
@@ -27,46 +30,147 @@ def page_token_counts(n_tokens: int, page_size: int) -> list[int]:
     return [page_size] * full + ([rest] if rest else [])
 
 
-def _slots(pool: KVPool, pages: list[int], n_tokens: int) -> torch.Tensor:
-    ps = pool.page_size
-    page_t = torch.tensor(pages, dtype=torch.int64)
-    slots = (page_t[:, None] * ps + torch.arange(ps)).reshape(-1)[:n_tokens]
-    return slots.to(pool.device)
-
-
-def _room_tensor(pool: KVPool, pages: list[int], n_tokens: int) -> torch.Tensor:
-    """The room's valid tokens as one contiguous [n, 2, layers, kv_heads, head_dim] tensor (K and
-    V side by side per token), so every page's payload is one contiguous slice."""
-    slots = _slots(pool, pages, n_tokens)
-    k = pool.k.index_select(1, slots)  # [L, n, kvh, d]
-    v = pool.v.index_select(1, slots)
-    return torch.stack((k, v), dim=0).permute(2, 0, 1, 3, 4).contiguous().cpu()
-
-
-def read_pages(pool: KVPool, pages: list[int], n_tokens: int) -> list[bytes]:
-    """Per-page payloads of the first n_tokens held in `pages` (one gather for the room, then
-    one copy per page out of it)."""
-    room = _room_tensor(pool, pages, n_tokens)
-    flat = memoryview(room.view(torch.uint8).numpy()).cast("B")
-    per_token = flat.nbytes // max(n_tokens, 1)
-    out, start = [], 0
-    for count in page_token_counts(n_tokens, pool.page_size):
-        out.append(bytes(flat[start * per_token : (start + count) * per_token]))
-        start += count
-    return out
+def token_bytes(pool: KVPool) -> int:
+    """Bytes of one token of one layer of K (or V)."""
+    _, _, kvh, d = pool.k.shape
+    return kvh * d * pool.k.element_size()
 
 
 def payload_size(pool: KVPool, n_tokens: int) -> int:
-    _, _, kvh, d = pool.k.shape
-    return 2 * n_tokens * pool.num_layers * kvh * d * pool.k.element_size()
+    return 2 * pool.num_layers * n_tokens * token_bytes(pool)
 
 
-def write_page(pool: KVPool, page: int, n_tokens: int, payload: bytes | memoryview) -> None:
-    """Apply one received page: payload must be exactly payload_size(pool, n_tokens) bytes. A
-    page's slots are contiguous in every layer, so this is two slice copies."""
-    _, _, kvh, d = pool.k.shape
-    raw = torch.frombuffer(memoryview(payload), dtype=torch.uint8)
-    kv = raw.view(pool.k.dtype).view(n_tokens, 2, pool.num_layers, kvh, d).to(pool.device)
-    start = page * pool.page_size
-    pool.k[:, start : start + n_tokens].copy_(kv[:, 0].transpose(0, 1))
-    pool.v[:, start : start + n_tokens].copy_(kv[:, 1].transpose(0, 1))
+def runs(pool: KVPool, n_tokens: int, max_bytes: int = RUN_BYTES) -> list[tuple[int, int, int]]:
+    """(first page, pages, tokens per page) of a room's frames: full pages in runs of at most
+    max_bytes (at least one page), then the partial last page alone."""
+    full, rest = divmod(n_tokens, pool.page_size)
+    per_run = max(1, max_bytes // payload_size(pool, pool.page_size))
+    out = [(i, min(per_run, full - i), pool.page_size) for i in range(0, full, per_run)]
+    if rest:
+        out.append((full, 1, rest))
+    return out
+
+
+def _blocks(t: torch.Tensor, pool: KVPool, count: int) -> np.ndarray:
+    """A CPU pool tensor as a [layers, pages] array whose elements are the first `count` tokens
+    of each page, as opaque byte blocks (numpy: single-threaded memcpy per block; torch's
+    multi-threaded index ops stall for milliseconds when a core is busy elsewhere)."""
+    tb = token_bytes(pool)
+    slots = t.shape[1]
+    return np.ndarray(
+        (pool.num_layers, slots // pool.page_size),
+        dtype=np.dtype((np.void, count * tb)),
+        buffer=t.view(torch.uint8).numpy(),
+        strides=(slots * tb, pool.page_size * tb),
+    )
+
+
+def _as_blocks(run: torch.Tensor) -> np.ndarray:
+    two, layers, n, size = run.shape
+    return run.numpy().view(np.dtype((np.void, size))).reshape(two, layers, n)
+
+
+def gather(
+    pool: KVPool, pages: list[int], count: int, buf: bytearray | None = None
+) -> torch.Tensor:
+    """The first `count` tokens of each page as one contiguous CPU byte tensor in run layout
+    [2, layers, len(pages), count * token_bytes], in `buf` when it is big enough (reusing a
+    buffer spares the page faults of fresh memory, which cost as much as the copy)."""
+    size = count * token_bytes(pool)
+    if pool.k.is_cuda:
+        idx = torch.tensor(pages, dtype=torch.int64, device=pool.device)
+        n = len(pages)
+        return torch.stack(
+            [
+                t.view(pool.num_layers, -1, pool.page_size * token_bytes(pool) // t.element_size())
+                .index_select(1, idx)
+                .view(torch.uint8)
+                .view(pool.num_layers, n, -1)[:, :, :size]
+                for t in (pool.k, pool.v)
+            ]
+        ).cpu()
+    shape = (2, pool.num_layers, len(pages), size)
+    need = 2 * pool.num_layers * len(pages) * size
+    if buf is not None and len(buf) >= need:
+        out = torch.frombuffer(buf, dtype=torch.uint8, count=need).view(shape)
+    else:
+        out = torch.empty(shape, dtype=torch.uint8)
+    dst = _as_blocks(out)
+    idx = np.asarray(pages, dtype=np.intp)
+    for i, t in enumerate((pool.k, pool.v)):
+        np.take(_blocks(t, pool, count), idx, axis=1, out=dst[i], mode="clip")
+    return out
+
+
+def run_checksums(run: torch.Tensor) -> list[int]:
+    """Per-page checksums of a run-layout byte tensor [2, layers, pages, bytes]: each page's
+    2 * layers blocks hashed in order, i.e. the checksum of its page payload."""
+    two, layers, n, size = run.shape
+    flat = memoryview(run.numpy()).cast("B")
+    out = []
+    for page in range(n):
+        h = xxhash.xxh3_64()
+        for block in range(two * layers):
+            start = (block * n + page) * size
+            h.update(flat[start : start + size])
+        out.append(h.intdigest())
+    return out
+
+
+def pool_checksums(pool: KVPool, pages: list[int], n_tokens: int) -> list[int]:
+    """Per-page checksums of the first n_tokens held in `pages`, read from the pool itself (a
+    CPU pool is hashed in place, without a copy)."""
+    counts = page_token_counts(n_tokens, pool.page_size)
+    if pool.k.is_cuda:
+        out: list[int] = []
+        for first, n, count in runs(pool, n_tokens):
+            out += run_checksums(gather(pool, pages[first : first + n], count))
+        return out
+    tb = token_bytes(pool)
+    layer = pool.k.shape[1] * tb
+    bases = [memoryview(t.view(torch.uint8).numpy()).cast("B") for t in (pool.k, pool.v)]
+    out = []
+    for page, count in zip(pages, counts, strict=False):
+        h = xxhash.xxh3_64()
+        start, size = page * pool.page_size * tb, count * tb
+        for base in bases:
+            for lay in range(pool.num_layers):
+                off = lay * layer + start
+                h.update(base[off : off + size])
+        out.append(h.intdigest())
+    return out
+
+
+def scatter(
+    pool: KVPool, pages: list[int], count: int, run: torch.Tensor, which: list[int] | None = None
+) -> None:
+    """Write a received run (byte tensor [2, layers, n, count * token_bytes]) into `pages`, or
+    only its entries `which` into those pages: one block copy per K and V."""
+    if which is not None:
+        run = run[:, :, which]
+    if pool.k.is_cuda:
+        idx = torch.tensor(pages, dtype=torch.int64, device=pool.device)
+        _, layers, n, size = run.shape
+        src = run.to(pool.device)
+        for i, t in enumerate((pool.k, pool.v)):
+            view = t.view(torch.uint8).view(layers, -1, pool.page_size * token_bytes(pool))
+            view[:, :, :size].index_copy_(1, idx, src[i])
+        return
+    src = _as_blocks(run.contiguous())
+    idx = np.asarray(pages, dtype=np.intp)
+    for i, t in enumerate((pool.k, pool.v)):
+        _blocks(t, pool, count)[:, idx] = src[i]
+
+
+def read_pages(pool: KVPool, pages: list[int], n_tokens: int) -> list[bytes]:
+    """Per-page payloads of the first n_tokens held in `pages` (tests compare pools with it)."""
+    out = []
+    for first, n, count in runs(pool, n_tokens):
+        run = gather(pool, pages[first : first + n], count)
+        out += [
+            b"".join(
+                bytes(run[kv, lay, i].numpy()) for kv in range(2) for lay in range(pool.num_layers)
+            )
+            for i in range(n)
+        ]
+    return out

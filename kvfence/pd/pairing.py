@@ -45,7 +45,7 @@ def node_info(engine: Any, role: str, fingerprint: str, backend: str = "tcp") ->
         "pool_tokens": engine.pool.capacity_tokens,
         "page_size": engine.pool.page_size,
         "kv_dtype": str(engine.pool.k.dtype).removeprefix("torch."),
-        "kv_layout": [mc.num_layers, mc.num_kv_heads, mc.head_dim, "token-major"],
+        "kv_layout": [mc.num_layers, mc.num_kv_heads, mc.head_dim, "page-blocks"],  # kvio.py layout
     }
 
 

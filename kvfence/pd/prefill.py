@@ -26,7 +26,7 @@ from kvfence.pd import protocol as p
 from kvfence.pd.ioloop import IOLoop
 from kvfence.pd.pairing import pairing_problem
 from kvfence.pd.stats import TransferStats
-from kvfence.pd.transport.tcp import Connection
+from kvfence.pd.transport.tcp import Connection, Listener
 
 log = logging.getLogger("kvfence.pd.prefill")
 
@@ -69,8 +69,9 @@ class PrefillService:
         self.transfer_stats = TransferStats("prefill")
         self.io = IOLoop("kvfence-prefill-io")
         self.loop = self.io.loop
-        self._server: asyncio.Server | None = None
+        self._server: Listener | None = None
         self._conns: set[Connection] = set()
+        self._run_bufs: list[bytearray] = []  # gather buffers, reused across rooms
         engine.hooks = self
 
     # ---- lifecycle ------------------------------------------------------------------------------
@@ -85,10 +86,8 @@ class PrefillService:
         self.engine.shutdown()
 
     async def _listen(self) -> None:
-        self._server = await asyncio.start_server(
-            self._serve_conn, self.host, self.port, limit=1 << 20
-        )
-        self.port = self._server.sockets[0].getsockname()[1]
+        self._server = await Listener.start(self.host, self.port, self._serve_conn, self.secret)
+        self.port = self._server.port
         asyncio.ensure_future(self._expire())
 
     def _close_all(self) -> None:
@@ -139,8 +138,7 @@ class PrefillService:
 
     # ---- connections ----------------------------------------------------------------------------
 
-    async def _serve_conn(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        conn = Connection(reader, writer, self.secret)
+    async def _serve_conn(self, conn: Connection) -> None:
         self._conns.add(conn)
         try:
             if not await self._handshake(conn):
@@ -294,12 +292,16 @@ class PrefillService:
             self.transfer_stats.inc("source_integrity_errors")
             self._feed(rid, p.ComputeFailed("kv_integrity_error", "KV source check failed"))
             return
+        buf = self._run_bufs.pop() if self._run_bufs else None
         try:
-            payloads = kvio.read_pages(self.engine.pool, list(room.seq.pages), n_tokens)
-            counts = kvio.page_token_counts(n_tokens, self.engine.pool.page_size)
-            sums: list[tuple[int, int]] = []
+            pool = self.engine.pool
+            src = list(room.seq.pages)
+            runs = kvio.runs(pool, n_tokens)
             if faults.active("truncate_transfer"):
-                payloads, counts, n_tokens = payloads[:1], counts[:1], counts[0]
+                first_count = min(n_tokens, pool.page_size)
+                runs, n_tokens = [(0, 1, first_count)], first_count
+            n_pages = sum(n for _, n, _ in runs)
+            sums: list[tuple[int, int]] = []
             if self.mooncake is not None:
                 if room.stop_sending:
                     return
@@ -308,30 +310,43 @@ class PrefillService:
                     None,
                     self.mooncake.write_tokens,
                     self._remote[room.conn],
-                    list(room.seq.pages),
+                    src,
                     list(room.reserve.dst_pages),
                     n_tokens,
                 )
                 await room.writing
-            for i, (payload, count) in enumerate(zip(payloads, counts, strict=True)):
+                # The pages went one-sidedly; frames carry their checksums, hashed in place.
+                all_sums = kvio.pool_checksums(pool, src, n_tokens)
+            for first, n, count in runs:
                 if (room.stop_sending and not late) or room.conn.closed:
                     return
-                c = kvio.checksum(payload)
-                sums.append((i, c))
-                if i == 0 and corrupt:
-                    payload = bytes([payload[0] ^ 0xFF]) + payload[1:]
-                wire_payload = b"" if self.mooncake is not None else payload
-                await room.conn.send(p.Page(rid, i, count, c), wire_payload)
+                payload = b""
+                if self.mooncake is None:
+                    if buf is None:
+                        buf = bytearray(max(kvio.RUN_BYTES, kvio.payload_size(pool, count)))
+                    # send() returns once the bytes are in the kernel: buf is free again then.
+                    run = kvio.gather(pool, src[first : first + n], count, buf)
+                    run_sums = kvio.run_checksums(run)
+                    if first == 0 and corrupt:
+                        run[0, 0, 0, 0] ^= 0xFF  # after checksumming: the receiver must notice
+                    payload = memoryview(run.numpy()).cast("B")
+                else:
+                    run_sums = all_sums[first : first + n]
+                sums += [(first + i, c) for i, c in enumerate(run_sums)]
+                await room.conn.send(wire.PageRun(rid, first, count, tuple(run_sums)), payload)
                 if faults.active("kill_prefill"):
                     os._exit(137)
-                self.transfer_stats.inc("pages_sent")
-                self.transfer_stats.inc("bytes_sent", len(payload))
+                self.transfer_stats.inc("pages_sent", n)
+                self.transfer_stats.inc("bytes_sent", n * kvio.payload_size(pool, count))
         except ConnectionError:
             return  # the reader sees the close and feeds ConnectionLost
         except Exception as e:  # a failed one-sided write: abort the room with the reason
             log.error("sending room %s failed: %s", rid, e)
             self._feed(rid, p.TimedOut())
             return
+        finally:
+            if buf is not None:
+                self._run_bufs.append(buf)
         if room.stop_sending:
             return
         first_lp: dict = {}
@@ -339,7 +354,7 @@ class PrefillService:
             lp = room.seq.pending_logprobs[-1]
             first_lp = {"logprob": lp.logprob, "top": [list(t) for t in lp.top]}
         digest = p.digest_of(tuple(sums), n_tokens)
-        done = p.Done(rid, n_tokens, len(payloads), digest, room.first_token, first_lp)
+        done = p.Done(rid, n_tokens, n_pages, digest, room.first_token, first_lp)
         self.transfer_stats.inc("transfers_done")
         self.transfer_stats.observe_latency(time.monotonic() - room.started)
         self._feed(rid, p.SendComplete(done))

@@ -1,77 +1,228 @@
-"""An ordered, framed, authenticated, bidirectional connection over TCP (asyncio streams).
+"""An ordered, framed, authenticated, bidirectional connection over a TCP socket (asyncio).
 
 One writer lock keeps frames whole and in order, which the protocol relies on: an ABORT_ACK or
 DONE sent after a room's last page also arrives after it. Every frame carries a sequence number
-and a MAC under the connection's current key (pd/auth.py); a bad one raises WireError.
+and a MAC under the connection's current key for its direction (pd/auth.py); a bad one raises
+WireError.
+
+The socket is driven directly (non-blocking recv_into / sendmsg) rather than through asyncio
+streams: a payload is received straight into a reused buffer and sent from the caller's memory,
+with no intermediate copies (streams copy a large frame three times on the way in and join it
+once on the way out).
 """
 
 from __future__ import annotations
 
 import asyncio
 import socket
+from collections.abc import Awaitable, Callable
 
 from kvfence import faults
 from kvfence.pd import auth, wire
 
+_STAGE = 64 << 10  # small reads (prefixes, headers) go through a staging buffer of this size
+
 
 class Connection:
-    def __init__(
-        self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, secret: bytes
-    ) -> None:
-        self.reader = reader
-        self.writer = writer
+    def __init__(self, sock: socket.socket, secret: bytes, client: bool) -> None:
+        sock.setblocking(False)
+        if sock.family in (socket.AF_INET, socket.AF_INET6):  # tests also use socketpairs
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
+        self.sock = sock
+        self._fd = sock.fileno()
+        self._loop = asyncio.get_running_loop()
         self._lock = asyncio.Lock()
         self.closed = False
         self.secret = secret
-        self._key = auth.hello_key(secret)
+        self.client = client  # decode dials, prefill accepts: it picks each direction's key
+        hello = auth.HelloMac(auth.hello_key(secret))
+        self._mac_out: auth.FrameMac = hello
+        self._mac_in: auth.FrameMac = hello
         self._seq_out = 0
         self._seq_in = 0
-        sock = writer.get_extra_info("socket")
-        if sock is not None:
-            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
-        self.peer = writer.get_extra_info("peername")
+        self._stage = bytearray(_STAGE)
+        self._lo = self._hi = 0
+        self._spare: bytearray | None = None  # the payload buffer, reused once handed back
+        self._lent: bytearray | None = None
+        self._waiters: set[asyncio.Future] = set()
+        try:
+            self.peer = sock.getpeername()
+        except OSError:
+            self.peer = None
 
     @classmethod
     async def open(cls, host: str, port: int, timeout: float, secret: bytes) -> Connection:
-        reader, writer = await asyncio.wait_for(
-            asyncio.open_connection(host, port, limit=1 << 20), timeout
-        )
-        return cls(reader, writer, secret)
+        loop = asyncio.get_running_loop()
+
+        async def dial() -> socket.socket:
+            err: OSError | None = None
+            for family, kind, proto, _, addr in await loop.getaddrinfo(
+                host, port, type=socket.SOCK_STREAM
+            ):
+                sock = socket.socket(family, kind, proto)
+                sock.setblocking(False)
+                try:
+                    await loop.sock_connect(sock, addr)
+                    return sock
+                except OSError as e:
+                    sock.close()
+                    err = e
+            raise err or OSError(f"cannot resolve {host}")
+
+        return cls(await asyncio.wait_for(dial(), timeout), secret, client=True)
 
     def start_session(self, client_nonce: str, server_nonce: str) -> None:
-        """Switch both directions to the session key once HELLO/HELLO_OK are exchanged."""
-        self._key = auth.session_key(self.secret, client_nonce, server_nonce)
+        """Switch both directions to their session keys once HELLO/HELLO_OK are exchanged."""
+        c2s, s2c = auth.session_keys(self.secret, client_nonce, server_nonce)
+        out, inn = (c2s, s2c) if self.client else (s2c, c2s)
+        self._mac_out, self._mac_in = auth.SessionMac(out), auth.SessionMac(inn)
         self._seq_out = self._seq_in = 0
 
+    # ---- sending ------------------------------------------------------------------------------
+
     async def send(self, msg: wire.Frame, payload: bytes | memoryview = b"") -> None:
+        """Send one frame; the payload is read from the caller's memory until this returns."""
         if self.closed:
             raise ConnectionError("connection closed")
         async with self._lock:
             self._seq_out += 1
-            self.writer.writelines(wire.encode(msg, payload, self._seq_out, self._key))
-            await self.writer.drain()
+            bufs = [
+                memoryview(b).cast("B")
+                for b in wire.encode(msg, payload, self._seq_out, self._mac_out)
+            ]
+            while bufs:
+                if self.closed:
+                    raise ConnectionError("connection closed")
+                try:
+                    sent = self.sock.sendmsg(bufs)
+                except (BlockingIOError, InterruptedError):
+                    await self._ready(self._loop.add_writer, self._loop.remove_writer)
+                    continue
+                except OSError as e:
+                    raise ConnectionError(f"send failed: {e}") from e
+                while bufs and sent >= bufs[0].nbytes:
+                    sent -= bufs.pop(0).nbytes
+                if bufs:
+                    bufs[0] = bufs[0][sent:]
 
-    async def recv(self) -> tuple[wire.Frame, bytes]:
+    # ---- receiving ----------------------------------------------------------------------------
+
+    async def recv(self) -> tuple[wire.Frame, memoryview]:
         """The next authentic frame; ConnectionError at EOF, wire.WireError on a frame that is
-        malformed, forged (bad MAC), replayed or reordered (bad sequence number)."""
-        try:
-            prefix = await self.reader.readexactly(wire.PREFIX_SIZE)
-            header_len, payload_len, seq = wire.parse_prefix(prefix)
-            tag = await self.reader.readexactly(wire.MAC_SIZE)
-            header = await self.reader.readexactly(header_len)
-            payload = await self.reader.readexactly(payload_len) if payload_len else b""
-        except asyncio.IncompleteReadError as e:
-            raise ConnectionError("peer closed the connection") from e
+        malformed, forged (bad MAC), replayed or reordered (bad sequence number). The payload
+        is a view of a buffer this connection reuses: it is valid until the next recv()."""
+        if self._lent is not None:
+            self._spare, self._lent = self._lent, None
+        fixed = bytearray(wire.PREFIX_SIZE + wire.MAC_SIZE)
+        await self._read_into(memoryview(fixed))
+        prefix, tag = bytes(fixed[: wire.PREFIX_SIZE]), bytes(fixed[wire.PREFIX_SIZE :])
+        header_len, payload_len, seq = wire.parse_prefix(prefix)
+        if isinstance(self._mac_in, auth.HelloMac) and (
+            payload_len or header_len > wire.MAX_HELLO_HEADER
+        ):
+            # Nothing is authenticated yet: allocate no more than a hello needs.
+            raise wire.WireError(f"hello frame too large ({header_len}, {payload_len})")
+        header = bytearray(header_len)
+        await self._read_into(memoryview(header))
+        payload = memoryview(b"")
+        if payload_len:
+            buf = self._spare
+            if buf is None or len(buf) < payload_len:
+                buf = bytearray(payload_len)
+            self._spare, self._lent = None, buf
+            payload = memoryview(buf)[:payload_len]
+            await self._read_into(payload)
         if not faults.active("skip_mac"):
-            if not auth.verify(auth.mac(self._key, prefix, header, payload), tag):
+            expected = self._mac_in.tag(seq, prefix, header, payload)
+            if not auth.verify(expected, tag):
                 raise wire.WireError("bad MAC: forged, corrupted or from another connection")
             if seq != self._seq_in + 1:
                 raise wire.WireError(f"sequence {seq} after {self._seq_in}: replayed or reordered")
         self._seq_in = seq
-        return wire.decode_header(header), payload
+        return wire.decode_header(bytes(header)), payload
+
+    async def _read_into(self, dst: memoryview) -> None:
+        got = min(self._hi - self._lo, dst.nbytes)
+        dst[:got] = self._stage[self._lo : self._lo + got]
+        self._lo += got
+        while got < dst.nbytes:
+            if dst.nbytes - got >= _STAGE:  # big: straight into its destination
+                got += await self._recv_into(dst[got:])
+                continue
+            n = await self._recv_into(memoryview(self._stage))
+            take = min(n, dst.nbytes - got)
+            dst[got : got + take] = self._stage[:take]
+            self._lo, self._hi = take, n
+            got += take
+
+    async def _recv_into(self, buf: memoryview) -> int:
+        while True:
+            if self.closed:
+                raise ConnectionError("connection closed")
+            try:
+                n = self.sock.recv_into(buf)
+            except (BlockingIOError, InterruptedError):
+                await self._ready(self._loop.add_reader, self._loop.remove_reader)
+                continue
+            except OSError as e:
+                raise ConnectionError(f"receive failed: {e}") from e
+            if n == 0:
+                raise ConnectionError("peer closed the connection")
+            return n
+
+    async def _ready(
+        self, add: Callable[..., None], remove: Callable[[int], Awaitable[bool] | bool]
+    ) -> None:
+        """Wait until the socket is readable / writable (or the connection is closed)."""
+        fut = self._loop.create_future()
+        add(self._fd, lambda: fut.done() or fut.set_result(None))
+        self._waiters.add(fut)
+        try:
+            await fut
+        finally:
+            self._waiters.discard(fut)
+            if not self.closed:  # close() unregistered it; the fd number may be reused since
+                remove(self._fd)
 
     def close(self) -> None:
         if not self.closed:
             self.closed = True
-            self.writer.close()
+            self._loop.remove_reader(self._fd)
+            self._loop.remove_writer(self._fd)
+            for fut in self._waiters:
+                if not fut.done():
+                    fut.set_exception(ConnectionError("connection closed"))
+            self.sock.close()
+
+
+class Listener:
+    """Accepts connections on host:port and runs handler(conn) for each."""
+
+    def __init__(
+        self, sock: socket.socket, handler: Callable[[Connection], Awaitable[None]], secret: bytes
+    ) -> None:
+        self.sock = sock
+        self.port = sock.getsockname()[1]
+        self._handler = handler
+        self._secret = secret
+        self._task = asyncio.ensure_future(self._accept())
+
+    @classmethod
+    async def start(
+        cls, host: str, port: int, handler: Callable[[Connection], Awaitable[None]], secret: bytes
+    ) -> Listener:
+        sock = socket.create_server((host or "0.0.0.0", port), backlog=128)
+        sock.setblocking(False)
+        return cls(sock, handler, secret)
+
+    async def _accept(self) -> None:
+        loop = asyncio.get_running_loop()
+        while True:
+            sock, _ = await loop.sock_accept(self.sock)
+            asyncio.ensure_future(self._handler(Connection(sock, self._secret, client=False)))
+
+    def close(self) -> None:
+        self._task.cancel()
+        asyncio.get_running_loop().remove_reader(self.sock.fileno())
+        self.sock.close()
