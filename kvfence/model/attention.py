@@ -21,7 +21,7 @@ class AttentionGroup:
     q_index: torch.Tensor  # [B, Lq] int64 into the flat token dim (padding -> 0)
     q_valid: torch.Tensor  # [B, Lq] bool
     kv_slots: torch.Tensor  # [B, Lk] int64 into the pool's flat slot dim (padding -> 0)
-    mask: torch.Tensor  # [B, 1, Lq, Lk] bool, True = may attend
+    mask: torch.Tensor | None  # [B, 1, Lq, Lk] bool, True = may attend; None: plain causal
     flat_valid_index: torch.Tensor  # [N] q_index[q_valid], precomputed once per step
     valid_rows: torch.Tensor | None = None  # [N] rows of the [B*Lq] queries that are real;
     #                                         None when all are (decode: no padding)
@@ -79,11 +79,15 @@ def build_group(
         mask &= k_pos[None, None, :] > q_pos[:, :, None] - sliding_window
     # Padding queries attend to slot 0 only so SDPA never sees an all-masked row (NaN); dropped.
     mask[:, :, 0] |= ~q_valid
+    # Every row a fresh prompt (queries == context): the mask is exactly SDPA's is_causal, which
+    # runs about twice as fast. Padded keys sit after every real query of their row, so causality
+    # alone keeps them out; padded queries see the null slot and are dropped.
+    fresh = sliding_window is None and bool((q_len == ctx).all())
     return AttentionGroup(
         q_index=q_index.to(device),
         q_valid=q_valid.to(device),
         kv_slots=kv_slots.to(device),
-        mask=mask.unsqueeze(1).to(device),
+        mask=None if fresh else mask.unsqueeze(1).to(device),
         flat_valid_index=q_index[q_valid].to(device),
         valid_rows=None if bool(q_valid.all()) else q_valid.view(-1).nonzero().view(-1).to(device),
     )
@@ -125,7 +129,7 @@ def paged_attention(
         kg = k_cache.index_select(0, flat_slots).view(b, lk, *k_cache.shape[1:]).transpose(1, 2)
         vg = v_cache.index_select(0, flat_slots).view(b, lk, *v_cache.shape[1:]).transpose(1, 2)
         o = F.scaled_dot_product_attention(
-            qg, kg, vg, attn_mask=g.mask, scale=scale, enable_gqa=True
+            qg, kg, vg, attn_mask=g.mask, is_causal=g.mask is None, scale=scale, enable_gqa=True
         )
         o = o.transpose(1, 2).reshape(b * lq, *q.shape[1:])
         if g.valid_rows is not None:
