@@ -26,6 +26,9 @@ class EngineConfig:
     kv_pool_tokens: int | None = None  # wins over mem_fraction_static when set
     mem_fraction_static: float = 0.5
     chunked_prefill_size: int = 512
+    # Prefill tokens a step may add while sequences are decoding (None: chunked_prefill_size).
+    # Lower caps a decode's stall behind a newcomer's prompt (p99 ITL) at some throughput.
+    decode_step_prefill_budget: int | None = None
     attention_backend: str = "auto"
     max_running_requests: int = 64
     seed: int = 0
@@ -54,6 +57,10 @@ class EngineConfig:
         if not 0.0 < self.mem_fraction_static <= 1.0:
             raise ConfigError(
                 f"--mem-fraction-static {self.mem_fraction_static}: must be in (0, 1]"
+            )
+        if self.decode_step_prefill_budget is not None and self.decode_step_prefill_budget < 1:
+            raise ConfigError(
+                f"--decode-step-prefill-budget {self.decode_step_prefill_budget}: must be >= 1"
             )
         if self.attention_backend not in ATTENTION_BACKENDS:
             raise ConfigError(

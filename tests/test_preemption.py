@@ -43,3 +43,43 @@ def test_fifo_order_is_kept_when_the_pool_is_full(checkpoint_dir) -> None:
         llm.engine.step()
     # r0 needs 120 of the 128 tokens; r1/r2 must not overtake it while it waits for pages.
     assert finish_order[0] == "r0"
+
+
+def test_decode_step_prefill_budget_caps_prefill_while_decoding(checkpoint_dir) -> None:
+    """A step that decodes adds at most the budget of prefill tokens; a step with no decode
+    still takes a whole chunk. Answers stay the same."""
+    from kvfence.engine.request import GenerateRequest
+
+    model_dir = str(checkpoint_dir("llama"))
+    prompts = random_prompts([10, 100], vocab=256, seed=21)
+    params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+    want = [c.token_ids for c in LLM(model_dir, kv_pool_tokens=1024).generate(prompts, params)]
+    llm = LLM(model_dir, kv_pool_tokens=1024, chunked_prefill_size=64, decode_step_prefill_budget=8)
+    engine = llm.engine
+    seen: list[tuple[int, int]] = []  # (decode rows, prefill tokens) per step
+    real = engine.runner.run
+
+    def spy(chunks):  # type: ignore[no-untyped-def]
+        decodes = sum(c.seq.in_decode for c in chunks)
+        seen.append((decodes, sum(c.length for c in chunks if not c.seq.in_decode)))
+        return real(chunks)
+
+    engine.runner.run = spy
+    outs: dict[str, list[int]] = {"a": [], "b": []}
+
+    def submit(rid: str, prompt: list[int]) -> None:
+        sink = outs[rid].extend
+        request = GenerateRequest(rid, "t", tuple(prompt), params)
+        engine.submit(request, lambda o: sink(o.new_token_ids))
+
+    submit("a", prompts[0])
+    engine.step()  # a's prompt alone: a whole chunk
+    submit("b", prompts[1])
+    while engine.scheduler.has_work():
+        engine.step()
+    assert [outs["a"], outs["b"]] == want
+    assert seen[0] == (0, 10)
+    with_decode = [p for d, p in seen if d]
+    assert with_decode and max(with_decode) <= 8 and 8 in with_decode
+    alone = [p for d, p in seen if not d and p]
+    assert alone and max(alone) > 8  # after a finishes, b's rest runs in 64-token chunks

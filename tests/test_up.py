@@ -39,6 +39,7 @@ def test_worker_args_carry_every_engine_flag_given_and_the_role(tmp_path: Path) 
         "--dtype", "bfloat16", "--kv-cache-dtype", "float16", "--context-length", "2048",
         "--page-size", "32", "--kv-pool-tokens", "65536", "--mem-fraction-static", "0.7",
         "--chunked-prefill-size", "256", "--max-running-requests", "8", "--seed", "5",
+        "--decode-step-prefill-budget", "64", "--attention-backend", "torch",
         "--api-key-file", "keys.txt", "--disaggregation-transfer-backend", "mooncake",
     )
     flags = worker_args(args, "prefill")
@@ -51,7 +52,8 @@ def test_worker_args_carry_every_engine_flag_given_and_the_role(tmp_path: Path) 
     back = serve.parse_args(flags)
     for dest in ("model", "served_model_name", "device", "dtype", "kv_cache_dtype",
                  "context_length", "page_size", "kv_pool_tokens", "mem_fraction_static",
-                 "chunked_prefill_size", "max_running_requests", "seed", "api_key_file"):
+                 "chunked_prefill_size", "decode_step_prefill_budget", "attention_backend",
+                 "max_running_requests", "seed", "api_key_file"):
         assert getattr(back, dest) == getattr(args, dest), dest
     assert back.disaggregation_mode == "prefill"
     assert back.disaggregation_transfer_backend == "mooncake"

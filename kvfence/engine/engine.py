@@ -96,7 +96,12 @@ class Engine:
             vocab_size=self.model_config.vocab_size,
         )
         self.scheduler = Scheduler(
-            self.pool, SchedulerLimits(cfg.chunked_prefill_size, cfg.max_running_requests)
+            self.pool,
+            SchedulerLimits(
+                cfg.chunked_prefill_size,
+                cfg.max_running_requests,
+                cfg.decode_step_prefill_budget or cfg.chunked_prefill_size,
+            ),
         )
         self.runner = ModelRunner(
             self.model, self.pool, self.device, cfg.seed, cfg.attention_backend

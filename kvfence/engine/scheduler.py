@@ -29,6 +29,7 @@ class ScheduledChunk:
 class SchedulerLimits:
     chunked_prefill_size: int
     max_running_requests: int
+    decode_step_prefill_budget: int  # the prefill budget of a step that also decodes
 
 
 class Scheduler:
@@ -87,6 +88,8 @@ class Scheduler:
             if self._ensure_slot(seq):
                 chunks.append(ScheduledChunk(seq, seq.num_computed, 1))
         budget = self.limits.chunked_prefill_size
+        if chunks:  # decodes share this step: a smaller prefill keeps their stall short
+            budget = min(budget, self.limits.decode_step_prefill_budget)
         for seq in self.running:
             if budget == 0:
                 break
