@@ -27,6 +27,21 @@ def _fuse_rows(params: list[nn.Parameter]) -> torch.Tensor:
     return fused
 
 
+def _fuse_transposed(weights: list[nn.Parameter]) -> torch.Tensor:
+    """One contiguous [in, sum(out)] tensor holding the weights, transposed; each weight becomes
+    a (strided) view of it, so HF names still load and save and memory stays the same.
+
+    `x @ w_t` beats `F.linear(x, w)` on CPU for the small-M matmuls of decode (MKL here: 0.65-0.7x
+    the time for batch 1-32 on three of the four shapes of a 135M model; equal for prefill)."""
+    fused_t = torch.cat([w.detach() for w in weights], dim=0).t().contiguous()
+    col = 0
+    for w in weights:
+        n = w.shape[0]
+        w.data = fused_t[:, col : col + n].t()
+        col += n
+    return fused_t
+
+
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float) -> None:
         super().__init__()
@@ -59,24 +74,30 @@ class Attention(nn.Module):
             self.k_norm = RMSNorm(self.head_dim, mc.rms_norm_eps)
         self.qk_norm = mc.qk_norm
         self.scale = self.head_dim**-0.5
-        self.qkv_weight: torch.Tensor | None = None  # set by fuse(): one matmul instead of three
+        # Set by fuse(): q/k/v as one transposed matmul, o_proj transposed.
+        self.qkv_t: torch.Tensor | None = None
         self.qkv_bias: torch.Tensor | None = None
+        self.o_t: torch.Tensor | None = None
 
     def fuse(self) -> None:
-        """Concatenate q/k/v weights into one tensor and make the per-name parameters views of
-        it: HF names still load and save, memory stays the same, and a step does one matmul."""
+        """Concatenate q/k/v weights into one transposed tensor and make the per-name parameters
+        views of it: HF names still load and save, memory stays the same, and a step does one
+        matmul."""
         projs = (self.q_proj, self.k_proj, self.v_proj)
-        self.qkv_weight = _fuse_rows([p.weight for p in projs])
+        self.qkv_t = _fuse_transposed([p.weight for p in projs])
         if self.q_proj.bias is not None:
             self.qkv_bias = _fuse_rows([p.bias for p in projs])  # type: ignore[misc]
+        self.o_t = _fuse_transposed([self.o_proj.weight])
 
     def forward(
         self, x: torch.Tensor, meta: AttentionMetadata, rope: RotaryTable, pool: KVPool
     ) -> torch.Tensor:
         t = x.shape[0]
         nq, nkv = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
-        if self.qkv_weight is not None:
-            q, k, v = F.linear(x, self.qkv_weight, self.qkv_bias).split((nq, nkv, nkv), dim=-1)
+        if self.qkv_t is not None:
+            b = self.qkv_bias
+            qkv = x @ self.qkv_t if b is None else torch.addmm(b, x, self.qkv_t)
+            q, k, v = qkv.split((nq, nkv, nkv), dim=-1)
         else:
             q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
         q = q.reshape(t, self.num_heads, self.head_dim)
@@ -86,7 +107,8 @@ class Attention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = rope.apply(q, k, meta.positions)
         o = paged_attention(q, k, v, pool.k[self.layer], pool.v[self.layer], meta, self.scale)
-        return self.o_proj(o.reshape(t, -1))
+        o = o.reshape(t, -1)
+        return o @ self.o_t if self.o_t is not None else self.o_proj(o)
 
 
 class MLP(nn.Module):
@@ -95,16 +117,18 @@ class MLP(nn.Module):
         self.gate_proj = nn.Linear(mc.hidden_size, mc.intermediate_size, bias=False)
         self.up_proj = nn.Linear(mc.hidden_size, mc.intermediate_size, bias=False)
         self.down_proj = nn.Linear(mc.intermediate_size, mc.hidden_size, bias=False)
-        self.gate_up_weight: torch.Tensor | None = None  # set by fuse()
+        self.gate_up_t: torch.Tensor | None = None  # set by fuse(), both transposed
+        self.down_t: torch.Tensor | None = None
 
     def fuse(self) -> None:
-        self.gate_up_weight = _fuse_rows([self.gate_proj.weight, self.up_proj.weight])
+        self.gate_up_t = _fuse_transposed([self.gate_proj.weight, self.up_proj.weight])
+        self.down_t = _fuse_transposed([self.down_proj.weight])
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.gate_up_weight is None:
+        if self.gate_up_t is None or self.down_t is None:
             return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
-        gate, up = F.linear(x, self.gate_up_weight).chunk(2, dim=-1)
-        return self.down_proj(F.silu(gate).mul_(up))
+        gate, up = (x @ self.gate_up_t).chunk(2, dim=-1)
+        return F.silu(gate).mul_(up) @ self.down_t
 
 
 class DecoderLayer(nn.Module):
