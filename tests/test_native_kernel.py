@@ -39,9 +39,8 @@ def reference(q, kc, vc, table, ctx, window):
     return torch.stack(rows)
 
 
-def random_case(heads, kv_heads, ctx_lens, dtype=torch.float32, seed=0, pages=64):
+def random_case(heads, kv_heads, ctx_lens, dtype=torch.float32, seed=0, pages=64, d=32):
     g = torch.Generator().manual_seed(seed)
-    d = 32
     kc = torch.randn(pages * PAGE, kv_heads, d, generator=g).to(dtype)
     vc = torch.randn(pages * PAGE, kv_heads, d, generator=g).to(dtype)
     width = max(-(-n // PAGE) for n in ctx_lens)
@@ -55,11 +54,12 @@ def random_case(heads, kv_heads, ctx_lens, dtype=torch.float32, seed=0, pages=64
 CTX_SETS = {"few": [1, 15, 16, 17, 33, 64], "many": [1, 2, 15, 16, 17, 31, 33, 40, 64, 5, 9, 70]}
 
 
-@pytest.mark.parametrize("heads,kv_heads", [(4, 4), (6, 2), (4, 1)])
+# head_dim 64 and 128 take the register-blocked float32 P.V path, 32 the generic one.
+@pytest.mark.parametrize("heads,kv_heads,d", [(4, 4, 32), (6, 2, 64), (4, 1, 128), (10, 2, 64)])
 @pytest.mark.parametrize("window", [0, 5, 20])
 @pytest.mark.parametrize("rows", sorted(CTX_SETS))
-def test_kernel_equals_sdpa_over_the_rows_own_slots(kernel, heads, kv_heads, window, rows) -> None:
-    q, kc, vc, table, ctx = random_case(heads, kv_heads, CTX_SETS[rows], pages=128)
+def test_kernel_equals_sdpa_over_the_rows_own_slots(kernel, heads, kv_heads, d, window, rows):
+    q, kc, vc, table, ctx = random_case(heads, kv_heads, CTX_SETS[rows], pages=128, d=d)
     got = kernel(q, kc, vc, table, ctx, PAGE, q.shape[-1] ** -0.5, window)
     torch.testing.assert_close(got, reference(q, kc, vc, table, ctx, window), atol=1e-5, rtol=1e-5)
 
@@ -89,8 +89,9 @@ def poisoned_outside(kc, vc, table, ctx, window):
 
 @pytest.mark.parametrize("window", [0, 7])
 @pytest.mark.parametrize("rows", sorted(CTX_SETS))
-def test_kernel_never_reads_a_slot_the_row_does_not_own(kernel, window, rows) -> None:
-    q, kc, vc, table, ctx = random_case(6, 2, CTX_SETS[rows], pages=128)
+@pytest.mark.parametrize("d", [32, 64])
+def test_kernel_never_reads_a_slot_the_row_does_not_own(kernel, window, rows, d) -> None:
+    q, kc, vc, table, ctx = random_case(6, 2, CTX_SETS[rows], pages=128, d=d)
     want = kernel(q, kc, vc, table, ctx, PAGE, 0.2, window)
     kc_p, vc_p = poisoned_outside(kc, vc, table, ctx, window)
     got = kernel(q, kc_p, vc_p, table, ctx, PAGE, 0.2, window)
@@ -101,7 +102,7 @@ def test_kernel_never_reads_a_slot_the_row_does_not_own(kernel, window, rows) ->
 def test_twin_reading_the_whole_last_page_shows_the_poison(kernel) -> None:
     """The check above can fail: a kernel call that reads each row's last page to its end (the
     stale tail) picks up the NaN."""
-    q, kc, vc, table, ctx = random_case(6, 2, [1, 15, 17, 50])
+    q, kc, vc, table, ctx = random_case(6, 2, [1, 15, 17, 50], d=64)
     kc_p, vc_p = poisoned_outside(kc, vc, table, ctx, 0)
     whole_pages = (ctx + PAGE - 1) // PAGE * PAGE
     got = kernel(q, kc_p, vc_p, table, whole_pages, PAGE, 0.2, 0)

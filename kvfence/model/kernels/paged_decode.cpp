@@ -65,6 +65,42 @@ inline v16 reduce16(const v16* p) {
     return __builtin_shuffle(u[0], u[1], lo4) + __builtin_shuffle(u[0], u[1], hi4);
 }
 
+// float32 P.V for the query heads [qh0, qh0 + gb) of KV head h, gb <= GB: the GB x NV
+// accumulators stay in registers while each V row segment is loaded once.
+template <int NV, int GB>
+inline void pv_block(const float* vc, const int64_t* pages, int64_t page_size, int64_t row,
+                     int64_t t0, int64_t n, int64_t h, int64_t qh0, int gb, const float* scores,
+                     int64_t len, float* acc) {
+    constexpr int D = NV * 16;
+    v16 a[GB][NV] = {};
+    for (int64_t t = t0; t < n; ++t) {
+        const float* vr = vc + (pages[t / page_size] * page_size + t % page_size) * row + h * D;
+        if (t + 16 < n) {
+            const int64_t ahead = t + 16;
+            const float* r = vc + (pages[ahead / page_size] * page_size + ahead % page_size) * row;
+            for (int j = 0; j < NV; ++j) __builtin_prefetch(r + h * D + 16 * j);
+        }
+        v16 v[NV];
+        for (int j = 0; j < NV; ++j) v[j] = load16(vr + 16 * j);
+        for (int g = 0; g < GB; ++g) {
+            if (g >= gb) break;
+            const float p = scores[(qh0 + g) * len + (t - t0)];
+            for (int j = 0; j < NV; ++j) a[g][j] += p * v[j];
+        }
+    }
+    for (int g = 0; g < gb; ++g) __builtin_memcpy(acc + (qh0 + g) * D, a[g], sizeof a[g]);
+}
+
+template <int NV, int GB>
+void pv_heads(const float* vc, const int64_t* pages, int64_t page_size, int64_t row, int64_t t0,
+              int64_t n, int64_t h0, int64_t h1, int64_t G, const float* scores, int64_t len,
+              float* acc) {
+    for (int64_t h = h0; h < h1; ++h)
+        for (int64_t g = 0; g < G; g += GB)
+            pv_block<NV, GB>(vc, pages, page_size, row, t0, n, h, h * G + g,
+                             static_cast<int>(std::min<int64_t>(GB, G - g)), scores, len, acc);
+}
+
 template <typename T>
 void decode_kernel(const T* q, const T* kc, const T* vc, const int64_t* pt, const int64_t* ctx,
                    T* out, int64_t B, int64_t H, int64_t KVH, int64_t D, int64_t P,
@@ -98,6 +134,13 @@ void decode_kernel(const T* q, const T* kc, const T* vc, const int64_t* pt, cons
                         for (int i = 0; i < 16; ++i)
                             rows[i] = kc + (pages[(t + i) / page_size] * page_size +
                                             (t + i) % page_size) * row;
+                        // Pages are scattered: start the next block's rows on their way now.
+                        for (int64_t i = t + 16; i < std::min(t + 32, n); ++i) {
+                            const float* r = kc + (pages[i / page_size] * page_size +
+                                                   i % page_size) * row + h0 * D;
+                            for (int64_t c = 0; c < (h1 - h0) * D; c += 16)
+                                __builtin_prefetch(r + c);
+                        }
                         for (int64_t h = h0; h < h1; ++h)
                             for (int64_t g = 0; g < G; ++g) {
                                 const int64_t qh = h * G + g;
@@ -136,8 +179,17 @@ void decode_kernel(const T* q, const T* kc, const T* vc, const int64_t* pt, cons
                 }
                 inv[qh] = 1.f / z;
             }
-            std::fill(acc.begin() + h0 * G * D, acc.begin() + h1 * G * D, 0.f);
-            for (int64_t t = t0; t < n; ++t) {
+            bool pv_done = false;
+            if constexpr (std::is_same<T, float>::value) {
+                if (D == 64 || D == 128) {  // the common head sizes get register-blocked P.V
+                    (D == 64 ? pv_heads<4, 4> : pv_heads<8, 2>)(vc, pages, page_size, row, t0, n,
+                                                               h0, h1, G, scores.data(), len,
+                                                               acc.data());
+                    pv_done = true;
+                }
+            }
+            if (!pv_done) std::fill(acc.begin() + h0 * G * D, acc.begin() + h1 * G * D, 0.f);
+            for (int64_t t = t0; t < n && !pv_done; ++t) {
                 const T* vr = vc + (pages[t / page_size] * page_size + t % page_size) * row;
                 for (int64_t h = h0; h < h1; ++h)
                     for (int64_t g = 0; g < G; ++g) {
