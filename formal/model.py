@@ -431,7 +431,8 @@ class Model:
                     w = self._write(w, pg, data)
             if not open_:
                 return w
-            return self._decode_feed(w, r, p.PageArrived(i, 1, checksum, intact))
+            # decode.py feeds a frame's pages as one RunArrived; the model's frames hold one page.
+            return self._decode_feed(w, r, p.RunArrived((p.PageArrived(i, 1, checksum, intact),)))
         if kind == "DONE":
             _, _, _, n_tokens, n_pages, digest = msg
             ok = open_ and self._pool_matches(w, r, n_tokens, n_pages, digest)
