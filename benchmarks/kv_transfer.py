@@ -1,17 +1,26 @@
-"""KV transfer rate: a prompt's KV moved prefill -> decode by the tcp and mooncake backends (an
-in-process 1P1D pair, real sockets), against raw loopback TCP moving the same bytes in the same
-run, interleaved by repeat.
+"""KV transfer rate: a prompt's KV moved prefill -> decode by the tcp and mooncake backends,
+against raw loopback TCP moving the same bytes in the same run, interleaved by repeat, in two
+modes:
+
+- two-process (the headline; what deployments run): `kvfence serve --disaggregation-mode
+  prefill` and `... decode` as two OS processes; the raw link is a sink process fed by this one.
+- one-process: an in-process 1P1D pair (tests/pd_harness.PDPair, real sockets; both sides share
+  one GIL); the raw link is a sink thread.
 
 The transfer window is timed from prefill's SendPages (compute done, pages about to be read) to
 the end of decode's DONE handling (counts, per-page checksums and the read-back digest checked),
 so it holds everything the hand-off costs after compute: reads, hashing, MACs, frames, writes.
+Two processes: both ends are the workers' own CLOCK_MONOTONIC marks (pd/stats.py, in /pd/info's
+transfer_marks: prefill's send_start, decode's done_handled).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import socket
+import subprocess
 import sys
 import threading
 import time
@@ -62,6 +71,140 @@ def raw_tcp_rate(total: int, frame: int) -> float:
     return got[0] / wall
 
 
+# A sink process for the two-process raw link: per connection, an 8-byte length, then that many
+# bytes read into a reused 1 MiB buffer, then a 1-byte ack; a zero length ends it.
+_SINK = r"""
+import socket, sys
+srv = socket.create_server(("127.0.0.1", 0))
+print(srv.getsockname()[1], flush=True)
+buf = bytearray(1 << 20)
+while True:
+    conn, _ = srv.accept()
+    conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    total = int.from_bytes(conn.recv(8, socket.MSG_WAITALL), "big")
+    if not total:
+        break
+    got = 0
+    while got < total:
+        n = conn.recv_into(buf)
+        if not n:
+            break
+        got += n
+    conn.sendall(b"k")
+    conn.close()
+"""
+
+
+class RawSink:
+    """Raw loopback TCP into another process: the two-process baseline."""
+
+    def __init__(self) -> None:
+        self.p = subprocess.Popen([sys.executable, "-c", _SINK], stdout=subprocess.PIPE, text=True)
+        assert self.p.stdout is not None
+        self.port = int(self.p.stdout.readline())
+
+    def rate(self, total: int, frame: int) -> float:
+        payload = b"\x5a" * frame
+        with socket.create_connection(("127.0.0.1", self.port)) as c:
+            c.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            start = time.perf_counter()
+            c.sendall(total.to_bytes(8, "big"))
+            sent = 0
+            while sent < total:
+                c.sendall(payload)
+                sent += frame
+            assert c.recv(1) == b"k"
+            wall = time.perf_counter() - start
+        return total / wall
+
+    def close(self) -> None:
+        with socket.create_connection(("127.0.0.1", self.port)) as c:
+            c.sendall((0).to_bytes(8, "big"))
+        self.p.wait(10)
+
+
+class Workers:
+    """A 1P1D pair as two OS processes (`kvfence serve --disaggregation-mode prefill|decode`);
+    the request goes straight to decode, naming its prefill, as the router sends it."""
+
+    def __init__(self, backend: str, model: str, ctx: int, pool: int, logs: Path) -> None:
+        import httpx
+
+        from kvfence.pd.auth import new_secret
+        from kvfence.tools.cluster import free_port
+
+        self.backend = backend
+        self.http = httpx.Client(timeout=300)
+        env = {**os.environ, "KVFENCE_CLUSTER_SECRET": new_secret()}
+        env.pop("KVFENCE_FAULT_INJECTION", None)
+        self.procs: list[subprocess.Popen] = []
+        self.urls: dict[str, str] = {}
+        self.commands: list[list[str]] = []
+        for role in ("prefill", "decode"):
+            port = free_port()
+            cmd = [
+                sys.executable, "-m", "kvfence.cli", "serve", "--model", model,
+                "--port", str(port), "--context-length", str(ctx), "--kv-pool-tokens", str(pool),
+                "--disaggregation-mode", role, "--disaggregation-transfer-backend", backend,
+                "--log-level", "warning",
+            ]  # fmt: skip
+            if role == "prefill":
+                cmd += ["--disaggregation-bootstrap-port", str(free_port())]
+            log = (logs / f"kv_transfer-{backend}-{role}.log").open("wb")
+            self.procs.append(subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env))
+            self.commands.append(cmd)
+            self.urls[role] = f"http://127.0.0.1:{port}"
+        deadline = time.monotonic() + 180
+        for role, url in self.urls.items():
+            while True:
+                assert time.monotonic() < deadline, f"{backend} {role} never became healthy"
+                assert all(p.poll() is None for p in self.procs), f"{backend} {role} exited"
+                try:
+                    if self.http.get(f"{url}/health", timeout=2).status_code == 200:
+                        break
+                except httpx.HTTPError:
+                    pass
+                time.sleep(0.2)
+        info = self.http.get(f"{self.urls['prefill']}/pd/info").json()
+        self.peer = f"{info['bootstrap_host']}:{info['bootstrap_port']}"
+        self.model_name = info["model"]
+        self.seen: set[str] = set()
+
+    def transfer(self, prompt: list[int]) -> float:
+        r = self.http.post(
+            f"{self.urls['decode']}/v1/completions",
+            json={"model": self.model_name, "prompt": prompt, "max_tokens": 1,
+                  "temperature": 0, "ignore_eos": True},
+            headers={"X-Kvfence-Prefill": self.peer},
+        )  # fmt: skip
+        assert r.status_code == 200, f"{self.backend}: {r.status_code} {r.text}"
+        deadline = time.monotonic() + 10
+        while True:
+            marks = self.http.get(f"{self.urls['decode']}/pd/info").json()["transfer_marks"]
+            new = [
+                room for room, m in marks.items() if room not in self.seen and "done_handled" in m
+            ]
+            if new:
+                break
+            assert time.monotonic() < deadline, "DONE handling never finished"
+            time.sleep(0.002)
+        assert len(new) == 1, new
+        room = new[0]
+        self.seen.add(room)
+        sent = self.http.get(f"{self.urls['prefill']}/pd/info").json()["transfer_marks"][room]
+        return marks[room]["done_handled"] - sent["send_start"]
+
+    def close(self) -> None:
+        for p in self.procs:
+            p.terminate()
+        for p in self.procs:
+            try:
+                p.wait(20)
+            except subprocess.TimeoutExpired:
+                p.kill()
+        self.http.close()
+
+
 class Timed:
     """A 1P1D pair whose transfer windows are timed: from prefill's SendPages to the end of
     decode's DONE handling (the end is stamped on decode's loop, which may run after the client
@@ -108,77 +251,71 @@ class Timed:
         self.pair.close()
 
 
-def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__)
-    p.add_argument("--model", default=str(ROOT / "models" / "kvfence-tiny"))
-    p.add_argument("--prompt-len", type=int, default=2048)
-    p.add_argument("--repeats", type=int, default=5)
-    p.add_argument("--backends", default="tcp,mooncake")
-    p.add_argument("--out", default=str(RESULTS))
-    p.add_argument("--name", default="kv_transfer")
-    a = p.parse_args(argv)
-    out = Path(a.out)
-    cmd = this_command()
-    cfg = json.loads((Path(a.model) / "config.json").read_text())
-    ctx = max(4096, a.prompt_len + 16)
-    backends = a.backends.split(",")
-    skipped = {}
-    if "mooncake" in backends:
-        try:
-            import mooncake.engine  # noqa: F401
-        except Exception as e:  # noqa: BLE001 - optional backend
-            skipped["mooncake"] = f"{type(e).__name__}: {e}"
-            backends.remove("mooncake")
+def _median(xs: list[float]) -> float:
+    return sorted(xs)[len(xs) // 2]
+
+
+def run_mode(
+    mode: str,
+    backends: list[str],
+    a: argparse.Namespace,
+    prompts: list[list[int]],
+    warmup: int,
+    nbytes: int,
+    page_bytes: int,
+    out: Path,
+) -> dict:
+    """Interleaved by repeat: each backend once, then the raw link with the same bytes in frames
+    of the size the tcp backend sends (kvio.RUN_BYTES) and in page-sized sends."""
     from kvfence.pd import kvio
 
+    ctx = max(4096, a.prompt_len + 16)
     runs: dict[str, list[dict]] = {b: [] for b in backends}
     raw: list[float] = []
     raw_page: list[float] = []
-    pairs = [Timed(b, a.model, ctx, 2 * ctx) for b in backends]
-    nbytes = kvio.payload_size(pairs[0].pair.decode.engine.pool, a.prompt_len)
-    page_bytes = kvio.payload_size(pairs[0].pair.decode.engine.pool, 16)
-    # Warm-up: enough transfers for the decode pool to hand out every page once. A fresh pool is
-    # untouched memory (torch.empty) whose first writes page-fault; a serving node's is not.
-    pool_pages = pairs[0].pair.decode.engine.pool.num_pages
-    warmup = max(1, -(-pool_pages // -(-a.prompt_len // 16)))
-    prompts = random_prompts(a.repeats + warmup, a.prompt_len, int(cfg["vocab_size"]), seed=7)
+    commands: list[list[str]] = []
+    if mode == "two-process":
+        sides = [Workers(b, a.model, ctx, 2 * ctx, out) for b in backends]
+        sink = RawSink()
+        commands = [c for w in sides for c in w.commands]
+        rate = sink.rate
+    else:
+        sides = [Timed(b, a.model, ctx, 2 * ctx) for b in backends]  # type: ignore[misc]
+        rate = raw_tcp_rate
     try:
-        # Interleaved by repeat: each backend once, then the raw link with the same bytes in
-        # frames of the size the tcp backend sends (kvio.RUN_BYTES) and in page-sized sends.
         for i, prompt in enumerate(prompts):
-            for t in pairs:
+            for t in sides:
                 wall = t.transfer(prompt)
                 if i >= warmup:
                     runs[t.backend].append(
                         {"bytes": nbytes, "seconds": wall, "bytes_per_s": nbytes / wall}
                     )
             if i >= warmup:
-                raw.append(raw_tcp_rate(nbytes, min(kvio.RUN_BYTES, nbytes)))
-                raw_page.append(raw_tcp_rate(nbytes, page_bytes))
+                raw.append(rate(nbytes, min(kvio.RUN_BYTES, nbytes)))
+                raw_page.append(rate(nbytes, page_bytes))
     finally:
-        for t in pairs:
+        for t in sides:
             t.close()
-    for b, rs in runs.items():
-        med = sorted(r["bytes_per_s"] for r in rs)[len(rs) // 2]
-        print(f"{b}: median {med / 1e6:.1f} MB/s over {len(rs)} transfers of {nbytes / 1e6:.1f} MB")
-    raw_med = sorted(raw)[len(raw) // 2]
-    raw_page_med = sorted(raw_page)[len(raw_page) // 2]
-    print(
-        f"raw loopback TCP: median {raw_med / 1e6:.1f} MB/s ({kvio.RUN_BYTES >> 20} MiB sends), "
-        f"{raw_page_med / 1e6:.1f} MB/s ({page_bytes >> 10} KiB sends)"
-    )
+        if mode == "two-process":
+            sink.close()
+    raw_med, raw_page_med = _median(raw), _median(raw_page)
     # The link is whichever send size moved the bytes faster: the stricter baseline.
     link = max(raw_med, raw_page_med)
+    print(
+        f"[{mode}] raw loopback TCP: median {raw_med / 1e6:.1f} MB/s "
+        f"({kvio.RUN_BYTES >> 20} MiB sends), {raw_page_med / 1e6:.1f} MB/s "
+        f"({page_bytes >> 10} KiB sends)"
+    )
     summary = {}
     for b, rs in runs.items():
-        med = sorted(r["bytes_per_s"] for r in rs)[len(rs) // 2]
+        med = _median([r["bytes_per_s"] for r in rs])
         summary[b] = {"median_MBps": med / 1e6, "fraction_of_raw_tcp": med / link}
-    result = {
-        "command": cmd,
-        "machine": machine(),
-        "model": a.model,
-        "prompt_len": a.prompt_len,
-        "kv_bytes": nbytes,
+        print(
+            f"[{mode}] {b}: median {med / 1e6:.1f} MB/s over {len(rs)} transfers of "
+            f"{nbytes / 1e6:.1f} MB = {med / link:.2f} of raw"
+        )
+    return {
+        "worker_commands": commands,
         "runs": runs,
         "raw_tcp_Bps": raw,
         "raw_tcp_median_MBps": raw_med / 1e6,
@@ -187,17 +324,82 @@ def main(argv: list[str] | None = None) -> int:
         "raw_tcp_page_sends_median_MBps": raw_page_med / 1e6,
         "raw_tcp_link_MBps": link / 1e6,
         "summary": summary,
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__)
+    p.add_argument("--model", default=str(ROOT / "models" / "kvfence-tiny"))
+    p.add_argument("--prompt-len", type=int, default=2048)
+    p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--backends", default="tcp,mooncake")
+    p.add_argument("--modes", default="two-process,one-process")
+    p.add_argument("--out", default=str(RESULTS))
+    p.add_argument("--name", default="kv_transfer")
+    a = p.parse_args(argv)
+    out = Path(a.out)
+    out.mkdir(parents=True, exist_ok=True)
+    cmd = this_command()
+    cfg = json.loads((Path(a.model) / "config.json").read_text())
+    backends = a.backends.split(",")
+    modes = a.modes.split(",")
+    assert set(modes) <= {"two-process", "one-process"}, modes
+    skipped = {}
+    if "mooncake" in backends:
+        try:
+            import mooncake.engine  # noqa: F401
+        except Exception as e:  # noqa: BLE001 - optional backend
+            skipped["mooncake"] = f"{type(e).__name__}: {e}"
+            backends.remove("mooncake")
+    from kvfence.config import EngineConfig
+    from kvfence.engine.engine import Engine
+    from kvfence.pd import kvio
+
+    ctx = max(4096, a.prompt_len + 16)
+    # The pool geometry every worker of this run has (an engine that is built, never started).
+    pool = Engine(EngineConfig(model=a.model, context_length=ctx, kv_pool_tokens=2 * ctx)).pool
+    nbytes = kvio.payload_size(pool, a.prompt_len)
+    page_bytes = kvio.payload_size(pool, pool.page_size)
+    # Warm-up: enough transfers for the decode pool to hand out every page once. A fresh pool is
+    # untouched memory (torch.empty) whose first writes page-fault; a serving node's is not.
+    warmup = max(1, -(-pool.num_pages // -(-a.prompt_len // pool.page_size)))
+    del pool
+    prompts = random_prompts(a.repeats + warmup, a.prompt_len, int(cfg["vocab_size"]), seed=7)
+    result: dict = {
+        "command": cmd,
+        "machine": machine(),
+        "model": a.model,
+        "prompt_len": a.prompt_len,
+        "kv_bytes": nbytes,
+        "modes": {},
         "skipped": skipped,
     }
-    print(json.dumps(summary, indent=1))
+    for mode in modes:
+        result["modes"][mode] = run_mode(
+            mode, backends, a, prompts, warmup, nbytes, page_bytes, out
+        )
+    # Headline: the first mode run (two-process unless --modes says otherwise).
+    head = result["modes"][modes[0]]
+    result.update(
+        {k: head[k] for k in ("summary", "raw_tcp_link_MBps", "raw_tcp_median_MBps")},
+        headline_mode=modes[0],
+    )
+    result["machine"] = machine()  # the load average at the end of the run
+    print(json.dumps({m: r["summary"] for m, r in result["modes"].items()}, indent=1))
     write_json(out / f"{a.name}.json", result)
     if plot_available():
-        fig, ax = new_figure(figsize=(6, 4))
-        names = [*runs, "raw loopback TCP"]
-        vals = [summary[b]["median_MBps"] for b in runs] + [link / 1e6]
-        ax.bar(names, vals, color=["C0", "C1", "C7"][: len(names)])
+        fig, ax = new_figure(figsize=(7, 4))
+        width = 0.8 / len(modes)
+        names = [*backends, "raw loopback TCP"]
+        for j, mode in enumerate(modes):
+            r = result["modes"][mode]
+            vals = [r["summary"][b]["median_MBps"] for b in backends] + [r["raw_tcp_link_MBps"]]
+            xs = [i + (j - (len(modes) - 1) / 2) * width for i in range(len(names))]
+            ax.bar(xs, vals, width=width, label=mode, color=f"C{j}")
+        ax.set_xticks(range(len(names)), names)
         ax.set_ylabel("MB/s (median)")
         ax.set_title(f"KV of a {a.prompt_len}-token prompt ({nbytes / 1e6:.1f} MB)")
+        ax.legend()
         fig.tight_layout()
         fig.savefig(out / f"{a.name}.png", dpi=110)
         print(f"wrote {out / f'{a.name}.png'}")

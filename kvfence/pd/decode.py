@@ -9,6 +9,8 @@ import asyncio
 import logging
 import os
 import time
+from collections import deque
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -27,6 +29,9 @@ from kvfence.pd.stats import TransferStats
 from kvfence.pd.transport.tcp import Connection
 
 log = logging.getLogger("kvfence.pd.decode")
+
+# Runs of one connection being checked and written off the loop while the next ones arrive.
+_RUNS_IN_FLIGHT = 2
 
 
 @dataclass
@@ -72,6 +77,9 @@ class DecodeService:
         self.pairing_errors: dict[str, str] = {}
         self.io = IOLoop("kvfence-decode-io")
         self.loop = self.io.loop
+        # Checksums and writes of received runs: one thread, so a connection's runs land in
+        # order; numpy and xxhash release the GIL over whole blocks, so the loop keeps receiving.
+        self._kv_writer = ThreadPoolExecutor(1, thread_name_prefix="kvfence-decode-kv")
         engine.hooks = self
 
     # ---- the engine facade the HTTP layer talks to ------------------------------------------
@@ -98,6 +106,7 @@ class DecodeService:
 
     def shutdown(self) -> None:
         self.io.stop()
+        self._kv_writer.shutdown(wait=True)
         self.engine.shutdown()
 
     async def _begin(self) -> None:
@@ -121,6 +130,7 @@ class DecodeService:
             "page_size": self.engine.pool.page_size,
             "pairing_errors": dict(self.pairing_errors),
             "counters": self.transfer_stats.snapshot(),
+            "transfer_marks": self.transfer_stats.marks(),
             "pairing": {k: v for k, v in self.info.items() if k != "mooncake"},
         }
 
@@ -217,9 +227,21 @@ class DecodeService:
     async def _read(self, addr: str, peer: _Peer) -> None:
         assert peer.conn is not None
         conn = peer.conn
+        writing: deque[asyncio.Future] = deque()  # runs handed to the writer, in arrival order
         try:
             while True:
                 msg, payload = await conn.recv()
+                if isinstance(msg, wire.PageRun):
+                    applied = self._on_run(conn, msg, payload)
+                    if applied is not None:
+                        writing.append(applied)
+                    while writing and (writing[0].done() or len(writing) > _RUNS_IN_FLIGHT):
+                        await writing.popleft()
+                    continue
+                # Anything else of this connection (DONE, ABORT, ABORT_ACK: fences) is handled
+                # only after every earlier write of it has landed: the protocol's ordering.
+                while writing:
+                    await writing.popleft()
                 self._on_message(msg, payload)
         except (ConnectionError, wire.WireError) as e:
             if isinstance(e, wire.WireError):
@@ -227,6 +249,9 @@ class DecodeService:
             log.warning("connection to prefill %s ended: %s", addr, e)
         finally:
             conn.close()
+            # A write already handed over still lands: wait for it before releasing anything.
+            if writing:
+                await asyncio.gather(*writing, return_exceptions=True)
             if self.peers.get(addr) is peer:
                 del self.peers[addr]
             # The reader has stopped: nothing more of this connection can reach the pool.
@@ -234,9 +259,7 @@ class DecodeService:
                 self._feed(rid, p.ConnectionLost())
 
     def _on_message(self, msg: wire.Frame, payload: memoryview) -> None:
-        if isinstance(msg, wire.PageRun):
-            self._on_run(msg, payload)
-        elif isinstance(msg, p.Done):
+        if isinstance(msg, p.Done):
             self._on_done(msg)
         elif isinstance(msg, p.Abort):
             self._feed(msg.room, p.AbortArrived(msg))
@@ -247,14 +270,18 @@ class DecodeService:
         else:
             raise wire.WireError(f"unexpected {type(msg).__name__} from prefill")
 
-    def _on_run(self, run: wire.PageRun, payload: memoryview) -> None:
+    def _on_run(
+        self, conn: Connection, run: wire.PageRun, payload: memoryview
+    ) -> asyncio.Future | None:
         """A run of pages: every page is checked (position, size, checksum, grant) on its own,
-        the good ones are written in one batch, and the state machine sees one Page each."""
+        the good ones are written in one batch, and the state machine sees the run as one
+        RunArrived. Checks and writes of a framed run go to the writer thread (the Future)."""
         room = self.rooms.get(run.room)
         if room is None or room.state.state is not p.DState.RESERVED:
             # the tcp receiver can refuse a late write
             self.transfer_stats.inc("late_writes_dropped", len(run.checksums))
-            return
+            return None
+        self.transfer_stats.mark(run.room, "first_page")
         pool = self.engine.pool
         n = len(run.checksums)
         one_sided = self.mooncake is not None
@@ -265,38 +292,86 @@ class DecodeService:
             and 0 < run.n_tokens <= pool.page_size
             and payload.nbytes == expected
         )
-        intact = [ok_shape] * n
+        if not ok_shape:
+            self._run_applied(run, [False] * n, 0, 0)
+            return None
+        pages = room.pages[run.first : run.first + n]
+        check = self._guards().on("checksum")  # off: mutation twin, the bytes as they come
+        if one_sided:
+            # The bytes are already in the pool; the read-back digest at DONE checks them.
+            self._run_applied(run, *self._write_run(run, pages, room.grant_id, None, check))
+            return None
+        buf = conn.keep()  # the payload stays ours until the writer is done with it
+
+        async def apply() -> None:
+            try:
+                result = await self.loop.run_in_executor(
+                    self._kv_writer, self._write_run, run, pages, room.grant_id, payload, check
+                )
+            finally:
+                if buf is not None:
+                    conn.give_back(buf)
+            self._run_applied(run, *result)
+
+        return asyncio.ensure_future(apply())
+
+    def _write_run(
+        self,
+        run: wire.PageRun,
+        pages: list[int],
+        grant: int,
+        payload: memoryview | None,
+        check: bool,
+    ) -> tuple[list[bool], int, int]:
+        """(intact per page, pages failing the grant check, pages written): the writer thread's
+        part of a run, or the loop's for one-sided runs (payload None: nothing to write)."""
+        pool = self.engine.pool
+        n = len(pages)
+        intact = [True] * n
         data = None
-        if ok_shape and not one_sided:
+        if payload is not None:
             size = run.n_tokens * kvio.token_bytes(pool)
             data = torch.frombuffer(payload, dtype=torch.uint8).view(2, pool.num_layers, n, size)
-            if self._guards().on("checksum"):
+            if check:
                 got = kvio.run_checksums(data)
                 intact = [g == c for g, c in zip(got, run.checksums, strict=True)]
-            # else: mutation twin, take the bytes as they come
-        # One-sided: the bytes are already in the pool; the read-back digest at DONE checks them.
-        if ok_shape:
-            pages = room.pages[run.first : run.first + n]
-            # I2 on the write path: every destination page must still belong to this room's grant.
-            owned = (pool.owner_grant[torch.tensor(pages)] == room.grant_id).tolist()
-            if not all(owned):
-                self.transfer_stats.inc("grant_mismatches", owned.count(False))
-                intact = [i and o for i, o in zip(intact, owned, strict=True)]
-            good = [i for i, ok in enumerate(intact) if ok]
-            if data is not None and good:
-                which = None if len(good) == n else good
-                dst = [pages[i] for i in good]
-                kvio.scatter(pool, dst, run.n_tokens, data, which)
-                pool.written_by[torch.tensor(dst)] = room.grant_id
-                self.transfer_stats.inc("pages_received", len(good))
-                self.transfer_stats.inc(
-                    "bytes_received", len(good) * kvio.payload_size(pool, run.n_tokens)
-                )
+        # I2 on the write path: every destination page must still belong to this room's grant.
+        owned = (pool.owner_grant[torch.tensor(pages)] == grant).tolist()
+        foreign = owned.count(False)
+        if foreign:
+            intact = [i and o for i, o in zip(intact, owned, strict=True)]
+        good = [i for i, ok in enumerate(intact) if ok]
+        if data is None or not good:
+            return intact, foreign, 0
+        which = None if len(good) == n else good
+        dst = [pages[i] for i in good]
+        kvio.scatter(pool, dst, run.n_tokens, data, which)
+        pool.written_by[torch.tensor(dst)] = grant
+        return intact, foreign, len(good)
+
+    def _run_applied(
+        self, run: wire.PageRun, intact: list[bool], foreign: int, written: int
+    ) -> None:
+        pool = self.engine.pool
+        if foreign:
+            self.transfer_stats.inc("grant_mismatches", foreign)
+        if written:
+            self.transfer_stats.inc("pages_received", written)
+            self.transfer_stats.inc(
+                "bytes_received", written * kvio.payload_size(pool, run.n_tokens)
+            )
         bad = intact.count(False)
         if bad:
             self.transfer_stats.inc("checksum_mismatches", bad)
-        for page, ok in zip(run.pages(), intact, strict=True):
-            self._feed(run.room, p.PageArrived(page.index, page.n_tokens, page.checksum, ok))
+        self._feed(
+            run.room,
+            p.RunArrived(
+                tuple(
+                    p.PageArrived(run.first + i, run.n_tokens, c, ok)
+                    for i, (c, ok) in enumerate(zip(run.checksums, intact, strict=True))
+                )
+            ),
+        )
         if run.first == 0 and faults.active("kill_decode"):
             os._exit(137)
 
@@ -306,6 +381,11 @@ class DecodeService:
         if room is not None and room.state.state is p.DState.RESERVED:
             ok = self._pool_matches(room, done)
         self._feed(done.room, p.DoneArrived(done, ok))
+        if room is not None:
+            marks = self.transfer_stats
+            end = marks.mark(done.room, "done_handled")
+            first = marks.mark(done.room, "first_page", end)
+            marks.observe_phase("receive", end - first)
 
     def _pool_matches(self, room: _Room, done: p.Done) -> bool:
         """Read the pages back from the pool and hash them: what decode will attend to must be

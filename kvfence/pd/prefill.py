@@ -108,6 +108,7 @@ class PrefillService:
             "context_length": self.engine.context_length,
             "page_size": self.engine.pool.page_size,
             "counters": self.transfer_stats.snapshot(),
+            "transfer_marks": self.transfer_stats.marks(),
             "pairing": {k: v for k, v in self.info.items() if k != "mooncake"},
         }
 
@@ -281,6 +282,7 @@ class PrefillService:
 
     async def _send_pages(self, rid: str, room: _Room) -> None:
         assert room.seq is not None and room.first_token is not None
+        started = self.transfer_stats.mark(rid, "send_start")
         n_tokens = room.seq.prompt_len  # what was computed (a placeholder's is shorter)
         late = faults.active("late_write")
         corrupt = faults.active("corrupt_page")  # decided once per room (chaos fires per room)
@@ -356,7 +358,9 @@ class PrefillService:
         digest = p.digest_of(tuple(sums), n_tokens)
         done = p.Done(rid, n_tokens, n_pages, digest, room.first_token, first_lp)
         self.transfer_stats.inc("transfers_done")
-        self.transfer_stats.observe_latency(time.monotonic() - room.started)
+        now = self.transfer_stats.mark(rid, "done_queued")
+        self.transfer_stats.observe_phase("send", now - started)
+        self.transfer_stats.observe_latency(now - room.started)
         self._feed(rid, p.SendComplete(done))
 
     def _source_is_sound(self, seq: Sequence, n_tokens: int) -> bool:

@@ -21,6 +21,10 @@ from kvfence import faults
 from kvfence.pd import auth, wire
 
 _STAGE = 64 << 10  # small reads (prefixes, headers) go through a staging buffer of this size
+# While a big payload is due, the socket reports readable only once this much of it is queued
+# (SO_RCVLOWAT): a 2 MiB frame then costs a few loop wake-ups instead of one per segment burst.
+_LOWAT = 256 << 10
+_SPARES = 4  # payload buffers a connection keeps for reuse
 
 
 class Connection:
@@ -43,8 +47,9 @@ class Connection:
         self._seq_in = 0
         self._stage = bytearray(_STAGE)
         self._lo = self._hi = 0
-        self._spare: bytearray | None = None  # the payload buffer, reused once handed back
+        self._spares: list[bytearray] = []  # payload buffers, reused once handed back
         self._lent: bytearray | None = None
+        self._lowat = 1
         self._waiters: set[asyncio.Future] = set()
         try:
             self.peer = sock.getpeername()
@@ -111,9 +116,11 @@ class Connection:
     async def recv(self) -> tuple[wire.Frame, memoryview]:
         """The next authentic frame; ConnectionError at EOF, wire.WireError on a frame that is
         malformed, forged (bad MAC), replayed or reordered (bad sequence number). The payload
-        is a view of a buffer this connection reuses: it is valid until the next recv()."""
+        is a view of a buffer this connection reuses: it is valid until the next recv(), unless
+        keep() takes it."""
         if self._lent is not None:
-            self._spare, self._lent = self._lent, None
+            self.give_back(self._lent)
+            self._lent = None
         fixed = bytearray(wire.PREFIX_SIZE + wire.MAC_SIZE)
         await self._read_into(memoryview(fixed))
         prefix, tag = bytes(fixed[: wire.PREFIX_SIZE]), bytes(fixed[wire.PREFIX_SIZE :])
@@ -127,10 +134,13 @@ class Connection:
         await self._read_into(memoryview(header))
         payload = memoryview(b"")
         if payload_len:
-            buf = self._spare
-            if buf is None or len(buf) < payload_len:
+            fits = [b for b in self._spares if len(b) >= payload_len]
+            if fits:
+                buf = fits[0]
+                self._spares.remove(buf)
+            else:
                 buf = bytearray(payload_len)
-            self._spare, self._lent = None, buf
+            self._lent = buf
             payload = memoryview(buf)[:payload_len]
             await self._read_into(payload)
         if not faults.active("skip_mac"):
@@ -142,27 +152,40 @@ class Connection:
         self._seq_in = seq
         return wire.decode_header(bytes(header)), payload
 
+    def keep(self) -> bytearray | None:
+        """Take the last payload's buffer: it stays valid until give_back(buf), across recv()s
+        (the receiver applies a frame off the loop while the next one arrives)."""
+        buf, self._lent = self._lent, None
+        return buf
+
+    def give_back(self, buf: bytearray) -> None:
+        if len(self._spares) < _SPARES:
+            self._spares.append(buf)
+
     async def _read_into(self, dst: memoryview) -> None:
         got = min(self._hi - self._lo, dst.nbytes)
         dst[:got] = self._stage[self._lo : self._lo + got]
         self._lo += got
         while got < dst.nbytes:
             if dst.nbytes - got >= _STAGE:  # big: straight into its destination
-                got += await self._recv_into(dst[got:])
+                got += await self._recv_into(dst[got:], dst.nbytes - got)
                 continue
-            n = await self._recv_into(memoryview(self._stage))
+            n = await self._recv_into(memoryview(self._stage), dst.nbytes - got)
             take = min(n, dst.nbytes - got)
             dst[got : got + take] = self._stage[:take]
             self._lo, self._hi = take, n
             got += take
 
-    async def _recv_into(self, buf: memoryview) -> int:
+    async def _recv_into(self, buf: memoryview, need: int) -> int:
+        """Some bytes into buf; `need` (what the frame being read still owes) is how many to
+        wait for before the loop wakes this reader again."""
         while True:
             if self.closed:
                 raise ConnectionError("connection closed")
             try:
                 n = self.sock.recv_into(buf)
             except (BlockingIOError, InterruptedError):
+                self._set_lowat(min(need, _LOWAT))
                 await self._ready(self._loop.add_reader, self._loop.remove_reader)
                 continue
             except OSError as e:
@@ -170,6 +193,14 @@ class Connection:
             if n == 0:
                 raise ConnectionError("peer closed the connection")
             return n
+
+    def _set_lowat(self, n: int) -> None:
+        if n != self._lowat and self.sock.family in (socket.AF_INET, socket.AF_INET6):
+            try:
+                self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVLOWAT, n)
+            except OSError:
+                return  # an optimisation only
+            self._lowat = n
 
     async def _ready(
         self, add: Callable[..., None], remove: Callable[[int], Awaitable[bool] | bool]
