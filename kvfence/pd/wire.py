@@ -53,8 +53,9 @@ class Heartbeat:
 class PageRun:
     """prefill -> decode: pages first .. first + len(checksums) - 1 of a room (positions in
     dst_pages), each holding n_tokens valid tokens, with one checksum per page. The payload is
-    kvio's run layout (empty when the pages went by one-sided writes). The receiver handles it
-    as one protocol Page event per page, so the state machines never see the batching."""
+    kvio's run layout (empty when the pages went by one-sided writes). The receiver checks each
+    page on its own and feeds the run as one protocol RunArrived (the fold of its pages'
+    PageArrived events)."""
 
     room: str
     first: int
