@@ -12,7 +12,6 @@ import json
 import os
 import subprocess
 import sys
-import tempfile
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
@@ -20,7 +19,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from benchmarks.common import (  # noqa: E402
     RESULTS,
     ROOT,
-    build_smol_checkpoint,
+    bench_model,
     log_command,
     machine,
     ratio_ci,
@@ -62,6 +61,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     p.add_argument("--base", required=True, help="a kvfence checkout to compare against")
     p.add_argument("--model", default=None)
+    p.add_argument("--tiny", action="store_true", help="a 2-layer model (smoke test)")
     p.add_argument("--pairs", type=int, default=3)
     p.add_argument("--num-prompts", type=int, default=32)
     p.add_argument("--input-len", type=int, default=256)
@@ -70,11 +70,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--name", default="before_after")
     a = p.parse_args(argv)
     cmd = this_command()
-    model = (
-        Path(a.model)
-        if a.model
-        else build_smol_checkpoint(Path(tempfile.gettempdir()) / "kvfence-bench-smol135")
-    )
+    model = bench_model(a.model, a.tiny)
     pairs = []
     for i in range(a.pairs):
         sides = [("base", a.base), ("new", str(ROOT))]

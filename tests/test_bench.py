@@ -55,6 +55,20 @@ SMOKE = {
         "--rounds",
         "1",
     ],
+    # The tree against itself: the smoke test needs a base checkout, and this one is at hand.
+    "before_after": [
+        "--base",
+        str(ROOT),
+        "--tiny",
+        "--pairs",
+        "1",
+        "--num-prompts",
+        "2",
+        "--input-len",
+        "16",
+        "--output-len",
+        "4",
+    ],
     "decode_floor": [
         "--tiny",
         "--prompt-len",
