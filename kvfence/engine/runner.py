@@ -3,6 +3,7 @@ runs the model and samples. It owns no scheduling state."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from itertools import chain
 
@@ -41,7 +42,7 @@ class ModelRunner:
         self.generator = torch.Generator(device=device).manual_seed(seed)
         self.decode_kernel = self._pick_decode_kernel(attention_backend)
 
-    def _pick_decode_kernel(self, backend: str):  # type: ignore[no-untyped-def]
+    def _pick_decode_kernel(self, backend: str) -> Callable[..., torch.Tensor] | None:
         """The native paged decode kernel, or None for torch's gather + SDPA."""
         if backend == "torch":
             return None
