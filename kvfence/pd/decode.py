@@ -302,12 +302,15 @@ class DecodeService:
             self._run_applied(run, *self._write_run(run, pages, room.grant_id, None, check))
             return None
         buf = conn.keep()  # the payload stays ours until the writer is done with it
+        # Handed to the writer now, not from a task: the loop may read several buffered frames
+        # before it next yields, and the writer would sit idle meanwhile.
+        written = self.loop.run_in_executor(
+            self._kv_writer, self._write_run, run, pages, room.grant_id, payload, check
+        )
 
         async def apply() -> None:
             try:
-                result = await self.loop.run_in_executor(
-                    self._kv_writer, self._write_run, run, pages, room.grant_id, payload, check
-                )
+                result = await written
             finally:
                 if buf is not None:
                     conn.give_back(buf)

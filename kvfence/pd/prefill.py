@@ -11,6 +11,7 @@ import asyncio
 import logging
 import os
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
@@ -72,6 +73,8 @@ class PrefillService:
         self._server: Listener | None = None
         self._conns: set[Connection] = set()
         self._run_bufs: list[bytearray] = []  # gather buffers, reused across rooms
+        # Gathers and checksums of the next run while the loop sends the current one.
+        self._gather = ThreadPoolExecutor(1, thread_name_prefix="kvfence-prefill-kv")
         engine.hooks = self
 
     # ---- lifecycle ------------------------------------------------------------------------------
@@ -83,6 +86,7 @@ class PrefillService:
 
     def shutdown(self) -> None:
         self.io.stop()
+        self._gather.shutdown(wait=True)
         self.engine.shutdown()
 
     async def _listen(self) -> None:
@@ -294,7 +298,8 @@ class PrefillService:
             self.transfer_stats.inc("source_integrity_errors")
             self._feed(rid, p.ComputeFailed("kv_integrity_error", "KV source check failed"))
             return
-        buf = self._run_bufs.pop() if self._run_bufs else None
+        bufs: list[bytearray] = []  # gather buffers of this room, two while runs overlap
+        pending: asyncio.Future | None = None  # the next run's gather and checksums
         try:
             pool = self.engine.pool
             src = list(room.seq.pages)
@@ -319,20 +324,29 @@ class PrefillService:
                 await room.writing
                 # The pages went one-sidedly; frames carry their checksums, hashed in place.
                 all_sums = kvio.pool_checksums(pool, src, n_tokens)
-            for first, n, count in runs:
-                if (room.stop_sending and not late) or room.conn.closed:
-                    return
-                payload = b""
+            size = max(kvio.RUN_BYTES, *(kvio.payload_size(pool, c) for _, _, c in runs))
+            for _ in range(0 if self.mooncake is not None else 2):
+                bufs.append(self._run_bufs.pop() if self._run_bufs else bytearray(size))
+            for i, (first, n, count) in enumerate(runs):
+                payload: bytes | memoryview = b""
                 if self.mooncake is None:
-                    if buf is None:
-                        buf = bytearray(max(kvio.RUN_BYTES, kvio.payload_size(pool, count)))
-                    # send() returns once the bytes are in the kernel: buf is free again then.
-                    run = kvio.gather(pool, src[first : first + n], count, buf)
-                    run_sums = kvio.run_checksums(run)
-                    if first == 0 and corrupt:
-                        run[0, 0, 0, 0] ^= 0xFF  # after checksumming: the receiver must notice
-                    payload = memoryview(run.numpy()).cast("B")
+                    # Run i is gathered and hashed off the loop while run i - 1 is being sent,
+                    # each into its own buffer (send() returns once the bytes are in the
+                    # kernel: the buffer is free again then). room.writing holds the pages
+                    # until the read is over, should the room be released meanwhile.
+                    if pending is None:
+                        pending = self._prepare(pool, src, runs[i], bufs[i % 2], corrupt)
+                    room.writing = pending
+                    payload, run_sums = await pending
+                    pending = None
+                    if (room.stop_sending and not late) or room.conn.closed:
+                        return
+                    if i + 1 < len(runs):
+                        pending = self._prepare(pool, src, runs[i + 1], bufs[(i + 1) % 2], corrupt)
+                        room.writing = pending
                 else:
+                    if (room.stop_sending and not late) or room.conn.closed:
+                        return
                     run_sums = all_sums[first : first + n]
                 sums += [(first + i, c) for i, c in enumerate(run_sums)]
                 await room.conn.send(wire.PageRun(rid, first, count, tuple(run_sums)), payload)
@@ -347,8 +361,11 @@ class PrefillService:
             self._feed(rid, p.TimedOut())
             return
         finally:
-            if buf is not None:
-                self._run_bufs.append(buf)
+            if pending is not None and not pending.done():
+                # A gather is still writing into one of them: reuse them once it is over.
+                pending.add_done_callback(lambda _f, b=bufs: self._run_bufs.extend(b))
+            else:
+                self._run_bufs.extend(bufs)
         if room.stop_sending:
             return
         first_lp: dict = {}
@@ -362,6 +379,27 @@ class PrefillService:
         self.transfer_stats.observe_phase("send", now - started)
         self.transfer_stats.observe_latency(now - room.started)
         self._feed(rid, p.SendComplete(done))
+
+    def _prepare(
+        self,
+        pool: kvio.KVPool,
+        src: list[int],
+        run: tuple[int, int, int],
+        buf: bytearray,
+        corrupt: bool,
+    ) -> asyncio.Future:
+        """A run's payload (gathered into buf) and its per-page checksums, on the gather thread
+        (numpy and xxhash release the GIL over whole blocks, so the loop keeps sending)."""
+        first, n, count = run
+
+        def work() -> tuple[memoryview, list[int]]:
+            data = kvio.gather(pool, src[first : first + n], count, buf)
+            sums = kvio.run_checksums(data)
+            if first == 0 and corrupt:
+                data[0, 0, 0, 0] ^= 0xFF  # after checksumming: the receiver must notice
+            return memoryview(data.numpy()).cast("B"), sums
+
+        return self.loop.run_in_executor(self._gather, work)
 
     def _source_is_sound(self, seq: Sequence, n_tokens: int) -> bool:
         """I2 on the transfer source: every page sent must be owned by the room's grant and
