@@ -128,16 +128,44 @@ def pool_checksums(pool: KVPool, pages: list[int], n_tokens: int) -> list[int]:
         return out
     tb = token_bytes(pool)
     layer = pool.k.shape[1] * tb
-    bases = [memoryview(t.view(torch.uint8).numpy()).cast("B") for t in (pool.k, pool.v)]
+    # One view per layer of K and V, sliced per page: the loop body is this module's hot spot
+    # (2 * layers updates per page, most of the read-back's time beside the hashing itself).
+    first, *rest = [
+        memoryview(t.view(torch.uint8).numpy()).cast("B")[lay * layer : (lay + 1) * layer]
+        for t in (pool.k, pool.v)
+        for lay in range(pool.num_layers)
+    ]
+    pb = pool.page_size * tb
     out = []
     for page, count in zip(pages, counts, strict=False):
-        h = xxhash.xxh3_64()
-        start, size = page * pool.page_size * tb, count * tb
-        for base in bases:
-            for lay in range(pool.num_layers):
-                off = lay * layer + start
-                h.update(base[off : off + size])
+        start = page * pb
+        end = start + count * tb
+        h = xxhash.xxh3_64(first[start:end])
+        for block in rest:
+            h.update(block[start:end])
         out.append(h.intdigest())
+    return out
+
+
+def pool_blocks(pool: KVPool, pages: list[int], count: int) -> list[memoryview]:
+    """The bytes gather() would copy, as views of a CPU pool in run layout order ([2, layers,
+    pages] blocks of each page's first `count` tokens; a page's block that directly follows the
+    previous page's is merged with it): a run sent straight from the pool, no copy."""
+    tb = token_bytes(pool)
+    pb = pool.page_size * tb
+    spans: list[list[int]] = []  # [start, end) within one layer of K or V
+    for page in pages:
+        start = page * pb
+        if spans and spans[-1][1] == start:
+            spans[-1][1] = start + count * tb
+        else:
+            spans.append([start, start + count * tb])
+    layer = pool.k.shape[1] * tb
+    out = []
+    for t in (pool.k, pool.v):
+        base = memoryview(t.view(torch.uint8).numpy()).cast("B")
+        for lay in range(pool.num_layers):
+            out += [base[lay * layer + a : lay * layer + b] for a, b in spans]
     return out
 
 

@@ -324,32 +324,42 @@ class PrefillService:
                 await room.writing
                 # The pages went one-sidedly; frames carry their checksums, hashed in place.
                 all_sums = kvio.pool_checksums(pool, src, n_tokens)
+            # A CPU pool's runs go straight from its pages (no copy); a GPU pool's, or a
+            # corrupted one's (fault injection), are gathered into buffers first.
+            copy = self.mooncake is None and (corrupt or pool.k.is_cuda)
             size = max(kvio.RUN_BYTES, *(kvio.payload_size(pool, c) for _, _, c in runs))
-            for _ in range(0 if self.mooncake is not None else 2):
+            for _ in range(2 if copy else 0):
                 bufs.append(self._run_bufs.pop() if self._run_bufs else bytearray(size))
             for i, (first, n, count) in enumerate(runs):
-                payload: bytes | memoryview = b""
+                payload: wire.Payload = b""
+                sending: asyncio.Future | None = None
                 if self.mooncake is None:
-                    # Run i is gathered and hashed off the loop while run i - 1 is being sent,
-                    # each into its own buffer (send() returns once the bytes are in the
-                    # kernel: the buffer is free again then). room.writing holds the pages
-                    # until the read is over, should the room be released meanwhile.
+                    # Run i is hashed (and gathered) off the loop while run i - 1 is being
+                    # sent (send() returns once the bytes are in the kernel: the pages or the
+                    # buffer are free again then). room.writing holds the pages until every
+                    # read of them is over, should the room be released meanwhile.
                     if pending is None:
-                        pending = self._prepare(pool, src, runs[i], bufs[i % 2], corrupt)
+                        pending = self._prepare(pool, src, runs[i], bufs, i, corrupt)
                     room.writing = pending
                     payload, run_sums = await pending
                     pending = None
                     if (room.stop_sending and not late) or room.conn.closed:
                         return
                     if i + 1 < len(runs):
-                        pending = self._prepare(pool, src, runs[i + 1], bufs[(i + 1) % 2], corrupt)
-                        room.writing = pending
+                        pending = self._prepare(pool, src, runs[i + 1], bufs, i + 1, corrupt)
+                    sending = self.loop.create_future()
+                    held = [f for f in (pending, sending) if f is not None]
+                    room.writing = asyncio.gather(*held, return_exceptions=True)
                 else:
                     if (room.stop_sending and not late) or room.conn.closed:
                         return
                     run_sums = all_sums[first : first + n]
                 sums += [(first + i, c) for i, c in enumerate(run_sums)]
-                await room.conn.send(wire.PageRun(rid, first, count, tuple(run_sums)), payload)
+                try:
+                    await room.conn.send(wire.PageRun(rid, first, count, tuple(run_sums)), payload)
+                finally:
+                    if sending is not None:
+                        sending.set_result(None)
                 if faults.active("kill_prefill"):
                     os._exit(137)
                 self.transfer_stats.inc("pages_sent", n)
@@ -385,15 +395,22 @@ class PrefillService:
         pool: kvio.KVPool,
         src: list[int],
         run: tuple[int, int, int],
-        buf: bytearray,
+        bufs: list[bytearray],
+        i: int,
         corrupt: bool,
     ) -> asyncio.Future:
-        """A run's payload (gathered into buf) and its per-page checksums, on the gather thread
-        (numpy and xxhash release the GIL over whole blocks, so the loop keeps sending)."""
+        """A run's payload and its per-page checksums, on the gather thread (numpy and xxhash
+        release the GIL over whole blocks, so the loop keeps sending): views of the pool's
+        pages, or a copy in bufs[i % 2] when there are buffers."""
         first, n, count = run
+        pages = src[first : first + n]
 
-        def work() -> tuple[memoryview, list[int]]:
-            data = kvio.gather(pool, src[first : first + n], count, buf)
+        def work() -> tuple[wire.Payload, list[int]]:
+            if not bufs:
+                return kvio.pool_blocks(pool, pages, count), kvio.pool_checksums(
+                    pool, pages, n * count
+                )
+            data = kvio.gather(pool, pages, count, bufs[i % 2])
             sums = kvio.run_checksums(data)
             if first == 0 and corrupt:
                 data[0, 0, 0, 0] ^= 0xFF  # after checksumming: the receiver must notice

@@ -88,15 +88,18 @@ _TYPES: dict[str, type] = {
 }
 
 
-def encode(
-    msg: Frame, payload: bytes | memoryview, seq: int, mac: auth.FrameMac
-) -> list[bytes | memoryview]:
+Payload = bytes | memoryview | list[memoryview]
+
+
+def encode(msg: Frame, payload: Payload, seq: int, mac: auth.FrameMac) -> list[memoryview]:
     """The frame as buffers to write in order: prefix, tag and header joined, then the payload
-    (not copied)."""
+    (not copied; a list is one payload in pieces: the MAC covers them in order, exactly the
+    bytes that go out)."""
     header = json.dumps({"t": type(msg).__name__, **asdict(msg)}, separators=(",", ":")).encode()
-    payload = memoryview(payload).cast("B")
-    prefix = _PREFIX.pack(MAGIC, len(header), payload.nbytes, seq)
-    return [b"".join((prefix, mac.tag(seq, prefix, header, payload), header)), payload]
+    parts = [memoryview(b).cast("B") for b in (payload if isinstance(payload, list) else [payload])]
+    prefix = _PREFIX.pack(MAGIC, len(header), sum(b.nbytes for b in parts), seq)
+    tag = mac.tag(seq, prefix, header, *parts)
+    return [memoryview(b"".join((prefix, tag, header))), *parts]
 
 
 def parse_prefix(prefix: bytes) -> tuple[int, int, int]:

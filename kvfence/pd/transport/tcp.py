@@ -25,6 +25,7 @@ _STAGE = 64 << 10  # small reads (prefixes, headers) go through a staging buffer
 # (SO_RCVLOWAT): a 2 MiB frame then costs a few loop wake-ups instead of one per segment burst.
 _LOWAT = 256 << 10
 _SPARES = 4  # payload buffers a connection keeps for reuse
+_IOV_MAX = 1024  # buffers per sendmsg (Linux's UIO_MAXIOV)
 
 
 class Connection:
@@ -86,30 +87,29 @@ class Connection:
 
     # ---- sending ------------------------------------------------------------------------------
 
-    async def send(self, msg: wire.Frame, payload: bytes | memoryview = b"") -> None:
+    async def send(self, msg: wire.Frame, payload: wire.Payload = b"") -> None:
         """Send one frame; the payload is read from the caller's memory until this returns."""
         if self.closed:
             raise ConnectionError("connection closed")
         async with self._lock:
             self._seq_out += 1
-            bufs = [
-                memoryview(b).cast("B")
-                for b in wire.encode(msg, payload, self._seq_out, self._mac_out)
-            ]
-            while bufs:
+            bufs = wire.encode(msg, payload, self._seq_out, self._mac_out)
+            i = 0
+            while i < len(bufs):
                 if self.closed:
                     raise ConnectionError("connection closed")
                 try:
-                    sent = self.sock.sendmsg(bufs)
+                    sent = self.sock.sendmsg(bufs[i : i + _IOV_MAX])
                 except (BlockingIOError, InterruptedError):
                     await self._ready(self._loop.add_writer, self._loop.remove_writer)
                     continue
                 except OSError as e:
                     raise ConnectionError(f"send failed: {e}") from e
-                while bufs and sent >= bufs[0].nbytes:
-                    sent -= bufs.pop(0).nbytes
-                if bufs:
-                    bufs[0] = bufs[0][sent:]
+                while i < len(bufs) and sent >= bufs[i].nbytes:
+                    sent -= bufs[i].nbytes
+                    i += 1
+                if i < len(bufs):
+                    bufs[i] = bufs[i][sent:]
 
     # ---- receiving ----------------------------------------------------------------------------
 
