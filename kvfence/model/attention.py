@@ -81,7 +81,8 @@ def build_group(
     mask[:, :, 0] |= ~q_valid
     # Every row a fresh prompt (queries == context): the mask is exactly SDPA's is_causal, which
     # runs about twice as fast. Padded keys sit after every real query of their row, so causality
-    # alone keeps them out; padded queries see the null slot and are dropped.
+    # alone keeps them out; padded queries see only finite values (their row's keys, then the
+    # null slot) and are dropped.
     fresh = sliding_window is None and bool((q_len == ctx).all())
     return AttentionGroup(
         q_index=q_index.to(device),
