@@ -26,26 +26,14 @@ from benchmarks.common import (  # noqa: E402
     this_command,
     write_json,
 )
+from benchmarks.vs_engines import worker_argv  # noqa: E402
 
 
 def run(root: str, a: argparse.Namespace, model: Path) -> dict:
     """The vs_engines kvfence worker, importing kvfence from `root` (PYTHONPATH wins over the
     editable install)."""
     env = {"PYTHONPATH": root}
-    argv = [
-        sys.executable,
-        str(ROOT / "benchmarks" / "vs_engines.py"),
-        "--worker",
-        "kvfence",
-        "--model",
-        str(model),
-        "--num-prompts",
-        str(a.num_prompts),
-        "--input-len",
-        str(a.input_len),
-        "--output-len",
-        str(a.output_len),
-    ]
+    argv = worker_argv(sys.executable, "kvfence", a, model)
     log_command(argv, env)
     p = subprocess.run(
         argv, env={**os.environ, **env}, capture_output=True, text=True, timeout=3600, check=True

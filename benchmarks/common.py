@@ -208,6 +208,12 @@ def new_figure(*args: object, **kwargs: object):  # type: ignore[no-untyped-def]
     return plt.subplots(*args, **kwargs)
 
 
+def save_figure(fig, path: Path) -> None:  # type: ignore[no-untyped-def]
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    print(f"wrote {path}")
+
+
 def env_threads() -> dict[str, str]:
     return {k: os.environ[k] for k in ("OMP_NUM_THREADS", "MKL_NUM_THREADS") if k in os.environ}
 

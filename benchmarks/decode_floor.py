@@ -19,6 +19,7 @@ from benchmarks.common import (  # noqa: E402
     new_figure,
     plot_available,
     random_prompts,
+    save_figure,
     this_command,
     write_json,
 )
@@ -105,9 +106,7 @@ def main(argv: list[str] | None = None) -> int:
         ax.set_ylabel("ms per decoded token")
         ax.set_title(f"{weight_bytes / 1e6:.0f} MB of weights, {bw / 1e9:.1f} GB/s read")
         ax.legend()
-        fig.tight_layout()
-        fig.savefig(out / f"{a.name}.png", dpi=110)
-        print(f"wrote {out / f'{a.name}.png'}")
+        save_figure(fig, out / f"{a.name}.png")
     return 0
 
 

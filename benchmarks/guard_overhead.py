@@ -32,6 +32,7 @@ from benchmarks.common import (  # noqa: E402
     plot_available,
     ratio_ci,
     run_bench,
+    save_figure,
     this_command,
     write_json,
 )
@@ -231,9 +232,7 @@ def plot(result: dict, path: Path) -> None:
         ax.set_xticks(range(len(names)), names)
         ax.set_ylabel("guards off / guards on (95% CI)")
         ax.set_title(f"kvfence {mode}: guard overhead")
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    print(f"wrote {path}")
+    save_figure(fig, path)
 
 
 def main(argv: list[str] | None = None) -> int:

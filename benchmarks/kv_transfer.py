@@ -36,6 +36,7 @@ from benchmarks.common import (  # noqa: E402
     new_figure,
     plot_available,
     random_prompts,
+    save_figure,
     this_command,
     write_json,
 )
@@ -400,9 +401,7 @@ def main(argv: list[str] | None = None) -> int:
         ax.set_ylabel("MB/s (median)")
         ax.set_title(f"KV of a {a.prompt_len}-token prompt ({nbytes / 1e6:.1f} MB)")
         ax.legend()
-        fig.tight_layout()
-        fig.savefig(out / f"{a.name}.png", dpi=110)
-        print(f"wrote {out / f'{a.name}.png'}")
+        save_figure(fig, out / f"{a.name}.png")
     return 0
 
 

@@ -22,6 +22,7 @@ from benchmarks.common import (  # noqa: E402
     new_figure,
     plot_available,
     run_bench,
+    save_figure,
     this_command,
     write_json,
 )
@@ -142,9 +143,7 @@ def main(argv: list[str] | None = None) -> int:
         axes[1].set_ylabel("ITL p50 (ms)")
         for ax in axes:
             ax.legend()
-        fig.tight_layout()
-        fig.savefig(out / f"{a.name}.png", dpi=110)
-        print(f"wrote {out / f'{a.name}.png'}")
+        save_figure(fig, out / f"{a.name}.png")
     return 0
 
 

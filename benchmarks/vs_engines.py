@@ -29,6 +29,7 @@ from benchmarks.common import (  # noqa: E402
     plot_available,
     random_prompts,
     run_bench,
+    save_figure,
     this_command,
     write_json,
 )
@@ -120,7 +121,9 @@ def worker(engine: str, model: str, n: int, lin: int, lout: int, seed: int, ctx:
 # ---- the parent -------------------------------------------------------------------------------
 
 
-def run_worker(python: str, engine: str, a: argparse.Namespace, model: Path) -> dict:
+def worker_argv(python: str, engine: str, a: argparse.Namespace, model: Path) -> list[str]:
+    """The command of one offline worker (a.num_prompts, a.input_len, a.output_len and, when
+    the namespace has it, a.context_length)."""
     argv = [
         python,
         str(Path(__file__).resolve()),
@@ -134,9 +137,14 @@ def run_worker(python: str, engine: str, a: argparse.Namespace, model: Path) -> 
         str(a.input_len),
         "--output-len",
         str(a.output_len),
-        "--context-length",
-        str(a.context_length),
     ]
+    if getattr(a, "context_length", None) is not None:
+        argv += ["--context-length", str(a.context_length)]
+    return argv
+
+
+def run_worker(python: str, engine: str, a: argparse.Namespace, model: Path) -> dict:
+    argv = worker_argv(python, engine, a, model)
     env = VLLM_ENV if engine == "vllm" else {}
     cmd = log_command(argv, env)
     p = subprocess.run(
@@ -246,9 +254,7 @@ def plot(result: dict, path: Path) -> None:
         axes[1].legend()
     else:
         axes[1].set_title("online: not run")
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    print(f"wrote {path}")
+    save_figure(fig, path)
 
 
 def main(argv: list[str] | None = None) -> int:
