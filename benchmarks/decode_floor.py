@@ -62,8 +62,7 @@ def main(argv: list[str] | None = None) -> int:
         context_length=a.prompt_len + a.output_len + 16,
         kv_pool_tokens=4 * (a.prompt_len + a.output_len + 16),
     )
-    weights = {id(t): t for t in llm.engine.model.parameters()}  # tied weights once
-    weight_bytes = sum(t.numel() * t.element_size() for t in weights.values())
+    weight_bytes = llm.engine.model.weight_bytes()  # tied weights once, packed panels included
     prompt = random_prompts(1, a.prompt_len, llm.engine.model.config.vocab_size, seed=3)
 
     def timed(m: int) -> float:

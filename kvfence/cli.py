@@ -10,8 +10,8 @@ from collections.abc import Sequence
 from typing import Any
 
 from kvfence.config import (
-    ATTENTION_BACKENDS,
     DTYPES,
+    KERNEL_BACKENDS,
     KV_CACHE_DTYPES,
     ConfigError,
     EngineConfig,
@@ -44,8 +44,14 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--attention-backend",
         default=d.attention_backend,
-        choices=ATTENTION_BACKENDS,
+        choices=KERNEL_BACKENDS,
         help="decode attention: native CPU kernel reading pages in place, or torch gather+SDPA",
+    )
+    p.add_argument(
+        "--linear-backend",
+        default=d.linear_backend,
+        choices=KERNEL_BACKENDS,
+        help="projection matmuls: native packed float32 CPU kernel, or torch (MKL / cuBLAS)",
     )
     p.add_argument("--max-running-requests", type=int, default=d.max_running_requests)
     p.add_argument("--seed", type=int, default=d.seed)
@@ -71,6 +77,7 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         chunked_prefill_size=args.chunked_prefill_size,
         decode_step_prefill_budget=args.decode_step_prefill_budget,
         attention_backend=args.attention_backend,
+        linear_backend=args.linear_backend,
         max_running_requests=args.max_running_requests,
         seed=args.seed,
         unsafe_skip_preflight=args.unsafe_skip_preflight,

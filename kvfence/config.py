@@ -7,8 +7,9 @@ from dataclasses import dataclass
 
 DTYPES = ("float32", "bfloat16", "float16")
 KV_CACHE_DTYPES = ("auto", "float32", "bfloat16", "float16")
-# auto: the native paged decode kernel on CPU when it builds here, else torch; native: require it
-ATTENTION_BACKENDS = ("auto", "native", "torch")
+# --attention-backend / --linear-backend. auto: the native CPU kernel (paged decode; packed
+# float32 matmuls) when it builds here and fits the model, else torch; native: require it.
+KERNEL_BACKENDS = ("auto", "native", "torch")
 
 
 class ConfigError(ValueError):
@@ -30,6 +31,7 @@ class EngineConfig:
     # Lower caps a decode's stall behind a newcomer's prompt (p99 ITL) at some throughput.
     decode_step_prefill_budget: int | None = None
     attention_backend: str = "auto"
+    linear_backend: str = "auto"
     max_running_requests: int = 64
     seed: int = 0
     served_model_name: str | None = None
@@ -62,13 +64,14 @@ class EngineConfig:
             raise ConfigError(
                 f"--decode-step-prefill-budget {self.decode_step_prefill_budget}: must be >= 1"
             )
-        if self.attention_backend not in ATTENTION_BACKENDS:
-            raise ConfigError(
-                f"--attention-backend {self.attention_backend!r}: "
-                f"expected one of {', '.join(ATTENTION_BACKENDS)}"
-            )
-        if self.attention_backend == "native" and self.device != "cpu":
-            raise ConfigError("--attention-backend native: the native kernel is CPU-only")
+        for flag, value in (
+            ("--attention-backend", self.attention_backend),
+            ("--linear-backend", self.linear_backend),
+        ):
+            if value not in KERNEL_BACKENDS:
+                raise ConfigError(f"{flag} {value!r}: expected one of {', '.join(KERNEL_BACKENDS)}")
+            if value == "native" and self.device != "cpu":
+                raise ConfigError(f"{flag} native: the native kernel is CPU-only")
         if self.chunked_prefill_size < 1:
             raise ConfigError(f"--chunked-prefill-size {self.chunked_prefill_size}: must be >= 1")
         if self.unsafe_skip_preflight and os.environ.get("KVFENCE_FAULT_INJECTION") != "1":

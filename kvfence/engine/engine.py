@@ -104,7 +104,12 @@ class Engine:
             ),
         )
         self.runner = ModelRunner(
-            self.model, self.pool, self.device, cfg.seed, cfg.attention_backend
+            self.model,
+            self.pool,
+            self.device,
+            cfg.seed,
+            cfg.attention_backend,
+            cfg.linear_backend,
         )
         self.eos_token_ids = self._eos_ids(Path(cfg.model))
         self._inbox: queue.SimpleQueue[tuple[str, object]] = queue.SimpleQueue()

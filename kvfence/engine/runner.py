@@ -33,6 +33,7 @@ class ModelRunner:
         device: torch.device,
         seed: int,
         attention_backend: str = "auto",
+        linear_backend: str = "auto",
     ) -> None:
         self.model = model
         model.fuse_projections()
@@ -41,6 +42,24 @@ class ModelRunner:
         self.sliding_window = model.config.sliding_window
         self.generator = torch.Generator(device=device).manual_seed(seed)
         self.decode_kernel = self._pick_decode_kernel(attention_backend)
+        self.packed_linear = self._pack_projections(linear_backend)
+
+    def _pack_projections(self, backend: str) -> bool:
+        """Move the projections into the native packed-matmul layout when it applies."""
+        if backend == "torch":
+            return False
+        dtype = next(self.model.parameters()).dtype
+        usable = self.device.type == "cpu" and dtype == torch.float32
+        gemm = kernels.packed_gemm() if usable else None
+        if gemm is None:
+            if backend == "native":
+                raise RuntimeError(
+                    "--linear-backend native: the kernel needs a CPU device, float32 weights "
+                    "and a C++ toolchain (g++, ninja); see the log for the build error"
+                )
+            return False
+        self.model.pack_projections(gemm)
+        return True
 
     def _pick_decode_kernel(self, backend: str) -> Callable[..., torch.Tensor] | None:
         """The native paged decode kernel, or None for torch's gather + SDPA."""

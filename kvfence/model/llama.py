@@ -13,6 +13,8 @@ from torch import nn
 from kvfence.kv.pool import KVPool
 from kvfence.model.attention import AttentionMetadata, paged_attention
 from kvfence.model.config import ModelConfig
+from kvfence.model.kernels import PackedGemm
+from kvfence.model.linear import Projection
 from kvfence.model.rope import RotaryTable
 
 
@@ -74,30 +76,28 @@ class Attention(nn.Module):
             self.k_norm = RMSNorm(self.head_dim, mc.rms_norm_eps)
         self.qk_norm = mc.qk_norm
         self.scale = self.head_dim**-0.5
-        # Set by fuse(): q/k/v as one transposed matmul, o_proj transposed.
-        self.qkv_t: torch.Tensor | None = None
+        # Set by fuse(): q/k/v as one matmul, o_proj on its own.
+        self.qkv: Projection | None = None
         self.qkv_bias: torch.Tensor | None = None
-        self.o_t: torch.Tensor | None = None
+        self.o: Projection | None = None
 
     def fuse(self) -> None:
         """Concatenate q/k/v weights into one transposed tensor and make the per-name parameters
         views of it: HF names still load and save, memory stays the same, and a step does one
         matmul."""
         projs = (self.q_proj, self.k_proj, self.v_proj)
-        self.qkv_t = _fuse_transposed([p.weight for p in projs])
+        self.qkv = Projection(_fuse_transposed([p.weight for p in projs]))
         if self.q_proj.bias is not None:
             self.qkv_bias = _fuse_rows([p.bias for p in projs])  # type: ignore[misc]
-        self.o_t = _fuse_transposed([self.o_proj.weight])
+        self.o = Projection(_fuse_transposed([self.o_proj.weight]))
 
     def forward(
         self, x: torch.Tensor, meta: AttentionMetadata, rope: RotaryTable, pool: KVPool
     ) -> torch.Tensor:
         t = x.shape[0]
         nq, nkv = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
-        if self.qkv_t is not None:
-            b = self.qkv_bias
-            qkv = x @ self.qkv_t if b is None else torch.addmm(b, x, self.qkv_t)
-            q, k, v = qkv.split((nq, nkv, nkv), dim=-1)
+        if self.qkv is not None:
+            q, k, v = self.qkv(x, self.qkv_bias).split((nq, nkv, nkv), dim=-1)
         else:
             q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
         q = q.reshape(t, self.num_heads, self.head_dim)
@@ -108,7 +108,7 @@ class Attention(nn.Module):
         q, k = rope.apply(q, k, meta.positions)
         o = paged_attention(q, k, v, pool.k[self.layer], pool.v[self.layer], meta, self.scale)
         o = o.reshape(t, -1)
-        return o @ self.o_t if self.o_t is not None else self.o_proj(o)
+        return self.o(o) if self.o is not None else self.o_proj(o)
 
 
 class MLP(nn.Module):
@@ -117,18 +117,18 @@ class MLP(nn.Module):
         self.gate_proj = nn.Linear(mc.hidden_size, mc.intermediate_size, bias=False)
         self.up_proj = nn.Linear(mc.hidden_size, mc.intermediate_size, bias=False)
         self.down_proj = nn.Linear(mc.intermediate_size, mc.hidden_size, bias=False)
-        self.gate_up_t: torch.Tensor | None = None  # set by fuse(), both transposed
-        self.down_t: torch.Tensor | None = None
+        self.gate_up: Projection | None = None  # set by fuse()
+        self.down: Projection | None = None
 
     def fuse(self) -> None:
-        self.gate_up_t = _fuse_transposed([self.gate_proj.weight, self.up_proj.weight])
-        self.down_t = _fuse_transposed([self.down_proj.weight])
+        self.gate_up = Projection(_fuse_transposed([self.gate_proj.weight, self.up_proj.weight]))
+        self.down = Projection(_fuse_transposed([self.down_proj.weight]))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.gate_up_t is None or self.down_t is None:
+        if self.gate_up is None or self.down is None:
             return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
-        gate, up = (x @ self.gate_up_t).chunk(2, dim=-1)
-        return F.silu(gate).mul_(up) @ self.down_t
+        gate, up = self.gate_up(x).chunk(2, dim=-1)
+        return self.down(F.silu(gate).mul_(up))
 
 
 class DecoderLayer(nn.Module):
@@ -165,12 +165,40 @@ class CausalLM(nn.Module):
         if mc.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
         self.rope: RotaryTable | None = None
+        self.head: Projection | None = None  # set by pack_projections(): the packed LM head
 
     def fuse_projections(self) -> None:
         """q/k/v and gate/up become one matmul each (weights shared with the HF-named params)."""
         for layer in self.model.layers:
             layer.self_attn.fuse()
             layer.mlp.fuse()
+
+    def pack_projections(self, gemm: PackedGemm) -> None:
+        """Every projection and the LM head move into the packed kernel's column panels (after
+        fuse_projections; float32). The HF-named weights are released, so memory stays the
+        same: a tied embedding then reads its rows from the packed head."""
+        for layer in self.model.layers:
+            attn, mlp = layer.self_attn, layer.mlp
+            for proj in (attn.qkv, attn.o, mlp.gate_up, mlp.down):
+                assert proj is not None, "fuse_projections() before pack_projections()"
+                proj.pack(gemm)
+            for m in (attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj, mlp.gate_proj,
+                      mlp.up_proj, mlp.down_proj):
+                _release(m.weight)
+        self.head = Projection(self.lm_head.weight.detach().t())
+        self.head.pack(gemm)
+        _release(self.lm_head.weight)  # the embedding's too when tied
+
+    def weight_bytes(self) -> int:
+        """Bytes of weights a forward reads (a tied embedding once)."""
+        tensors = {id(t): t for t in self.parameters() if t.numel()}
+        total = sum(t.numel() * t.element_size() for t in tensors.values())
+        projs = [self.head] + [
+            p
+            for layer in self.model.layers
+            for p in (layer.self_attn.qkv, layer.self_attn.o, layer.mlp.gate_up, layer.mlp.down)
+        ]
+        return total + sum(p.nbytes() for p in projs if p is not None and p.panels is not None)
 
     def init_rope(self, max_positions: int, device: torch.device) -> None:
         mc = self.config
@@ -182,11 +210,21 @@ class CausalLM(nn.Module):
     ) -> torch.Tensor:
         """Hidden states [T, hidden] after the final norm."""
         assert self.rope is not None, "init_rope() before forward"
-        x = self.model.embed_tokens(input_ids)
+        if self.head is not None and self.config.tie_word_embeddings:
+            x = self.head.rows(input_ids)
+        else:
+            x = self.model.embed_tokens(input_ids)
         for layer in self.model.layers:
             x = layer(x, meta, self.rope, pool)
         return self.model.norm(x)
 
     @torch.inference_mode()
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        if self.head is not None:
+            return self.head(hidden).float()
         return self.lm_head(hidden).float()
+
+
+def _release(p: nn.Parameter) -> None:
+    """Drop a weight whose values now live elsewhere (name and dtype stay)."""
+    p.data = torch.empty(0, dtype=p.dtype, device=p.device)

@@ -362,11 +362,14 @@ def run_up(args: argparse.Namespace) -> int:
         say(f"kvfence up: {_hostport(args.host, args.port)} is in use (--port)", err=True)
         return 2
 
-    if args.device == "cpu" and args.attention_backend != "torch":
-        # Build the native kernel once here, not in N+M workers racing on torch's build lock.
+    if args.device == "cpu":
+        # Build the native kernels once here, not in N+M workers racing on torch's build lock.
         from kvfence.model import kernels
 
-        kernels.paged_decode()
+        if args.attention_backend != "torch":
+            kernels.paged_decode()
+        if args.linear_backend != "torch":
+            kernels.packed_gemm()
 
     previous = {s: signal.signal(s, _interrupt) for s in (signal.SIGTERM, signal.SIGHUP)}
     prefills: list[Child] = []

@@ -1,7 +1,11 @@
 """Native CPU kernels, built on first use with torch's C++ extension loader (g++ and ninja).
 
-Building is best effort: a host without a compiler gets None from `paged_decode()` and the
-engine keeps its pure-torch attention path, which gives the same results, only slower.
+- paged_decode.cpp: decode attention read in place from the paged KV pool.
+- packed_gemm.cpp: float32 `x @ W` with W packed in column panels (every projection on CPU).
+
+Building is best effort: a host without a compiler gets None from `paged_decode()` and
+`packed_gemm()`, and the engine keeps its pure-torch path, which gives the same results (to
+float rounding), only slower.
 """
 
 from __future__ import annotations
@@ -12,6 +16,7 @@ import os
 import platform
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from functools import cache
 from pathlib import Path
 
@@ -20,19 +25,19 @@ HERE = Path(__file__).resolve().parent
 
 
 @cache
-def paged_decode() -> Callable | None:
-    """The compiled `paged_decode(q, k_cache, v_cache, page_table, ctx_lens, page_size, scale,
-    window)`, or None when it cannot be built here (the reason is logged once)."""
-    src = HERE / "paged_decode.cpp"
+def _build(stem: str) -> object | None:
+    """The extension module compiled from `<stem>.cpp`, or None when it cannot be built here (the
+    reason is logged once)."""
+    src = HERE / f"{stem}.cpp"
     # -march=native: the build is cached per host CPU (the name carries the CPU model and the
     # source hash), so a shared cache directory never hands one CPU another's binary.
     tag = hashlib.sha256(src.read_bytes() + platform.machine().encode() + _cpu_id()).hexdigest()
-    name = f"kvfence_paged_decode_{tag[:12]}"
+    name = f"kvfence_{stem}_{tag[:12]}"
     try:
         from torch.utils.cpp_extension import _get_build_directory, load
 
         _drop_stale_lock(Path(_get_build_directory(name, verbose=False)) / "lock")
-        mod = load(
+        return load(
             name=name,
             sources=[str(src)],
             extra_cflags=["-O3", "-march=native", "-fopenmp", "-fno-math-errno"],
@@ -40,9 +45,29 @@ def paged_decode() -> Callable | None:
             verbose=os.environ.get("KVFENCE_KERNEL_VERBOSE") == "1",
         )
     except Exception as e:  # no compiler, no ninja, a broken toolchain: fall back, say why
-        log.warning("native paged decode kernel unavailable (%s); using torch attention", e)
+        log.warning("native kernel %s unavailable (%s); using the torch path", stem, e)
         return None
-    return mod.paged_decode
+
+
+def paged_decode() -> Callable | None:
+    """The compiled `paged_decode(q, k_cache, v_cache, page_table, ctx_lens, page_size, scale,
+    window)`, or None when it cannot be built here."""
+    mod = _build("paged_decode")
+    return None if mod is None else mod.paged_decode  # type: ignore[attr-defined]
+
+
+def packed_gemm() -> PackedGemm | None:
+    """The compiled float32 `packed_matmul(x, panels, n)` and its panel width, or None."""
+    mod = _build("packed_gemm")
+    if mod is None:
+        return None
+    return PackedGemm(mod.packed_matmul, mod.packed_panel_width())  # type: ignore[attr-defined]
+
+
+@dataclass(frozen=True)
+class PackedGemm:
+    matmul: Callable  # (x [M, K] f32 contiguous, panels [P, K, width] f32, n) -> [M, n]
+    width: int  # columns per panel
 
 
 def _drop_stale_lock(lock: Path, max_age_s: float = 300.0) -> None:

@@ -2,7 +2,8 @@
 
 import logging
 
-from kvfence.model.kernels import paged_decode
+from kvfence.model.kernels import packed_gemm, paged_decode
 
 logging.basicConfig(level=logging.INFO)
-print("native paged decode kernel:", "ready" if paged_decode() else "unavailable (torch path)")
+for what, ready in (("paged decode", paged_decode()), ("packed gemm", packed_gemm())):
+    print(f"native {what} kernel:", "ready" if ready else "unavailable (torch path)")

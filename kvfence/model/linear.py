@@ -1,0 +1,64 @@
+"""A projection's weight in the layout its matmul reads, and the matmul.
+
+- plain: W^T [in, out] contiguous, `x @ w_t` (MKL on CPU, cuBLAS on GPU). MKL beats
+  `F.linear(x, w)` for decode's few rows (0.65-0.7x the time at 1-32 rows on a 135M model).
+- packed: column panels [P, in, width] for the native float32 kernel
+  (kernels/packed_gemm.cpp), which streams each panel once with the rows' sums in registers:
+  0.6-0.9x MKL's time at 1-32 rows on cold weights, equal for prefill (benchmarks/RESULTS.md).
+
+Packing replaces the plain tensor (memory stays the same up to one panel's padding per
+weight); a packed projection can still hand out rows of W for a tied embedding.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kvfence.model.kernels import PackedGemm
+
+
+def to_panels(w_t: torch.Tensor, width: int) -> torch.Tensor:
+    """[in, out] -> [ceil(out / width), in, width], the last panel's extra columns zero."""
+    k, n = w_t.shape
+    p = -(-n // width)
+    padded = torch.zeros(k, p * width, dtype=w_t.dtype)
+    padded[:, :n] = w_t
+    return padded.view(k, p, width).permute(1, 0, 2).contiguous()
+
+
+class Projection:
+    """y = x @ W^T for one (possibly fused) weight W [out, in]."""
+
+    def __init__(self, w_t: torch.Tensor) -> None:
+        self.w_t: torch.Tensor | None = w_t  # [in, out]
+        self.n = w_t.shape[1]
+        self.panels: torch.Tensor | None = None
+        self.gemm: PackedGemm | None = None
+
+    def pack(self, gemm: PackedGemm) -> None:
+        assert self.w_t is not None and self.w_t.dtype == torch.float32
+        self.panels = to_panels(self.w_t, gemm.width)
+        self.gemm = gemm
+        self.w_t = None
+
+    def __call__(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        if self.panels is None:
+            assert self.w_t is not None
+            return x @ self.w_t if bias is None else torch.addmm(bias, x, self.w_t)
+        assert self.gemm is not None
+        y = self.gemm.matmul(x.contiguous(), self.panels, self.n)
+        return y if bias is None else y.add_(bias)
+
+    def nbytes(self) -> int:
+        t = self.w_t if self.panels is None else self.panels
+        assert t is not None
+        return t.numel() * t.element_size()
+
+    def rows(self, ids: torch.Tensor) -> torch.Tensor:
+        """Rows `ids` of W [out, in] (an embedding lookup when W is a tied LM head)."""
+        if self.panels is None:
+            assert self.w_t is not None
+            return self.w_t.t().index_select(0, ids)
+        assert self.gemm is not None
+        width = self.gemm.width
+        return self.panels[ids // width, :, ids % width]
