@@ -107,7 +107,10 @@ class ModelRunner:
                 if is_decode and self.decode_kernel is not None:
                     groups.append(
                         NativeDecodeGroup(
-                            q_index=flat_offsets[sel].to(self.device),
+                            # None: this step is all decode rows, token i = row i
+                            q_index=None
+                            if len(idx) == len(chunks)
+                            else flat_offsets[sel].to(self.device),
                             page_table=page_table[sel, :pages_needed].contiguous(),
                             ctx_lens=ctx_t,
                             kernel=self.decode_kernel,

@@ -32,7 +32,7 @@ class NativeDecodeGroup:
     """Decode rows (one query each) for the native kernel: it reads slots [max(0, ctx - window),
     ctx) of each row's pages and nothing else."""
 
-    q_index: torch.Tensor  # [B] int64 into the flat token dim
+    q_index: torch.Tensor | None  # [B] int64 into the flat token dim; None: every token, in order
     page_table: torch.Tensor  # [B, P] int64
     ctx_lens: torch.Tensor  # [B] int64
     kernel: Callable[..., torch.Tensor]
@@ -109,16 +109,12 @@ def paged_attention(
     out = torch.empty_like(q)
     for g in meta.groups:
         if isinstance(g, NativeDecodeGroup):
+            rows = q.contiguous() if g.q_index is None else q.index_select(0, g.q_index)
             o = g.kernel(
-                q.index_select(0, g.q_index),
-                k_cache,
-                v_cache,
-                g.page_table,
-                g.ctx_lens,
-                g.page_size,
-                scale,
-                g.window,
+                rows, k_cache, v_cache, g.page_table, g.ctx_lens, g.page_size, scale, g.window
             )
+            if g.q_index is None:  # a decode-only step: the kernel's output is the answer
+                return o
             out.index_copy_(0, g.q_index, o)
             continue
         b, lq = g.q_index.shape

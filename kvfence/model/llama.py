@@ -15,7 +15,7 @@ from kvfence.model.attention import AttentionMetadata, paged_attention
 from kvfence.model.config import ModelConfig
 from kvfence.model.kernels import PackedGemm
 from kvfence.model.linear import Projection
-from kvfence.model.rope import RotaryTable
+from kvfence.model.rope import RotaryTable, Rotation
 
 
 def _fuse_rows(params: list[nn.Parameter]) -> torch.Tensor:
@@ -51,6 +51,8 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dtype == torch.float32:  # one fused op, the same bits as the formula below
+            return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
         dtype = x.dtype
         xf = x.float()
         xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
@@ -92,20 +94,21 @@ class Attention(nn.Module):
         self.o = Projection(_fuse_transposed([self.o_proj.weight]))
 
     def forward(
-        self, x: torch.Tensor, meta: AttentionMetadata, rope: RotaryTable, pool: KVPool
+        self, x: torch.Tensor, meta: AttentionMetadata, rot: Rotation, pool: KVPool
     ) -> torch.Tensor:
         t = x.shape[0]
         nq, nkv = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         if self.qkv is not None:
-            q, k, v = self.qkv(x, self.qkv_bias).split((nq, nkv, nkv), dim=-1)
+            qkv = self.qkv(x, self.qkv_bias)
         else:
-            q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
-        q = q.reshape(t, self.num_heads, self.head_dim)
-        k = k.reshape(t, self.num_kv_heads, self.head_dim)
-        v = v.reshape(t, self.num_kv_heads, self.head_dim)
+            qkv = torch.cat((self.q_proj(x), self.k_proj(x), self.v_proj(x)), dim=-1)
+        v = qkv[:, nq + nkv :].view(t, self.num_kv_heads, self.head_dim)
         if self.qk_norm:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = rope.apply(q, k, meta.positions)
+            q = rot(self.q_norm(qkv[:, :nq].view(t, self.num_heads, self.head_dim)))
+            k = rot(self.k_norm(qkv[:, nq : nq + nkv].view(t, self.num_kv_heads, self.head_dim)))
+        else:  # q and k rotated by one set of ops (they are adjacent columns of qkv)
+            qk = rot(qkv[:, : nq + nkv].view(t, self.num_heads + self.num_kv_heads, self.head_dim))
+            q, k = qk[:, : self.num_heads], qk[:, self.num_heads :]
         o = paged_attention(q, k, v, pool.k[self.layer], pool.v[self.layer], meta, self.scale)
         o = o.reshape(t, -1)
         return self.o(o) if self.o is not None else self.o_proj(o)
@@ -140,9 +143,9 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(mc.hidden_size, mc.rms_norm_eps)
 
     def forward(
-        self, x: torch.Tensor, meta: AttentionMetadata, rope: RotaryTable, pool: KVPool
+        self, x: torch.Tensor, meta: AttentionMetadata, rot: Rotation, pool: KVPool
     ) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), meta, rope, pool)
+        x = x + self.self_attn(self.input_layernorm(x), meta, rot, pool)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -214,8 +217,9 @@ class CausalLM(nn.Module):
             x = self.head.rows(input_ids)
         else:
             x = self.model.embed_tokens(input_ids)
+        rot = self.rope.at(meta.positions)
         for layer in self.model.layers:
-            x = layer(x, meta, self.rope, pool)
+            x = layer(x, meta, rot, pool)
         return self.model.norm(x)
 
     @torch.inference_mode()

@@ -38,18 +38,21 @@ class RotaryTable:
         self.cos = emb.cos()
         self.sin = emb.sin()
 
-    def apply(
-        self, q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """q [T, H, D], k [T, KVH, D], positions [T]."""
-        cos = self.cos[positions].unsqueeze(1)
-        sin = self.sin[positions].unsqueeze(1)
-        return _rotate(q, cos, sin), _rotate(k, cos, sin)
+    def at(self, positions: torch.Tensor) -> Rotation:
+        """The rotation of a step's tokens (positions [T]), looked up once for every layer."""
+        return Rotation(self.cos[positions].unsqueeze(1), self.sin[positions].unsqueeze(1))
 
 
-def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    dtype = x.dtype
-    xf = x.float()
-    half = xf.shape[-1] // 2
-    rotated = torch.cat((-xf[..., half:], xf[..., :half]), dim=-1)
-    return (xf * cos + rotated * sin).to(dtype)
+class Rotation:
+    """cos/sin [T, 1, D] of one step's positions."""
+
+    def __init__(self, cos: torch.Tensor, sin: torch.Tensor) -> None:
+        self.cos, self.sin = cos, sin
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        """x [T, heads, D] rotated (rotate-half form), computed in float32."""
+        dtype = x.dtype
+        xf = x.float()
+        half = xf.shape[-1] // 2
+        rotated = torch.cat((-xf[..., half:], xf[..., :half]), dim=-1)
+        return (xf * self.cos + rotated * self.sin).to(dtype)
