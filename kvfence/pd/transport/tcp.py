@@ -22,7 +22,7 @@ from kvfence.pd import auth, wire
 
 _STAGE = 64 << 10  # small reads (prefixes, headers) go through a staging buffer of this size
 # While a big payload is due, the socket reports readable only once this much of it is queued
-# (SO_RCVLOWAT): a 2 MiB frame then costs a few loop wake-ups instead of one per segment burst.
+# (SO_RCVLOWAT): a frame of MiBs then costs a few loop wake-ups instead of one per segment burst.
 _LOWAT = 256 << 10
 _SPARES = 4  # payload buffers a connection keeps for reuse
 _IOV_MAX = 1024  # buffers per sendmsg (Linux's UIO_MAXIOV)
