@@ -30,8 +30,11 @@ def _build(stem: str) -> object | None:
     reason is logged once)."""
     src = HERE / f"{stem}.cpp"
     # -march=native: the build is cached per host CPU (the name carries the CPU model and the
-    # source hash), so a shared cache directory never hands one CPU another's binary.
-    tag = hashlib.sha256(src.read_bytes() + platform.machine().encode() + _cpu_id()).hexdigest()
+    # source hash), so a shared cache directory never hands one CPU another's binary. The
+    # source's path is in the name too: ninja rebuilds when a build line changes, so two
+    # checkouts sharing one name would rebuild each other's kernel at every start.
+    key = src.read_bytes() + str(src).encode() + platform.machine().encode() + _cpu_id()
+    tag = hashlib.sha256(key).hexdigest()
     name = f"kvfence_{stem}_{tag[:12]}"
     try:
         from torch.utils.cpp_extension import _get_build_directory, load
