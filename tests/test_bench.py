@@ -69,6 +69,7 @@ SMOKE = {
         "--output-len",
         "4",
     ],
+    "linear_kernels": ["--tiny", "--rows", "1,8", "--repeats", "1"],
     "decode_floor": [
         "--tiny",
         "--prompt-len",
