@@ -96,9 +96,6 @@ class Req:
     # decode side
     droom: p.DecodeRoom | None = None
     dpages: tuple[int, ...] = ()  # the sequence's page table (the full prompt)
-    # tcp: (index, checksum) of each page as read back from the pool right after the room's
-    # write of it, the newest per index (decode.py _Room.readback)
-    readback: tuple[tuple[int, int], ...] = ()
     client: tuple = ()  # () | ("ok",) | ("err", code, status): what the client was told
     abort_pending: bool = False  # the engine told the client; ClientAborted not yet fed
     # prefill side
@@ -427,15 +424,11 @@ class Model:
             else:
                 if self.tag_check and not open_:
                     return w  # decode.py: the tcp receiver refuses a write to a closed room
-                intact = owner_ok or not self.tag_check  # I2 on the write path comes first
+                intact = cks(data) == checksum or "checksum" in self.cfg.off
+                if self.tag_check and not owner_ok:
+                    intact = False
                 if intact:
-                    # decode.py _write_run: written, then read back from the pool to check it
                     w = self._write(w, pg, data)
-                    back = cks(w.dpool[pg][1])
-                    intact = back == checksum or "checksum" in self.cfg.off
-                    if open_:
-                        kept = tuple(e for e in w.reqs[r].readback if e[0] != i)
-                        w = self._set(w, r, readback=(*kept, (i, back)))
             if not open_:
                 return w
             # decode.py feeds a frame's pages as one RunArrived; the model's frames hold one page.
@@ -464,9 +457,6 @@ class Model:
                 return False
         elif n_pages > len(xfer):
             return False
-        if not self.mooncake:
-            # tcp: each page was read back right after its write (decode.py _Room.readback)
-            return p.digest_of(req.readback, n_tokens) == digest
         sums = tuple((i, cks(w.dpool[xfer[i]][1])) for i in range(n_pages))
         return p.digest_of(sums, n_tokens) == digest
 
@@ -497,9 +487,7 @@ class Model:
         for r, req in enumerate(w.reqs):
             if req.stage in (Stage.WAITING, Stage.HANDOFF, Stage.RUNNING):
                 w = self._tell(w, r, ("err", "decode_crashed", 502))
-                w = self._set(
-                    w, r, stage=Stage.DONE, droom=None, dpages=(), readback=(), abort_pending=False
-                )
+                w = self._set(w, r, stage=Stage.DONE, droom=None, dpages=(), abort_pending=False)
         w = replace(w, dpool=tuple((None, data) for _, data in w.dpool))
         # The registered memory died with the process: in-flight one-sided writes go nowhere.
         return self._connection_lost(w, keep_rdma=False)
@@ -597,12 +585,7 @@ class Model:
             n = 1  # the transfer carries the placeholder; the page table spans the prompt
         room = p.DecodeRoom(f"r{r}", n, n)
         w = self._set(
-            replace(w, dpool=tuple(pool)),
-            r,
-            stage=Stage.HANDOFF,
-            droom=room,
-            dpages=pages,
-            readback=(),
+            replace(w, dpool=tuple(pool)), r, stage=Stage.HANDOFF, droom=room, dpages=pages
         )
         if self.rejected(r) and self.admission:
             w = self._bad(

@@ -42,9 +42,6 @@ class _Room:
     grant_id: int
     deadline: float
     started: float
-    # Position -> checksum of the page as read back from the pool right after this room's
-    # write of it (tcp): what DONE's digest is checked against (_pool_matches).
-    readback: dict[int, int] = field(default_factory=dict)
 
 
 @dataclass
@@ -276,11 +273,9 @@ class DecodeService:
     def _on_run(
         self, conn: Connection, run: wire.PageRun, payload: memoryview
     ) -> asyncio.Future | None:
-        """A run of pages: every page is checked (position, size, grant) on its own, the pages
-        the room owns are written in one batch and read back from the pool to check their
-        checksums, and the state machine sees the run as one RunArrived. The frame's MAC was
-        checked before it got here (I8). Writes of a framed run go to the writer thread (the
-        Future)."""
+        """A run of pages: every page is checked (position, size, checksum, grant) on its own,
+        the good ones are written in one batch, and the state machine sees the run as one
+        RunArrived. Checks and writes of a framed run go to the writer thread (the Future)."""
         room = self.rooms.get(run.room)
         if room is None or room.state.state is not p.DState.RESERVED:
             # the tcp receiver can refuse a late write
@@ -298,7 +293,7 @@ class DecodeService:
             and payload.nbytes == expected
         )
         if not ok_shape:
-            self._run_applied(run, [False] * n, 0, 0, {})
+            self._run_applied(run, [False] * n, 0, 0)
             return None
         pages = room.pages[run.first : run.first + n]
         check = self._guards().on("checksum")  # off: mutation twin, the bytes as they come
@@ -330,43 +325,35 @@ class DecodeService:
         grant: int,
         payload: memoryview | None,
         check: bool,
-    ) -> tuple[list[bool], int, int, dict[int, int]]:
-        """(intact per page, pages failing the grant check, pages written, the written pages'
-        checksums as read back from the pool): the writer thread's part of a run, or the loop's
-        for one-sided runs (payload None: nothing to write, nothing read back here).
-
-        The checksums are taken from the pool after the write, not from the payload before it:
-        one pass over the bytes that checks each page's checksum and is the read-back DONE's
-        digest is checked against. A page that fails it was written only into this room's own
-        page (the grant check comes first), is not tagged written_by, and fails the room."""
+    ) -> tuple[list[bool], int, int]:
+        """(intact per page, pages failing the grant check, pages written): the writer thread's
+        part of a run, or the loop's for one-sided runs (payload None: nothing to write)."""
         pool = self.engine.pool
         n = len(pages)
+        intact = [True] * n
+        data = None
+        if payload is not None:
+            size = run.n_tokens * kvio.token_bytes(pool)
+            data = torch.frombuffer(payload, dtype=torch.uint8).view(2, pool.num_layers, n, size)
+            if check:
+                got = kvio.run_checksums(data)
+                intact = [g == c for g, c in zip(got, run.checksums, strict=True)]
         # I2 on the write path: every destination page must still belong to this room's grant.
         owned = (pool.owner_grant[torch.tensor(pages)] == grant).tolist()
         foreign = owned.count(False)
-        if payload is None:
-            return ([True] * n if not foreign else owned), foreign, 0, {}
-        good = [i for i, ok in enumerate(owned) if ok]
-        if not good:
-            return owned, foreign, 0, {}
-        size = run.n_tokens * kvio.token_bytes(pool)
-        data = torch.frombuffer(payload, dtype=torch.uint8).view(2, pool.num_layers, n, size)
+        if foreign:
+            intact = [i and o for i, o in zip(intact, owned, strict=True)]
+        good = [i for i, ok in enumerate(intact) if ok]
+        if data is None or not good:
+            return intact, foreign, 0
+        which = None if len(good) == n else good
         dst = [pages[i] for i in good]
-        kvio.scatter(pool, dst, run.n_tokens, data, None if len(good) == n else good)
-        back = dict(zip(good, kvio.page_checksums(pool, dst, run.n_tokens), strict=True))
-        intact = [i in back and (back[i] == c or not check) for i, c in enumerate(run.checksums)]
-        tagged = [pages[i] for i in good if intact[i]]
-        if tagged:
-            pool.written_by[torch.tensor(tagged)] = grant
-        return intact, foreign, len(good), back
+        kvio.scatter(pool, dst, run.n_tokens, data, which)
+        pool.written_by[torch.tensor(dst)] = grant
+        return intact, foreign, len(good)
 
     def _run_applied(
-        self,
-        run: wire.PageRun,
-        intact: list[bool],
-        foreign: int,
-        written: int,
-        back: dict[int, int],
+        self, run: wire.PageRun, intact: list[bool], foreign: int, written: int
     ) -> None:
         pool = self.engine.pool
         if foreign:
@@ -379,9 +366,6 @@ class DecodeService:
         bad = intact.count(False)
         if bad:
             self.transfer_stats.inc("checksum_mismatches", bad)
-        room = self.rooms.get(run.room)
-        if back and room is not None and room.state.state is p.DState.RESERVED:
-            room.readback.update((run.first + i, c) for i, c in back.items())
         self._feed(
             run.room,
             p.RunArrived(
@@ -407,18 +391,12 @@ class DecodeService:
             marks.observe_phase("receive", end - first)
 
     def _pool_matches(self, room: _Room, done: p.Done) -> bool:
-        """The pages as read back from the pool hash to DONE's digest: what decode will attend
-        to must be exactly what prefill computed, whatever wrote it. tcp: each page was read
-        back right after this room's write of it, and nothing else can write a RESERVED room's
-        pages (the receiver drops writes to other rooms and pages the grant does not own; the
-        engine writes only pages its sequences own). One-sided writes (mooncake) land unseen,
-        so their pages are read back here, after DONE fenced them."""
+        """Read the pages back from the pool and hash them: what decode will attend to must be
+        exactly what prefill computed, whatever wrote it (late, foreign or one-sided writes)."""
         if done.n_tokens != room.state.n_tokens or done.n_pages != len(room.pages):
             return False
-        if self.mooncake is not None:
-            sums = kvio.pool_checksums(self.engine.pool, room.pages, done.n_tokens)
-            return p.digest_of(tuple(enumerate(sums)), done.n_tokens) == done.digest
-        return p.digest_of(tuple(room.readback.items()), done.n_tokens) == done.digest
+        sums = kvio.pool_checksums(self.engine.pool, room.pages, done.n_tokens)
+        return p.digest_of(tuple(enumerate(sums)), done.n_tokens) == done.digest
 
     def _feed(self, rid: str, event: Any, reason: str | None = None) -> None:
         room = self.rooms.get(rid)

@@ -174,9 +174,7 @@ class RunArrived:
 @dataclass(frozen=True)
 class DoneArrived:
     done: Done
-    # The room's pages as read back from the pool hash to done.digest (tcp: each page read back
-    # right after its write; one-sided writes: read back at DONE, after the fence).
-    pool_digest_ok: bool
+    pool_digest_ok: bool  # read-back of the pool pages hashes to done.digest
 
 
 @dataclass(frozen=True)
