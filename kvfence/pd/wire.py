@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import json
 import struct
-from dataclasses import asdict, dataclass, fields
+from dataclasses import dataclass, fields
 from typing import Any
 
 from kvfence.pd import auth
@@ -95,7 +95,10 @@ def encode(msg: Frame, payload: Payload, seq: int, mac: auth.FrameMac) -> list[m
     """The frame as buffers to write in order: prefix, tag and header joined, then the payload
     (not copied; a list is one payload in pieces: the MAC covers them in order, exactly the
     bytes that go out)."""
-    header = json.dumps({"t": type(msg).__name__, **asdict(msg)}, separators=(",", ":")).encode()
+    # Fields are flat (ints, strings, int tuples, plain dicts): a shallow dict gives the same JSON
+    # as asdict(), which deep-copies a RESERVE's prompt token by token on the loop.
+    body = {f.name: getattr(msg, f.name) for f in fields(msg)}
+    header = json.dumps({"t": type(msg).__name__, **body}, separators=(",", ":")).encode()
     parts = [memoryview(b).cast("B") for b in (payload if isinstance(payload, list) else [payload])]
     prefix = _PREFIX.pack(MAGIC, len(header), sum(b.nbytes for b in parts), seq)
     tag = mac.tag(seq, prefix, header, *parts)
