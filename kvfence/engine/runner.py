@@ -6,6 +6,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 from itertools import chain
+from typing import TypeVar
 
 import torch
 
@@ -16,6 +17,8 @@ from kvfence.model import kernels
 from kvfence.model.attention import AttentionMetadata, NativeDecodeGroup, build_group
 from kvfence.model.llama import CausalLM
 from kvfence.model.sampling import SampleResult, SamplingBatch, sample
+
+T = TypeVar("T")
 
 
 @dataclass
@@ -41,40 +44,25 @@ class ModelRunner:
         self.device = device
         self.sliding_window = model.config.sliding_window
         self.generator = torch.Generator(device=device).manual_seed(seed)
-        self.decode_kernel = self._pick_decode_kernel(attention_backend)
-        self.packed_linear = self._pack_projections(linear_backend)
-
-    def _pack_projections(self, backend: str) -> bool:
-        """Move the projections into the native packed-matmul layout when it applies."""
-        if backend == "torch":
-            return False
-        dtype = next(self.model.parameters()).dtype
-        usable = self.device.type == "cpu" and dtype == torch.float32
-        gemm = kernels.packed_gemm() if usable else None
-        if gemm is None:
-            if backend == "native":
-                raise RuntimeError(
-                    "--linear-backend native: the kernel needs a CPU device, float32 weights "
-                    "and a C++ toolchain (g++, ninja); see the log for the build error"
-                )
-            return False
-        self.model.pack_projections(gemm)
-        return True
-
-    def _pick_decode_kernel(self, backend: str) -> Callable[..., torch.Tensor] | None:
-        """The native paged decode kernel, or None for torch's gather + SDPA."""
-        if backend == "torch":
-            return None
-        usable = self.device.type == "cpu" and self.pool.k.dtype == next(
-            self.model.parameters()
-        ).dtype
-        kernel = kernels.paged_decode() if usable else None
-        if kernel is None and backend == "native":
-            raise RuntimeError(
-                "--attention-backend native: the kernel needs a CPU device, a KV cache in the "
-                "model's dtype and a C++ toolchain (g++, ninja); see the log for the build error"
-            )
-        return kernel
+        cpu = device.type == "cpu"
+        dtype = next(model.parameters()).dtype
+        self.decode_kernel = _native_kernel(
+            attention_backend,
+            "--attention-backend",
+            cpu and pool.k.dtype == dtype,
+            kernels.paged_decode,
+            "a CPU device, a KV cache in the model's dtype",
+        )  # None: torch's gather + SDPA
+        gemm = _native_kernel(
+            linear_backend,
+            "--linear-backend",
+            cpu and dtype == torch.float32,
+            kernels.packed_gemm,
+            "a CPU device, float32 weights",
+        )
+        if gemm is not None:  # else torch's matmuls on the plain transposed weights
+            model.pack_projections(gemm)
+        self.packed_linear = gemm is not None
 
     def run(self, chunks: list[ScheduledChunk]) -> StepResult:
         chunks, rejected = self.check_ownership(chunks)
@@ -198,3 +186,19 @@ class ModelRunner:
             all_greedy=all(p.greedy for p in params),
             max_logprobs=max(lp) if lp else None,
         )
+
+
+def _native_kernel(
+    backend: str, flag: str, usable: bool, build: Callable[[], T | None], needs: str
+) -> T | None:
+    """A native kernel when `backend` allows it and it applies (`usable`, and it builds here);
+    None means the torch path. `native` fails loudly instead of falling back."""
+    if backend == "torch":
+        return None
+    kernel = build() if usable else None
+    if kernel is None and backend == "native":
+        raise RuntimeError(
+            f"{flag} native: the kernel needs {needs} and a C++ toolchain (g++, ninja); see the "
+            "log for the build error"
+        )
+    return kernel
