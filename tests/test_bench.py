@@ -70,6 +70,7 @@ SMOKE = {
         "4",
     ],
     "linear_kernels": ["--tiny", "--rows", "1,8", "--repeats", "1"],
+    "fused_epilogue": ["--tiny", "--batches", "1,2", "--steps", "3", "--alternations", "1"],
     "decode_floor": [
         "--tiny",
         "--prompt-len",

@@ -63,6 +63,18 @@ class ModelRunner:
         if gemm is not None:  # else torch's matmuls on the plain transposed weights
             model.pack_projections(gemm)
         self.packed_linear = gemm is not None
+        # The small ops between the projections (residual add + RMSNorm, silu * up) follow the
+        # same flag: one native call each instead of a chain of torch ops (benchmarks/RESULTS.md).
+        epilogue = _native_kernel(
+            linear_backend,
+            "--linear-backend",
+            cpu and dtype == torch.float32,
+            kernels.fused_epilogue,
+            "a CPU device, float32 weights",
+        )
+        if epilogue is not None:  # else torch's F.rms_norm, add and silu
+            model.use_epilogue(epilogue)
+        self.fused_epilogue = epilogue is not None
 
     def run(self, chunks: list[ScheduledChunk]) -> StepResult:
         chunks, rejected = self.check_ownership(chunks)

@@ -13,7 +13,7 @@ from torch import nn
 from kvfence.kv.pool import KVPool
 from kvfence.model.attention import AttentionMetadata, paged_attention
 from kvfence.model.config import ModelConfig
-from kvfence.model.kernels import PackedGemm
+from kvfence.model.kernels import FusedEpilogue, PackedGemm
 from kvfence.model.linear import Projection
 from kvfence.model.rope import RotaryTable, Rotation
 
@@ -127,9 +127,11 @@ class MLP(nn.Module):
         self.gate_up = Projection(_fuse_transposed([self.gate_proj.weight, self.up_proj.weight]))
         self.down = Projection(_fuse_transposed([self.down_proj.weight]))
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, epilogue: FusedEpilogue | None = None) -> torch.Tensor:
         if self.gate_up is None or self.down is None:
             return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        if epilogue is not None:
+            return self.down(epilogue.silu_mul(self.gate_up(x), self.down_proj.in_features))
         gate, up = self.gate_up(x).chunk(2, dim=-1)
         return self.down(F.silu(gate).mul_(up))
 
@@ -147,6 +149,22 @@ class DecoderLayer(nn.Module):
     ) -> torch.Tensor:
         x = x + self.self_attn(self.input_layernorm(x), meta, rot, pool)
         return x + self.mlp(self.post_attention_layernorm(x))
+
+    def forward_fused(
+        self,
+        x: torch.Tensor,
+        delta: torch.Tensor | None,
+        meta: AttentionMetadata,
+        rot: Rotation,
+        pool: KVPool,
+        ep: FusedEpilogue,
+    ) -> torch.Tensor:
+        """forward() with each residual add folded into the next norm: x (the residual stream,
+        updated in place) still owes the previous layer's `delta`; returns this layer's."""
+        attn_in, post = self.input_layernorm, self.post_attention_layernorm
+        h = ep.add_rms_norm(x, delta, attn_in.weight, attn_in.eps)
+        h = ep.add_rms_norm(x, self.self_attn(h, meta, rot, pool), post.weight, post.eps)
+        return self.mlp(h, ep)
 
 
 class DecoderModel(nn.Module):
@@ -169,6 +187,7 @@ class CausalLM(nn.Module):
             self.lm_head.weight = self.model.embed_tokens.weight
         self.rope: RotaryTable | None = None
         self.head: Projection | None = None  # set by pack_projections(): the packed LM head
+        self.epilogue: FusedEpilogue | None = None  # set by use_epilogue()
 
     def fuse_projections(self) -> None:
         """q/k/v and gate/up become one matmul each (weights shared with the HF-named params)."""
@@ -191,6 +210,13 @@ class CausalLM(nn.Module):
         self.head = Projection(self.lm_head.weight.detach().t())
         self.head.pack(gemm)
         _release(self.lm_head.weight)  # the embedding's too when tied
+
+    def use_epilogue(self, ep: FusedEpilogue) -> None:
+        """Norms, residual adds and silu * up run as the native float32 kernels (after
+        fuse_projections; float32 weights)."""
+        assert self.model.norm.weight.dtype == torch.float32
+        assert self.model.layers[0].mlp.gate_up is not None, "fuse_projections() first"
+        self.epilogue = ep
 
     def weight_bytes(self) -> int:
         """Bytes of weights a forward reads (a tied embedding once)."""
@@ -218,9 +244,17 @@ class CausalLM(nn.Module):
         else:
             x = self.model.embed_tokens(input_ids)
         rot = self.rope.at(meta.positions)
+        ep = self.epilogue
+        if ep is None:
+            for layer in self.model.layers:
+                x = layer(x, meta, rot, pool)
+            return self.model.norm(x)
+        # x is this forward's own fresh tensor (an embedding lookup), so it may be updated in place.
+        x, delta = x.contiguous(), None
         for layer in self.model.layers:
-            x = layer(x, meta, rot, pool)
-        return self.model.norm(x)
+            delta = layer.forward_fused(x, delta, meta, rot, pool, ep)
+        norm = self.model.norm
+        return ep.add_rms_norm(x, delta, norm.weight, norm.eps)
 
     @torch.inference_mode()
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:

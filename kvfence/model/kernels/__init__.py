@@ -2,10 +2,11 @@
 
 - paged_decode.cpp: decode attention read in place from the paged KV pool.
 - packed_gemm.cpp: float32 `x @ W` with W packed in column panels (every projection on CPU).
+- fused_epilogue.cpp: float32 residual add + RMSNorm and silu(gate) * up, one call each.
 
-Building is best effort: a host without a compiler gets None from `paged_decode()` and
-`packed_gemm()`, and the engine keeps its pure-torch path, which gives the same results (to
-float rounding), only slower.
+Building is best effort: a host without a compiler gets None from `paged_decode()`,
+`packed_gemm()` and `fused_epilogue()`, and the engine keeps its pure-torch path, which gives
+the same results (to float rounding), only slower.
 """
 
 from __future__ import annotations
@@ -71,6 +72,22 @@ def packed_gemm() -> PackedGemm | None:
 class PackedGemm:
     matmul: Callable  # (x [M, K] f32 contiguous, panels [P, K, width] f32, n) -> [M, n]
     width: int  # columns per panel
+
+
+def fused_epilogue() -> FusedEpilogue | None:
+    """The compiled float32 `add_rms_norm` and `silu_mul`, or None."""
+    mod = _build("fused_epilogue")
+    if mod is None:
+        return None
+    return FusedEpilogue(mod.add_rms_norm, mod.silu_mul)  # type: ignore[attr-defined]
+
+
+@dataclass(frozen=True)
+class FusedEpilogue:
+    # (x [M, N], delta [M, N] | None, weight [N], eps) -> rmsnorm(x + delta) * weight [M, N];
+    # x becomes x + delta in place. Float32, contiguous.
+    add_rms_norm: Callable
+    silu_mul: Callable  # (gate_up [M, 2n], n) -> silu(gate_up[:, :n]) * gate_up[:, n:] [M, n]
 
 
 def _drop_stale_lock(lock: Path, max_age_s: float = 300.0) -> None:
