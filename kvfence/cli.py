@@ -54,6 +54,13 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
         help="projection matmuls: native packed float32 CPU kernel, or torch (MKL / cuBLAS)",
     )
     p.add_argument("--max-running-requests", type=int, default=d.max_running_requests)
+    p.add_argument(
+        "--threads",
+        type=int,
+        default=d.threads,
+        help="CPU threads for the kernels (default: every core; `kvfence up` gives each worker "
+        "its share of the cores)",
+    )
     p.add_argument("--seed", type=int, default=d.seed)
     p.add_argument("--unsafe-skip-preflight", action="store_true", help=argparse.SUPPRESS)
     p.add_argument(
@@ -79,6 +86,7 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         attention_backend=args.attention_backend,
         linear_backend=args.linear_backend,
         max_running_requests=args.max_running_requests,
+        threads=args.threads,
         seed=args.seed,
         unsafe_skip_preflight=args.unsafe_skip_preflight,
         kv_poison_on_free=args.kv_poison_on_free,

@@ -33,6 +33,9 @@ class EngineConfig:
     attention_backend: str = "auto"
     linear_backend: str = "auto"
     max_running_requests: int = 64
+    # CPU threads for this engine's kernels (None: torch's default, every core). Workers that
+    # share a host's cores each want their own share: `kvfence up` splits them.
+    threads: int | None = None
     seed: int = 0
     served_model_name: str | None = None
     # Tests only (needs KVFENCE_FAULT_INJECTION=1): run with a pool smaller than one context,
@@ -76,6 +79,8 @@ class EngineConfig:
             raise ConfigError(f"--chunked-prefill-size {self.chunked_prefill_size}: must be >= 1")
         if self.unsafe_skip_preflight and os.environ.get("KVFENCE_FAULT_INJECTION") != "1":
             raise ConfigError("--unsafe-skip-preflight is for tests: set KVFENCE_FAULT_INJECTION=1")
+        if self.threads is not None and self.threads < 1:
+            raise ConfigError(f"--threads {self.threads}: must be >= 1")
         if self.max_running_requests < 1:
             raise ConfigError(f"--max-running-requests {self.max_running_requests}: must be >= 1")
 

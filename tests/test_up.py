@@ -18,10 +18,17 @@ from typing import IO
 
 import httpx
 import pytest
+from conftest import TINY_MODEL
 from fake_workers import EXIT_ROLE_ENV, UNHEALTHY_ROLE_ENV, free_port
 
 from kvfence.cli import add_engine_args
-from kvfence.tools.up import add_up_args, router_command, worker_args, worker_command
+from kvfence.tools.up import (
+    add_up_args,
+    router_command,
+    threads_per_worker,
+    worker_args,
+    worker_command,
+)
 
 FAKE = Path(__file__).with_name("fake_workers.py")
 REPO = Path(__file__).resolve().parent.parent
@@ -39,7 +46,7 @@ def test_worker_args_carry_every_engine_flag_given_and_the_role(tmp_path: Path) 
         "--dtype", "bfloat16", "--kv-cache-dtype", "float16", "--context-length", "2048",
         "--page-size", "32", "--kv-pool-tokens", "65536", "--mem-fraction-static", "0.7",
         "--chunked-prefill-size", "256", "--max-running-requests", "8", "--seed", "5",
-        "--decode-step-prefill-budget", "64", "--attention-backend", "torch",
+        "--decode-step-prefill-budget", "64", "--attention-backend", "torch", "--threads", "3",
         "--api-key-file", "keys.txt", "--disaggregation-transfer-backend", "mooncake",
     )
     flags = worker_args(args, "prefill")
@@ -53,7 +60,7 @@ def test_worker_args_carry_every_engine_flag_given_and_the_role(tmp_path: Path) 
     for dest in ("model", "served_model_name", "device", "dtype", "kv_cache_dtype",
                  "context_length", "page_size", "kv_pool_tokens", "mem_fraction_static",
                  "chunked_prefill_size", "decode_step_prefill_budget", "attention_backend",
-                 "max_running_requests", "seed", "api_key_file"):
+                 "max_running_requests", "threads", "seed", "api_key_file"):
         assert getattr(back, dest) == getattr(args, dest), dest
     assert back.disaggregation_mode == "prefill"
     assert back.disaggregation_transfer_backend == "mooncake"
@@ -72,6 +79,33 @@ def test_defaults_are_left_to_the_worker(tmp_path: Path) -> None:
     flags = worker_args(parse("--model", str(tmp_path)), "decode")
     assert flags[:2] == ["--model", str(tmp_path)]
     assert "--page-size" not in flags and "--device" not in flags
+
+
+def test_up_gives_each_worker_its_share_of_the_cores() -> None:
+    assert threads_per_worker(2, cores=2) == 1  # 1 prefill + 1 decode on 2 cores
+    assert threads_per_worker(3, cores=16) == 5
+    assert threads_per_worker(4, cores=2) == 1  # never 0
+    assert threads_per_worker(1) >= 1  # this process's own cores
+
+
+def test_engine_runs_its_kernels_on_the_threads_it_was_given() -> None:
+    import torch
+
+    from kvfence.config import ConfigError, EngineConfig
+    from kvfence.engine.engine import Engine
+
+    with pytest.raises(ConfigError, match="--threads"):
+        EngineConfig(model=str(TINY_MODEL), threads=0)
+    before = torch.get_num_threads()
+    try:
+        Engine(
+            EngineConfig(
+                model=str(TINY_MODEL), threads=1, context_length=256, kv_pool_tokens=4096
+            )
+        )
+        assert torch.get_num_threads() == 1
+    finally:
+        torch.set_num_threads(before)
 
 
 class Up:

@@ -72,6 +72,10 @@ class Engine:
         self.context_length = cfg.context_length or self.model_config.max_position_embeddings
         self.model_name = cfg.served_model_name or Path(cfg.model).resolve().name
         self.device = torch.device(cfg.device)
+        if cfg.threads is not None:
+            # Process-wide (one engine per process); ATen's parallel_for, which the native
+            # kernels use too, starts every later parallel region with this many threads.
+            torch.set_num_threads(cfg.threads)
         self.plan: PoolPlan = plan_for_engine(cfg, self.model_config)
         if cfg.unsafe_skip_preflight:
             log.warning("UNSAFE: preflight skipped: %s", self.plan.problem())

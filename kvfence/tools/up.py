@@ -362,6 +362,9 @@ def run_up(args: argparse.Namespace) -> int:
         say(f"kvfence up: {_hostport(args.host, args.port)} is in use (--port)", err=True)
         return 2
 
+    if args.device == "cpu" and args.threads is None:
+        args.threads = threads_per_worker(args.prefill + args.decode)
+        say(f"kvfence up: {args.threads} CPU thread(s) per worker (--threads to change)")
     if args.device == "cpu":
         # Build the native kernels once here, not in N+M workers racing on torch's build lock.
         from kvfence.model import kernels
@@ -414,6 +417,16 @@ def run_up(args: argparse.Namespace) -> int:
         stop_all(stages, args.shutdown_grace)
         for s, handler in previous.items():
             signal.signal(s, handler)
+
+
+def threads_per_worker(workers: int, cores: int | None = None) -> int:
+    """Each worker's share of the cores this process may run on. Left at torch's default, every
+    worker starts a team of one thread per core, so a prefill's parallel regions and a decode's
+    oversubscribe the cores and wait on each other's descheduled threads (benchmarks/RESULTS.md,
+    "kvfence up: threads per worker": on 2 cores the split cut p99 ITL, not throughput)."""
+    if cores is None:
+        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    return max(1, (cores or 1) // max(1, workers))
 
 
 def _can_bind(host: str, port: int) -> bool:
