@@ -32,8 +32,10 @@ def close_to_float64(y: torch.Tensor, x: torch.Tensor, w_t: torch.Tensor) -> Non
     assert (y.double() - ref).abs().max() <= tol
 
 
-@pytest.mark.parametrize("m", [1, 2, 5, 7, 8, 9, 16, 17, 40])
-@pytest.mark.parametrize("k, n", [(64, 48), (37, 100), (96, 1), (128, 241)])
+# m: one register tile (<= 8), several walking K in blocks (9..64), and groups of blocked tiles
+# (> 64); k: one block of K (<= 128) or several, the last one ragged.
+@pytest.mark.parametrize("m", [1, 2, 5, 7, 8, 9, 16, 17, 40, 64, 65, 130])
+@pytest.mark.parametrize("k, n", [(64, 48), (37, 100), (96, 1), (128, 241), (300, 97)])
 def test_packed_matmul_equals_float64(gemm, m, k, n) -> None:
     torch.manual_seed(m * 1000 + k + n)
     x, w_t = torch.randn(m, k), torch.randn(k, n)

@@ -9,6 +9,7 @@
 #include <ATen/Parallel.h>
 
 #include <algorithm>
+#include <vector>
 
 namespace {
 
@@ -16,6 +17,9 @@ constexpr int64_t kLanes = 16;
 constexpr int64_t kU = 3;  // vectors per panel row
 constexpr int64_t kNB = kLanes * kU;  // panel width
 constexpr int64_t kMR = 8;  // rows per register tile
+// Prefetches go to L2 (prefetcht2), not L1: a block, the next one and x's rows would not all
+// fit in L1. Measured against L1 (3), L1/L2 (2) and non-temporal (0, 1.2-2x slower).
+constexpr int kLocality = 1;
 
 typedef float v16 __attribute__((vector_size(64), aligned(4)));
 
@@ -27,51 +31,71 @@ inline v16 load16(const float* p) {
 
 inline void store16(float* p, v16 v) { __builtin_memcpy(p, &v, sizeof v); }
 
-// Rows [0, MR) of x against one panel; `cols` of the panel's 48 columns are written to y.
+// Rows [0, MR) of x (row stride ldx) against panel rows [0, kn): the tile's sums start from
+// acc (or zero when `fresh`) and end there, so a panel can be walked in blocks of K.
+// Prefetch: panel row k + ahead is requested on the steps k where (k + phase) % every == 0, so
+// the `every` tiles that walk one block share the fetching of the next between them.
 template <int MR>
-void tile(const float* x, int64_t K, const float* panel, float* y, int64_t ldy, int64_t cols) {
+void tile(const float* x, int64_t ldx, int64_t kn, const float* panel, float* acc_out, bool fresh,
+          int64_t ahead, int64_t every, int64_t phase) {
     v16 acc[MR][kU];
     for (int m = 0; m < MR; ++m)
-        for (int u = 0; u < kU; ++u) acc[m][u] = v16{};
+        for (int u = 0; u < kU; ++u)
+            acc[m][u] = fresh ? v16{} : load16(acc_out + m * kNB + u * kLanes);
     const float* w = panel;
-    for (int64_t k = 0; k < K; ++k, w += kNB) {
-        // 64 panel rows (12 KiB) ahead: measured best of 16 / 32 / 64 / 128 at 1-32 rows.
-        __builtin_prefetch(w + 64 * kNB);
-        __builtin_prefetch(w + 64 * kNB + kLanes);
-        __builtin_prefetch(w + 64 * kNB + 2 * kLanes);
+    int64_t next = (every - phase % every) % every;
+    for (int64_t k = 0; k < kn; ++k, w += kNB) {
+        if (k == next) {
+            next += every;
+            __builtin_prefetch(w + ahead * kNB, 0, kLocality);
+            __builtin_prefetch(w + ahead * kNB + kLanes, 0, kLocality);
+            __builtin_prefetch(w + ahead * kNB + 2 * kLanes, 0, kLocality);
+        }
         const v16 w0 = load16(w), w1 = load16(w + kLanes), w2 = load16(w + 2 * kLanes);
         for (int m = 0; m < MR; ++m) {
-            const float xv = x[m * K + k];
+            const float xv = x[m * ldx + k];
             acc[m][0] += w0 * xv;
             acc[m][1] += w1 * xv;
             acc[m][2] += w2 * xv;
         }
     }
-    if (cols == kNB) {
-        for (int m = 0; m < MR; ++m)
-            for (int u = 0; u < kU; ++u) store16(y + m * ldy + u * kLanes, acc[m][u]);
-        return;
-    }
-    float buf[kNB];
-    for (int m = 0; m < MR; ++m) {
-        for (int u = 0; u < kU; ++u) store16(buf + u * kLanes, acc[m][u]);
-        std::copy(buf, buf + cols, y + m * ldy);
-    }
+    for (int m = 0; m < MR; ++m)
+        for (int u = 0; u < kU; ++u) store16(acc_out + m * kNB + u * kLanes, acc[m][u]);
 }
 
-void rows(int64_t mr, const float* x, int64_t K, const float* panel, float* y, int64_t ldy,
-          int64_t cols) {
+struct Walk {  // how one tile walks one block of a panel
+    const float* x;
+    int64_t ldx, kn;
+    const float* panel;
+    float* acc;
+    bool fresh;
+    int64_t ahead, every, phase;
+};
+
+void rows(int64_t mr, const Walk& a) {
+#define KVF_TILE(MR) \
+    return tile<MR>(a.x, a.ldx, a.kn, a.panel, a.acc, a.fresh, a.ahead, a.every, a.phase)
     switch (mr) {
-        case 8: return tile<8>(x, K, panel, y, ldy, cols);
-        case 7: return tile<7>(x, K, panel, y, ldy, cols);
-        case 6: return tile<6>(x, K, panel, y, ldy, cols);
-        case 5: return tile<5>(x, K, panel, y, ldy, cols);
-        case 4: return tile<4>(x, K, panel, y, ldy, cols);
-        case 3: return tile<3>(x, K, panel, y, ldy, cols);
-        case 2: return tile<2>(x, K, panel, y, ldy, cols);
-        default: return tile<1>(x, K, panel, y, ldy, cols);
+        case 8: KVF_TILE(8);
+        case 7: KVF_TILE(7);
+        case 6: KVF_TILE(6);
+        case 5: KVF_TILE(5);
+        case 4: KVF_TILE(4);
+        case 3: KVF_TILE(3);
+        case 2: KVF_TILE(2);
+        default: KVF_TILE(1);
     }
+#undef KVF_TILE
 }
+
+// Panel rows per block when x has more rows than one tile: every tile of x walks a block while
+// it is in cache (64 x 48 floats = 12 KiB), and the tiles share fetching the next block ahead of
+// time, so the weights stream from DRAM under all the tiles' FMAs instead of under the first
+// tile's alone. Measured 32, 64, 96, 128, 256: 64 best (16-32 rows ~0.9x the unblocked walk).
+constexpr int64_t kKB = 64;
+// Beyond this many row tiles, the blocks' accumulators would crowd L1 out: walk the panel whole
+// per tile (prefill's tall x is compute-bound either way).
+constexpr int64_t kMaxBlockedTiles = 8;
 
 }  // namespace
 
@@ -90,12 +114,30 @@ torch::Tensor packed_matmul(const torch::Tensor& x, const torch::Tensor& packed,
     const float* xp = x.data_ptr<float>();
     const float* wp = packed.data_ptr<float>();
     float* yp = y.data_ptr<float>();
+    const int64_t tiles = (M + kMR - 1) / kMR;
+    const int64_t kb = tiles > 1 && tiles <= kMaxBlockedTiles ? kKB : K;
     at::parallel_for(0, P, 1, [&](int64_t begin, int64_t end) {
+        std::vector<float> acc(static_cast<size_t>(std::min(tiles, kMaxBlockedTiles) * kMR * kNB));
         for (int64_t p = begin; p < end; ++p) {
             const float* panel = wp + p * K * kNB;
             const int64_t cols = std::min(kNB, n - p * kNB);
-            for (int64_t m = 0; m < M; m += kMR)
-                rows(std::min(kMR, M - m), xp + m * K, K, panel, yp + m * n + p * kNB, n, cols);
+            for (int64_t m0 = 0; m0 < M; m0 += kMaxBlockedTiles * kMR) {  // one pass when blocked
+                const int64_t m1 = std::min(M, m0 + kMaxBlockedTiles * kMR);
+                for (int64_t k0 = 0; k0 < K; k0 += kb) {
+                    const int64_t kn = std::min(kb, K - k0);
+                    const int64_t t = (m1 - m0 + kMR - 1) / kMR;
+                    for (int64_t m = m0; m < m1; m += kMR) {
+                        // One tile: 64 rows ahead, every step (measured best of 16-128). Several:
+                        // the next block, spread over the tiles walking this one.
+                        const Walk w{xp + m * K + k0, K,  kn, panel + k0 * kNB,
+                                     acc.data() + (m - m0) * kNB, k0 == 0,
+                                     t == 1 ? 64 : kn, t, (m - m0) / kMR};
+                        rows(std::min(kMR, M - m), w);
+                    }
+                }
+                for (int64_t m = m0; m < m1; ++m)
+                    std::copy_n(acc.data() + (m - m0) * kNB, cols, yp + m * n + p * kNB);
+            }
         }
     });
     return y;
