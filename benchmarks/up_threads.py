@@ -1,0 +1,151 @@
+"""`kvfence up` on one host: each worker on its share of the cores (the default, --threads =
+cores / workers) against every worker on all of them (--threads = cores, torch's own default),
+interleaved A/B over HTTP. Both clusters stay up for the whole run; pairs alternate which goes
+first. Ratios are split / all: below 1 for latencies and above 1 for throughput favour the split.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from benchmarks.common import (  # noqa: E402
+    RESULTS,
+    Server,
+    bench_model,
+    free_port,
+    kvfence_bin,
+    machine,
+    new_figure,
+    plot_available,
+    ratio_ci,
+    run_bench,
+    save_figure,
+    this_command,
+    write_json,
+)
+
+METRICS = {
+    "throughput": lambda r: r["total_token_throughput"],
+    "p50_ttft_ms": lambda r: r["ttft_ms"]["p50"],
+    "p50_itl_ms": lambda r: r["itl_ms"]["p50"],
+    "p99_itl_ms": lambda r: r["itl_ms"]["p99"],
+}
+
+
+def start(model: Path, threads: int | None, a: argparse.Namespace, log: Path) -> Server:
+    port = free_port()
+    argv = [
+        kvfence_bin(),
+        "up",
+        "--prefill",
+        "1",
+        "--decode",
+        "1",
+        "--model",
+        str(model),
+        "--port",
+        str(port),
+        "--context-length",
+        str(a.context_length),
+        "--kv-pool-tokens",
+        str(a.kv_pool_tokens),
+        "--log-level",
+        "warning",
+    ]
+    if threads is not None:
+        argv += ["--threads", str(threads)]
+    return Server(argv, port, log=log)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__)
+    p.add_argument("--model", default=None, help="default: the SmolLM-135M-shaped checkpoint")
+    p.add_argument("--tiny", action="store_true", help="a 2-layer model (smoke test)")
+    p.add_argument("--pairs", type=int, default=4)
+    p.add_argument("--num-prompts", type=int, default=16)
+    p.add_argument("--input-len", type=int, default=256)
+    p.add_argument("--output-len", type=int, default=64)
+    p.add_argument("--concurrency", type=int, default=8)
+    p.add_argument("--context-length", type=int, default=2048)
+    p.add_argument("--kv-pool-tokens", type=int, default=20480)
+    p.add_argument("--out", default=str(RESULTS))
+    p.add_argument("--name", default="up_threads")
+    a = p.parse_args(argv)
+    out = Path(a.out)
+    out.mkdir(parents=True, exist_ok=True)
+    model = bench_model(a.model, a.tiny)
+    vocab = int(json.loads((model / "config.json").read_text())["vocab_size"])
+    cores = len(os.sched_getaffinity(0))
+    sides = {
+        "split": start(model, None, a, out / f"{a.name}-split.log"),  # up's default share
+        "all": start(model, cores, a, out / f"{a.name}-all.log"),
+    }
+    pairs = []
+    try:
+        for srv in sides.values():
+            srv.wait_ready()
+        for i in range(a.pairs):
+            order = ["split", "all"] if i % 2 == 0 else ["all", "split"]
+            res = {
+                side: run_bench(
+                    sides[side].url,
+                    a.num_prompts,
+                    a.input_len,
+                    a.output_len,
+                    a.concurrency,
+                    vocab,
+                    seed=i,
+                )
+                for side in order
+            }
+            pairs.append({side: {k: f(res[side]) for k, f in METRICS.items()} for side in res})
+            print(
+                f"pair {i + 1}/{a.pairs} split/all: "
+                + " ".join(
+                    f"{k}={pairs[-1]['split'][k] / pairs[-1]['all'][k]:.3f}" for k in METRICS
+                ),
+                flush=True,
+            )
+    finally:
+        for srv in sides.values():
+            srv.stop()
+    ratios = {k: [pr["split"][k] / pr["all"][k] for pr in pairs] for k in METRICS}
+    summary = {k: ratio_ci(v) for k, v in ratios.items()}
+    for k, s in summary.items():
+        print(f"{k} split/all = {s['mean']:.3f} (95% CI {s['lo']:.3f}..{s['hi']:.3f}, n={s['n']})")
+    result = {
+        "command": this_command(),
+        "machine": machine(),
+        "cores": cores,
+        "server_commands": {side: srv.command for side, srv in sides.items()},
+        "workload": {
+            k: getattr(a, k)
+            for k in ("num_prompts", "input_len", "output_len", "concurrency", "pairs")
+        }
+        | {"model": str(model)},
+        "pairs": pairs,
+        "ratios_split_over_all": ratios,
+        "summary": summary,
+    }
+    write_json(out / f"{a.name}.json", result)
+    if plot_available():
+        fig, ax = new_figure(figsize=(6, 4))
+        for j, k in enumerate(METRICS):
+            ax.scatter([j] * len(ratios[k]), ratios[k], alpha=0.5, color="gray")
+            ax.scatter([j], [summary[k]["mean"]], color="C0", zorder=3)
+        ax.axhline(1.0, color="k", lw=0.8)
+        ax.set_xticks(range(len(METRICS)), list(METRICS))
+        ax.set_ylabel("threads split / all cores per worker")
+        ax.set_title(f"kvfence up, 1 prefill + 1 decode, {cores} cores")
+        save_figure(fig, out / f"{a.name}.png")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
