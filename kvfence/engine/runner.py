@@ -63,8 +63,9 @@ class ModelRunner:
         if gemm is not None:  # else torch's matmuls on the plain transposed weights
             model.pack_projections(gemm)
         self.packed_linear = gemm is not None
-        # The small ops between the projections (residual add + RMSNorm, silu * up) follow the
-        # same flag: one native call each instead of a chain of torch ops (benchmarks/RESULTS.md).
+        # The small ops between the projections (residual add + RMSNorm, silu * up, rope + the
+        # K/V cache write) follow the same flag: one native call each instead of a chain of torch
+        # ops (benchmarks/RESULTS.md).
         epilogue = _native_kernel(
             linear_backend,
             "--linear-backend",
@@ -73,7 +74,7 @@ class ModelRunner:
             "a CPU device, float32 weights",
         )
         if epilogue is not None:  # else torch's F.rms_norm, add and silu
-            model.use_epilogue(epilogue)
+            model.use_epilogue(epilogue, pool.k.dtype)
         self.fused_epilogue = epilogue is not None
 
     def run(self, chunks: list[ScheduledChunk]) -> StepResult:

@@ -96,16 +96,20 @@ def build_group(
 
 def paged_attention(
     q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
+    k: torch.Tensor | None,
+    v: torch.Tensor | None,
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
     meta: AttentionMetadata,
     scale: float,
 ) -> torch.Tensor:
-    """q [T, H, D], k/v [T, KVH, D]; caches [slots, KVH, D] of one layer. Returns [T, H, D]."""
-    k_cache.index_copy_(0, meta.slot_mapping, k)
-    v_cache.index_copy_(0, meta.slot_mapping, v)
+    """q [T, H, D], k/v [T, KVH, D]; caches [slots, KVH, D] of one layer. Returns [T, H, D].
+    k and v None: the caller already wrote them at meta.slot_mapping (the native rope_store)."""
+    if k is not None and v is not None:
+        k_cache.index_copy_(0, meta.slot_mapping, k)
+        v_cache.index_copy_(0, meta.slot_mapping, v)
+    else:
+        assert k is None and v is None, "k and v are written together"
     out = torch.empty_like(q)
     for g in meta.groups:
         if isinstance(g, NativeDecodeGroup):

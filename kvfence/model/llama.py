@@ -6,6 +6,8 @@ in the model; every forward takes the step's AttentionMetadata.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -94,7 +96,12 @@ class Attention(nn.Module):
         self.o = Projection(_fuse_transposed([self.o_proj.weight]))
 
     def forward(
-        self, x: torch.Tensor, meta: AttentionMetadata, rot: Rotation, pool: KVPool
+        self,
+        x: torch.Tensor,
+        meta: AttentionMetadata,
+        rot: Rotation,
+        pool: KVPool,
+        rope_store: Callable | None = None,
     ) -> torch.Tensor:
         t = x.shape[0]
         nq, nkv = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
@@ -102,14 +109,19 @@ class Attention(nn.Module):
             qkv = self.qkv(x, self.qkv_bias)
         else:
             qkv = torch.cat((self.q_proj(x), self.k_proj(x), self.v_proj(x)), dim=-1)
+        k_cache, v_cache = pool.k[self.layer], pool.v[self.layer]
         v = qkv[:, nq + nkv :].view(t, self.num_kv_heads, self.head_dim)
-        if self.qk_norm:
+        if rope_store is not None:  # one native pass: q out, rotated k and v into their slots
+            q = rope_store(qkv, rot.cos, rot.sin, self.num_heads, k_cache, v_cache,
+                           meta.slot_mapping)
+            k = v = None
+        elif self.qk_norm:
             q = rot(self.q_norm(qkv[:, :nq].view(t, self.num_heads, self.head_dim)))
             k = rot(self.k_norm(qkv[:, nq : nq + nkv].view(t, self.num_kv_heads, self.head_dim)))
         else:  # q and k rotated by one set of ops (they are adjacent columns of qkv)
             qk = rot(qkv[:, : nq + nkv].view(t, self.num_heads + self.num_kv_heads, self.head_dim))
             q, k = qk[:, : self.num_heads], qk[:, self.num_heads :]
-        o = paged_attention(q, k, v, pool.k[self.layer], pool.v[self.layer], meta, self.scale)
+        o = paged_attention(q, k, v, k_cache, v_cache, meta, self.scale)
         o = o.reshape(t, -1)
         return self.o(o) if self.o is not None else self.o_proj(o)
 
@@ -158,12 +170,14 @@ class DecoderLayer(nn.Module):
         rot: Rotation,
         pool: KVPool,
         ep: FusedEpilogue,
+        rope_store: Callable | None,
     ) -> torch.Tensor:
         """forward() with each residual add folded into the next norm: x (the residual stream,
         updated in place) still owes the previous layer's `delta`; returns this layer's."""
         attn_in, post = self.input_layernorm, self.post_attention_layernorm
         h = ep.add_rms_norm(x, delta, attn_in.weight, attn_in.eps)
-        h = ep.add_rms_norm(x, self.self_attn(h, meta, rot, pool), post.weight, post.eps)
+        o = self.self_attn(h, meta, rot, pool, rope_store)
+        h = ep.add_rms_norm(x, o, post.weight, post.eps)
         return self.mlp(h, ep)
 
 
@@ -188,6 +202,7 @@ class CausalLM(nn.Module):
         self.rope: RotaryTable | None = None
         self.head: Projection | None = None  # set by pack_projections(): the packed LM head
         self.epilogue: FusedEpilogue | None = None  # set by use_epilogue()
+        self.rope_store: Callable | None = None  # set by use_epilogue() where it applies
 
     def fuse_projections(self) -> None:
         """q/k/v and gate/up become one matmul each (weights shared with the HF-named params)."""
@@ -211,12 +226,15 @@ class CausalLM(nn.Module):
         self.head.pack(gemm)
         _release(self.lm_head.weight)  # the embedding's too when tied
 
-    def use_epilogue(self, ep: FusedEpilogue) -> None:
+    def use_epilogue(self, ep: FusedEpilogue, kv_dtype: torch.dtype) -> None:
         """Norms, residual adds and silu * up run as the native float32 kernels (after
-        fuse_projections; float32 weights)."""
+        fuse_projections; float32 weights), and so do rope and the K/V cache write where they
+        are one exact pass: a float32 cache and no q/k norm (Qwen3's stays on torch's path)."""
         assert self.model.norm.weight.dtype == torch.float32
         assert self.model.layers[0].mlp.gate_up is not None, "fuse_projections() first"
         self.epilogue = ep
+        exact = kv_dtype == torch.float32 and not self.config.qk_norm
+        self.rope_store = ep.rope_store if exact else None
 
     def weight_bytes(self) -> int:
         """Bytes of weights a forward reads (a tied embedding once)."""
@@ -252,7 +270,7 @@ class CausalLM(nn.Module):
         # x is this forward's own fresh tensor (an embedding lookup), so it may be updated in place.
         x, delta = x.contiguous(), None
         for layer in self.model.layers:
-            delta = layer.forward_fused(x, delta, meta, rot, pool, ep)
+            delta = layer.forward_fused(x, delta, meta, rot, pool, ep, self.rope_store)
         norm = self.model.norm
         return ep.add_rms_norm(x, delta, norm.weight, norm.eps)
 

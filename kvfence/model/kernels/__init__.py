@@ -2,7 +2,8 @@
 
 - paged_decode.cpp: decode attention read in place from the paged KV pool.
 - packed_gemm.cpp: float32 `x @ W` with W packed in column panels (every projection on CPU).
-- fused_epilogue.cpp: float32 residual add + RMSNorm and silu(gate) * up, one call each.
+- fused_epilogue.cpp: float32 residual add + RMSNorm, silu(gate) * up, and rope + K/V cache
+  write, one call each.
 
 Building is best effort: a host without a compiler gets None from `paged_decode()`,
 `packed_gemm()` and `fused_epilogue()`, and the engine keeps its pure-torch path, which gives
@@ -75,11 +76,13 @@ class PackedGemm:
 
 
 def fused_epilogue() -> FusedEpilogue | None:
-    """The compiled float32 `add_rms_norm` and `silu_mul`, or None."""
+    """The compiled float32 `add_rms_norm`, `silu_mul` and `rope_store`, or None."""
     mod = _build("fused_epilogue")
     if mod is None:
         return None
-    return FusedEpilogue(mod.add_rms_norm, mod.silu_mul)  # type: ignore[attr-defined]
+    return FusedEpilogue(
+        mod.add_rms_norm, mod.silu_mul, mod.rope_store  # type: ignore[attr-defined]
+    )
 
 
 @dataclass(frozen=True)
@@ -88,6 +91,10 @@ class FusedEpilogue:
     # x becomes x + delta in place. Float32, contiguous.
     add_rms_norm: Callable
     silu_mul: Callable  # (gate_up [M, 2n], n) -> silu(gate_up[:, :n]) * gate_up[:, n:] [M, n]
+    # (qkv [T, (H + 2 KVH) D], cos, sin [T, 1, D], H, k_cache, v_cache [slots, KVH, D],
+    # slot_mapping [T]) -> rotated q [T, H, D]; rotated k and v are written to the caches' rows
+    # slot_mapping, no others. Float32, contiguous.
+    rope_store: Callable
 
 
 def _drop_stale_lock(lock: Path, max_age_s: float = 300.0) -> None:

@@ -4,6 +4,10 @@
 // - add_rms_norm(x, delta, weight, eps): x += delta in place (the residual stream; delta may be
 //   None), then returns rmsnorm(x) * weight, one row at a time while the row is in L1.
 // - silu_mul(gate_up, n): silu(gate_up[:, :n]) * gate_up[:, n:], a new [rows, n] tensor.
+// - rope_store(qkv, cos, sin, n_q_heads, k_cache, v_cache, slot_mapping): rotates q and k of the
+//   packed qkv projection (HF rotate-half), writes k and v straight into the caches' rows
+//   slot_mapping (and no others), returns q [T, H, D]: one pass per token instead of rope's
+//   cat/neg/mul/add and two index_copy_.
 //
 // Rows are contiguous float32. Few rows (decode) run serially on the calling thread: waking
 // OpenMP's workers costs more than the work; many rows (prefill) split over the threads.
@@ -94,6 +98,17 @@ void check_rows(const torch::Tensor& t, const char* name) {
     TORCH_CHECK(!t.is_cuda(), name, " must be a CPU tensor");
 }
 
+// x * cos + rotate_half(x) * sin for one head, rounded like torch's separate mul, mul and add:
+// the same bits. g++ fuses a * b + c into one fma by default in C++ (one rounding, not two), so
+// contraction is off here.
+__attribute__((optimize("fp-contract=off"))) void rope_head(const float* x, const float* c, const float* s, float* o, int64_t d) {
+    const int64_t h = d / 2;
+#pragma omp simd
+    for (int64_t i = 0; i < h; ++i) o[i] = x[i] * c[i] + (-x[i + h]) * s[i];
+#pragma omp simd
+    for (int64_t i = h; i < d; ++i) o[i] = x[i] * c[i] + x[i - h] * s[i];
+}
+
 int64_t grain_rows(int64_t cols) { return std::max<int64_t>(1, kGrainElems / std::max<int64_t>(1, cols)); }
 
 }  // namespace
@@ -137,7 +152,57 @@ torch::Tensor silu_mul(const torch::Tensor& gate_up, int64_t n) {
     return out;
 }
 
+torch::Tensor rope_store(const torch::Tensor& qkv, const torch::Tensor& cos,
+                         const torch::Tensor& sin, int64_t n_q_heads, torch::Tensor& k_cache,
+                         torch::Tensor& v_cache, const torch::Tensor& slot_mapping) {
+    check_rows(qkv, "qkv");
+    const int64_t t = qkv.size(0);
+    TORCH_CHECK(k_cache.dim() == 3 && k_cache.sizes() == v_cache.sizes(),
+                "k_cache and v_cache must be [slots, kv_heads, head_dim] alike");
+    for (const auto* c : {&k_cache, &v_cache})
+        TORCH_CHECK(c->scalar_type() == at::kFloat && c->is_contiguous() && !c->is_cuda(),
+                    "caches must be contiguous float32 CPU tensors");
+    const int64_t slots = k_cache.size(0), nkv = k_cache.size(1), d = k_cache.size(2);
+    TORCH_CHECK(d % 2 == 0, "head_dim must be even");
+    TORCH_CHECK(qkv.size(1) == (n_q_heads + 2 * nkv) * d, "qkv must be [T, (H + 2 * KVH) * D]");
+    for (const auto* r : {&cos, &sin})
+        TORCH_CHECK(r->scalar_type() == at::kFloat && r->is_contiguous() && !r->is_cuda() &&
+                        r->numel() == t * d && r->size(0) == t,
+                    "cos and sin must be contiguous float32 [T, (1,) head_dim]");
+    TORCH_CHECK(slot_mapping.dim() == 1 && slot_mapping.size(0) == t &&
+                    slot_mapping.scalar_type() == at::kLong && slot_mapping.is_contiguous(),
+                "slot_mapping must be int64 [T], contiguous");
+    const int64_t* sp = slot_mapping.data_ptr<int64_t>();
+    // Every slot checked before any is written: a bad mapping writes nothing.
+    for (int64_t i = 0; i < t; ++i)
+        TORCH_CHECK(sp[i] >= 0 && sp[i] < slots, "slot ", sp[i], " out of range [0, ", slots, ")");
+    auto q = torch::empty({t, n_q_heads, d}, qkv.options());
+    const float* xp = qkv.data_ptr<float>();
+    const float* cp = cos.data_ptr<float>();
+    const float* snp = sin.data_ptr<float>();
+    float* qp = q.data_ptr<float>();
+    float* kc = k_cache.data_ptr<float>();
+    float* vc = v_cache.data_ptr<float>();
+    const int64_t width = qkv.size(1), kv_row = nkv * d;
+    at::parallel_for(0, t, grain_rows(width), [&](int64_t begin, int64_t end) {
+        for (int64_t i = begin; i < end; ++i) {
+            const float* x = xp + i * width;
+            const float* c = cp + i * d;
+            const float* s = snp + i * d;
+            float* qr = qp + i * n_q_heads * d;
+            for (int64_t h = 0; h < n_q_heads; ++h) rope_head(x + h * d, c, s, qr + h * d, d);
+            float* kr = kc + sp[i] * kv_row;
+            const float* xk = x + n_q_heads * d;
+            for (int64_t h = 0; h < nkv; ++h) rope_head(xk + h * d, c, s, kr + h * d, d);
+            std::memcpy(vc + sp[i] * kv_row, xk + kv_row, kv_row * sizeof(float));
+        }
+    });
+    return q;
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     m.def("add_rms_norm", &add_rms_norm, "x += delta (in place); returns rmsnorm(x) * weight");
     m.def("silu_mul", &silu_mul, "silu(gate_up[:, :n]) * gate_up[:, n:]");
+    m.def("rope_store", &rope_store,
+          "rotates q and k of qkv, writes k and v to the caches' rows slot_mapping; returns q");
 }
