@@ -13,7 +13,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -292,6 +292,53 @@ class Server:
 
 def kvfence_bin() -> str:
     return str(Path(sys.executable).with_name("kvfence"))
+
+
+def kvfence_server(
+    mode: str,
+    model: str | Path,
+    context_length: int,
+    kv_pool_tokens: int,
+    log: Path,
+    env: dict[str, str] | None = None,
+    extra: Sequence[str] = (),
+) -> Server:
+    """`kvfence serve` (mode "serve") or a 1 prefill + 1 decode `kvfence up` (mode "up") on a
+    free port, started (not yet ready): the servers the A/B scripts compare."""
+    port = free_port()
+    role = ["serve"] if mode == "serve" else ["up", "--prefill", "1", "--decode", "1"]
+    argv = [kvfence_bin(), *role, "--model", str(model), "--port", str(port)]
+    argv += ["--context-length", str(context_length), "--kv-pool-tokens", str(kv_pool_tokens)]
+    argv += ["--log-level", "warning", *extra]
+    return Server(argv, port, env, log=log)
+
+
+def interleaved_pairs(
+    sides: dict[str, Server],
+    pairs: int,
+    run: Callable[[Server, int], dict],
+    metrics: dict[str, Callable[[dict], float]],
+    label: str,
+) -> list[dict[str, dict[str, float]]]:
+    """A/B over two started servers, both kept up for the whole run and stopped at the end:
+    `pairs` rounds of run(server, seed) on each, the side that goes first alternating so drift
+    and warm-up favour neither. Per pair, each side's metrics; a line per pair shows the first
+    side's over the second's."""
+    a, b = sides
+    out = []
+    try:
+        for srv in sides.values():
+            srv.wait_ready()
+        for i in range(pairs):
+            order = [a, b] if i % 2 == 0 else [b, a]
+            res = {side: run(sides[side], i) for side in order}
+            out.append({side: {k: f(res[side]) for k, f in metrics.items()} for side in (a, b)})
+            ratios = " ".join(f"{k}={out[-1][a][k] / out[-1][b][k]:.3f}" for k in metrics)
+            print(f"[{label}] pair {i + 1}/{pairs} {a}/{b}: {ratios}", flush=True)
+    finally:
+        for srv in sides.values():
+            srv.stop()
+    return out
 
 
 def run_bench(

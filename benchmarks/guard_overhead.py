@@ -25,8 +25,8 @@ from benchmarks.common import (  # noqa: E402
     RESULTS,
     ROOT,
     Server,
-    free_port,
-    kvfence_bin,
+    interleaved_pairs,
+    kvfence_server,
     machine,
     new_figure,
     plot_available,
@@ -48,35 +48,6 @@ METRICS = {
 
 def guards_off_env() -> dict[str, str]:
     return {"KVFENCE_FAULT_INJECTION": "1", "KVFENCE_FAULTS": GUARDS_OFF}
-
-
-def start(mode: str, model: str, ctx: int, pool: int, env: dict[str, str], log: Path) -> Server:
-    port = free_port()
-    common = [
-        "--model",
-        model,
-        "--context-length",
-        str(ctx),
-        "--port",
-        str(port),
-        "--log-level",
-        "warning",
-    ]
-    if mode == "serve":
-        argv = [kvfence_bin(), "serve", *common, "--kv-pool-tokens", str(pool)]
-    else:
-        argv = [
-            kvfence_bin(),
-            "up",
-            "--prefill",
-            "1",
-            "--decode",
-            "1",
-            *common,
-            "--kv-pool-tokens",
-            str(pool),
-        ]
-    return Server(argv, port, env, log=log)
 
 
 def micro(page_bytes: int, pages: int, repeats: int) -> dict[str, float]:
@@ -165,45 +136,34 @@ def micro_i2(batch: int, ctx_tokens: int, page_size: int, repeats: int) -> dict[
 
 
 def run_mode(mode: str, a: argparse.Namespace, out: Path) -> dict:
-    on = start(mode, a.model, a.context_length, a.kv_pool_tokens, {}, out / f"{mode}-on.log")
-    off = start(
-        mode, a.model, a.context_length, a.kv_pool_tokens, guards_off_env(), out / f"{mode}-off.log"
-    )
-    try:
-        on.wait_ready()
-        off.wait_ready()
-        pairs = []
-        for i in range(a.pairs):
-            # Alternate which side goes first so drift and warm-up do not favour one.
-            order = [("on", on), ("off", off)] if i % 2 == 0 else [("off", off), ("on", on)]
-            res = {}
-            for name, srv in order:
-                res[name] = run_bench(
-                    srv.url,
-                    a.num_prompts,
-                    a.input_len,
-                    a.output_len,
-                    a.concurrency,
-                    a.vocab_size,
-                    seed=i,
-                )
-            pairs.append(res)
-            r = {k: f(res["off"]) / f(res["on"]) for k, f in METRICS.items()}
-            print(
-                f"[{mode}] pair {i + 1}/{a.pairs} off/on: "
-                + " ".join(f"{k}={v:.3f}" for k, v in r.items()),
-                flush=True,
-            )
-    finally:
-        on.stop()
-        off.stop()
-    ratios = {k: [f(p["off"]) / f(p["on"]) for p in pairs] for k, f in METRICS.items()}
+    sides = {
+        side: kvfence_server(
+            mode,
+            a.model,
+            a.context_length,
+            a.kv_pool_tokens,
+            out / f"{mode}-{side}.log",
+            env=guards_off_env() if side == "off" else None,
+        )
+        for side in ("off", "on")
+    }
+
+    def bench(srv: Server, seed: int) -> dict:
+        return run_bench(
+            srv.url,
+            a.num_prompts,
+            a.input_len,
+            a.output_len,
+            a.concurrency,
+            a.vocab_size,
+            seed=seed,
+        )
+
+    pairs = interleaved_pairs(sides, a.pairs, bench, METRICS, mode)
+    ratios = {k: [pr["off"][k] / pr["on"][k] for pr in pairs] for k in METRICS}
     return {
-        "server_commands": {"on": on.command, "off": off.command},
-        "pairs": [
-            {side: {k: f(p[side]) for k, f in METRICS.items()} for side in ("on", "off")}
-            for p in pairs
-        ],
+        "server_commands": {side: srv.command for side, srv in sides.items()},
+        "pairs": [{side: pr[side] for side in ("on", "off")} for pr in pairs],
         "ratios_off_over_on": ratios,
         "summary": {k: ratio_ci(v) for k, v in ratios.items()},
     }

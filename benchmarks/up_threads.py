@@ -18,8 +18,8 @@ from benchmarks.common import (  # noqa: E402
     RESULTS,
     Server,
     bench_model,
-    free_port,
-    kvfence_bin,
+    interleaved_pairs,
+    kvfence_server,
     machine,
     new_figure,
     plot_available,
@@ -36,31 +36,6 @@ METRICS = {
     "p50_itl_ms": lambda r: r["itl_ms"]["p50"],
     "p99_itl_ms": lambda r: r["itl_ms"]["p99"],
 }
-
-
-def start(model: Path, threads: int | None, a: argparse.Namespace, log: Path) -> Server:
-    port = free_port()
-    argv = [
-        kvfence_bin(),
-        "up",
-        "--prefill",
-        "1",
-        "--decode",
-        "1",
-        "--model",
-        str(model),
-        "--port",
-        str(port),
-        "--context-length",
-        str(a.context_length),
-        "--kv-pool-tokens",
-        str(a.kv_pool_tokens),
-        "--log-level",
-        "warning",
-    ]
-    if threads is not None:
-        argv += ["--threads", str(threads)]
-    return Server(argv, port, log=log)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -82,39 +57,25 @@ def main(argv: list[str] | None = None) -> int:
     model = bench_model(a.model, a.tiny)
     vocab = int(json.loads((model / "config.json").read_text())["vocab_size"])
     cores = len(os.sched_getaffinity(0))
+    # "split": up's default share of the cores; "all": every worker on every core.
     sides = {
-        "split": start(model, None, a, out / f"{a.name}-split.log"),  # up's default share
-        "all": start(model, cores, a, out / f"{a.name}-all.log"),
+        side: kvfence_server(
+            "up",
+            model,
+            a.context_length,
+            a.kv_pool_tokens,
+            out / f"{a.name}-{side}.log",
+            extra=["--threads", str(cores)] if side == "all" else [],
+        )
+        for side in ("split", "all")
     }
-    pairs = []
-    try:
-        for srv in sides.values():
-            srv.wait_ready()
-        for i in range(a.pairs):
-            order = ["split", "all"] if i % 2 == 0 else ["all", "split"]
-            res = {
-                side: run_bench(
-                    sides[side].url,
-                    a.num_prompts,
-                    a.input_len,
-                    a.output_len,
-                    a.concurrency,
-                    vocab,
-                    seed=i,
-                )
-                for side in order
-            }
-            pairs.append({side: {k: f(res[side]) for k, f in METRICS.items()} for side in res})
-            print(
-                f"pair {i + 1}/{a.pairs} split/all: "
-                + " ".join(
-                    f"{k}={pairs[-1]['split'][k] / pairs[-1]['all'][k]:.3f}" for k in METRICS
-                ),
-                flush=True,
-            )
-    finally:
-        for srv in sides.values():
-            srv.stop()
+
+    def bench(srv: Server, seed: int) -> dict:
+        return run_bench(
+            srv.url, a.num_prompts, a.input_len, a.output_len, a.concurrency, vocab, seed=seed
+        )
+
+    pairs = interleaved_pairs(sides, a.pairs, bench, METRICS, "up")
     ratios = {k: [pr["split"][k] / pr["all"][k] for pr in pairs] for k in METRICS}
     summary = {k: ratio_ci(v) for k, v in ratios.items()}
     for k, s in summary.items():
