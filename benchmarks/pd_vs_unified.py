@@ -1,5 +1,6 @@
 """PD (`kvfence up`: router + 1 prefill + 1 decode) vs unified (`kvfence serve`): TTFT and ITL by
-prompt length, one request at a time, interleaved by length and repeat. The hand-off's share of
+prompt length, one request at a time, interleaved by length and repeat; PD's workers run on every
+core each (`--threads`), as the unified server does. The hand-off's share of
 PD's TTFT is estimated as (TTFT_pd - TTFT_unified) / TTFT_pd: everything disaggregation adds
 (router hop, RESERVE, transfer, verification, commit) for the same compute.
 """
@@ -7,6 +8,7 @@ PD's TTFT is estimated as (TTFT_pd - TTFT_unified) / TTFT_pd: everything disaggr
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from pathlib import Path
 
@@ -15,9 +17,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from benchmarks.common import (  # noqa: E402
     RESULTS,
     ROOT,
-    Server,
-    free_port,
-    kvfence_bin,
+    kvfence_server,
     machine,
     new_figure,
     plot_available,
@@ -45,28 +45,19 @@ def main(argv: list[str] | None = None) -> int:
     out.mkdir(parents=True, exist_ok=True)
     cmd = this_command()
     lengths = [int(x) for x in a.lengths.split(",")]
-    common = [
-        "--model",
-        a.model,
-        "--context-length",
-        str(a.context_length),
-        "--kv-pool-tokens",
-        str(a.kv_pool_tokens),
-        "--log-level",
-        "warning",
-    ]
-    pu, pp = free_port(), free_port()
+    # One request at a time: PD's workers get every core each, as unified has, so the difference
+    # is the hand-off and not `kvfence up`'s default split of the cores between its workers.
+    cores = ["--threads", str(len(os.sched_getaffinity(0)))]
     servers = {
-        "unified": Server(
-            [kvfence_bin(), "serve", *common, "--port", str(pu)],
-            pu,
-            log=out / f"{a.name}-unified.log",
-        ),
-        "pd": Server(
-            [kvfence_bin(), "up", "--prefill", "1", "--decode", "1", *common, "--port", str(pp)],
-            pp,
-            log=out / f"{a.name}-pd.log",
-        ),
+        mode: kvfence_server(
+            "serve" if mode == "unified" else "up",
+            a.model,
+            a.context_length,
+            a.kv_pool_tokens,
+            out / f"{a.name}-{mode}.log",
+            extra=cores if mode == "pd" else (),
+        )
+        for mode in ("unified", "pd")
     }
     raw: dict[str, dict[int, list[dict]]] = {k: {n: [] for n in lengths} for k in servers}
     try:
