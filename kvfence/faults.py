@@ -32,6 +32,9 @@ POINTS = frozenset(
         "skip_mac",  # transfer connections accept frames whatever their MAC and sequence (I8)
         "tenant_from_header",  # the HTTP layer believes an X-Tenant header (I6)
         "skip_pairing_check",  # prefill and decode pair whatever facts they exchanged (I7)
+        "prefix_cache_ignore_namespace",  # prefix-cache keys and checks drop the namespace (I2)
+        "prefix_cache_skip_token_compare",  # a key match alone reuses a cached page (I2)
+        "write_sealed_page",  # the scheduler points a request's new tokens at a sealed page (I2)
     }
 )
 STALL_S = float(os.environ.get("KVFENCE_STALL_S", "3.0"))

@@ -1,0 +1,342 @@
+"""PrefixCache: the tenant-scoped prefix cache's bookkeeping (keys, entries, references, LRU).
+
+Pure logic over page ids: it never touches K/V tensors or the pool's side tables. The pool owns
+the pages (I2); this module decides which sealed pages a request may reuse, counts who holds
+them and which unreferenced ones to evict. Only full pages are cached. A page's key chains
+(namespace, parent key, the page's tokens) through a keyed hash under a per-process secret, in a
+typed, length-prefixed, domain-separated encoding, and a key match is confirmed against the
+entry's stored namespace and tokens before reuse: a hash alone is never trusted.
+"""
+
+from __future__ import annotations
+
+import enum
+import hashlib
+import secrets
+import struct
+import time
+from array import array
+from collections import OrderedDict
+from collections.abc import Callable, Hashable, Iterable, Sequence
+from dataclasses import dataclass, field
+
+from kvfence import faults
+
+KEY_BYTES = 32
+SECRET_BYTES = 32  # >= 16 (128 bits) is required; 32 is BLAKE2b's maximum key size
+_PERSON = b"kvfence-pfx-v1"  # BLAKE2b personalisation: these keys are prefix-cache page keys
+_U64 = struct.Struct("<Q")
+
+
+class NsKind(enum.Enum):
+    TENANT = 1  # a tenant's own pages (optionally narrowed by a cache_salt)
+    SHARED = 2  # pages lying entirely inside an operator-declared public prefix
+
+
+@dataclass(frozen=True)
+class Namespace:
+    """Who may reuse a page. Built by the server from the credential (I6), never from a body;
+    `salt` (the request's cache_salt) only narrows a tenant's namespace."""
+
+    kind: NsKind
+    tenant: str | None = None  # None only for SHARED
+    salt: str | None = None
+
+    def __post_init__(self) -> None:
+        if (self.kind is NsKind.SHARED) != (self.tenant is None):
+            raise ValueError("a tenant namespace names its tenant; the shared one names none")
+        if self.kind is NsKind.SHARED and self.salt is not None:
+            raise ValueError("the shared namespace has no salt")
+
+    @staticmethod
+    def of_tenant(tenant: str, salt: str | None = None) -> Namespace:
+        return Namespace(NsKind.TENANT, tenant, salt or None)
+
+    def encode(self) -> bytes:
+        """Typed, length-prefixed: no (tenant, salt) pair encodes like another, and a salt can
+        never read as a tenant or an adapter name (vLLM #44701)."""
+        out = _field(b"K", bytes([self.kind.value]))
+        if self.tenant is not None:
+            out += _field(b"T", self.tenant.encode("utf-8"))
+        out += _field(b"S", self.salt.encode("utf-8")) if self.salt is not None else b"N"
+        return out
+
+
+SHARED = Namespace(NsKind.SHARED)
+# The fault point's namespace: every tenant's pages look alike (what "ignore namespace" means).
+_NO_NAMESPACE = Namespace(NsKind.TENANT, "", None)
+
+
+def _field(tag: bytes, value: bytes) -> bytes:
+    return tag + _U64.pack(len(value)) + value
+
+
+class PageKeyer:
+    """key = BLAKE2b-256 keyed by a per-process secret over encode(namespace, parent, tokens)."""
+
+    def __init__(self, secret: bytes | None = None) -> None:
+        secret = secrets.token_bytes(SECRET_BYTES) if secret is None else secret
+        if not 16 <= len(secret) <= 64:
+            raise ValueError("the prefix cache secret must be 16..64 bytes")
+        self._secret = secret
+        self._ns_cache: dict[Namespace, bytes] = {}
+
+    def key(self, ns: Namespace, parent: bytes | None, tokens: Sequence[int]) -> bytes:
+        enc = self._ns_cache.get(ns)
+        if enc is None:
+            enc = self._ns_cache.setdefault(ns, encode_namespace(ns))
+        h = hashlib.blake2b(digest_size=KEY_BYTES, key=self._secret, person=_PERSON)
+        for part in encode_page(enc, parent, tokens):
+            h.update(part)
+        return h.digest()
+
+
+def encode_page(ns_field: bytes, parent: bytes | None, tokens: Sequence[int]) -> tuple[bytes, ...]:
+    """The hashed message, in parts: namespace field, parent (or root), token ids as int64.
+    Every part is tagged and length-prefixed, so the concatenation parses one way only."""
+    return (
+        ns_field,
+        _field(b"p", parent) if parent is not None else b"r",
+        _field(b"t", array("q", tokens).tobytes()),
+    )
+
+
+def encode_namespace(ns: Namespace) -> bytes:
+    return _field(b"n", ns.encode())
+
+
+class SharedPrefixes:
+    """Operator-declared public prefixes, as a trie of their full pages: a request's page is
+    shared only while every page up to and including it lies inside one declared prefix."""
+
+    def __init__(self, prefixes: Iterable[Sequence[int]], page_size: int) -> None:
+        self.root: dict[tuple[int, ...], dict] = {}
+        self.num_pages = 0
+        for p in prefixes:
+            node = self.root
+            for i in range(len(p) // page_size):
+                page = tuple(p[i * page_size : (i + 1) * page_size])
+                if page not in node:
+                    node[page] = {}
+                    self.num_pages += 1
+                node = node[page]
+
+
+@dataclass
+class PageChain:
+    """A request's full pages as the cache sees them: key and namespace of each, in order.
+    Grown as its tokens fill pages; `node` is its place in the shared-prefix trie (None once a
+    page left every declared prefix: from there on the tenant's own namespace)."""
+
+    tenant_ns: Namespace
+    keys: list[bytes] = field(default_factory=list)
+    namespaces: list[Namespace] = field(default_factory=list)
+    node: dict | None = None
+
+    def __len__(self) -> int:
+        return len(self.keys)
+
+
+@dataclass(eq=False)
+class CacheEntry:
+    page: int
+    key: bytes
+    parent: bytes | None
+    namespace: Namespace
+    tokens: tuple[int, ...]
+    last_use: float
+    refs: int = 0
+    children: int = 0  # cached entries whose parent is this one
+
+
+class PrefixCache:
+    """Sealed pages by key; references by holder (a grant id, never reused), so a holder's
+    release is exact even when its page list is suspect; LRU over unreferenced pages only."""
+
+    def __init__(
+        self,
+        page_size: int,
+        *,
+        keyer: PageKeyer | None = None,
+        shared: SharedPrefixes | None = None,
+        ttl: float | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        if ttl is not None and ttl <= 0:
+            raise ValueError("prefix cache ttl must be > 0")
+        self.page_size = page_size
+        self.keyer = keyer or PageKeyer()
+        self.shared = shared or SharedPrefixes((), page_size)
+        self.ttl = ttl
+        self.clock = clock
+        self._by_key: dict[bytes, CacheEntry] = {}
+        self._by_page: dict[int, CacheEntry] = {}
+        self._held: dict[Hashable, list[int]] = {}  # holder -> pages it references
+        # Unreferenced entries, least recently released first. A parent is referenced whenever
+        # a child is (holders hold whole chains) and released after it, so the front is a leaf.
+        self._lru: OrderedDict[int, None] = OrderedDict()
+        self._ns_ids: dict[Namespace, int] = {SHARED: 0}
+        self.hits = 0  # pages handed out by match
+        self.evictions = 0
+
+    # ---- keys ------------------------------------------------------------------------------
+
+    def chain(self, tokens: Sequence[int], tenant_ns: Namespace) -> PageChain:
+        c = PageChain(tenant_ns, node=self.shared.root if self.shared.num_pages else None)
+        self.extend(c, tokens)
+        return c
+
+    def extend(self, c: PageChain, tokens: Sequence[int]) -> None:
+        """Key every full page of tokens that c has not keyed yet."""
+        ps = self.page_size
+        ignore_ns = faults.active("prefix_cache_ignore_namespace")
+        for i in range(len(c.keys), len(tokens) // ps):
+            page = tuple(tokens[i * ps : (i + 1) * ps])
+            ns = c.tenant_ns
+            if c.node is not None:
+                c.node = c.node.get(page)
+                if c.node is not None:
+                    ns = SHARED
+            parent = c.keys[-1] if c.keys else None
+            c.keys.append(self.keyer.key(_NO_NAMESPACE if ignore_ns else ns, parent, page))
+            c.namespaces.append(ns)
+
+    def namespace_id(self, ns: Namespace) -> int:
+        """A small int per namespace for the pool's side table (0 is the shared one)."""
+        return self._ns_ids.setdefault(ns, len(self._ns_ids))
+
+    # ---- reuse -----------------------------------------------------------------------------
+
+    def match(
+        self, holder: Hashable, c: PageChain, tokens: Sequence[int], max_pages: int
+    ) -> list[int]:
+        """The longest run of cached pages that starts c (at most max_pages), each confirmed
+        against its stored namespace and tokens; holder now references them."""
+        ps = self.page_size
+        skip_compare = faults.active("prefix_cache_skip_token_compare")
+        ignore_ns = faults.active("prefix_cache_ignore_namespace")
+        pages: list[int] = []
+        for i in range(min(max_pages, len(c.keys))):
+            e = self._by_key.get(c.keys[i])
+            if e is None:
+                break
+            if not skip_compare and e.tokens != tuple(tokens[i * ps : (i + 1) * ps]):
+                break
+            if not ignore_ns and e.namespace != c.namespaces[i]:
+                break
+            pages.append(e.page)
+        now = self.clock()
+        for p in pages:
+            self._ref(self._by_page[p], now)
+        self._held.setdefault(holder, []).extend(pages)
+        self.hits += len(pages)
+        return pages
+
+    def seal(
+        self, holder: Hashable, c: PageChain, index: int, page: int, tokens: Sequence[int]
+    ) -> bool:
+        """Page `index` of c, fully written under holder's grant, becomes a cache entry that
+        holder references. False (nothing changed) when its key is cached already: the caller
+        keeps the page as its own and seals nothing after it, so every entry's parent is held
+        by whoever holds the entry."""
+        ps = self.page_size
+        key = c.keys[index]
+        if key in self._by_key or page in self._by_page:
+            return False
+        parent = c.keys[index - 1] if index else None
+        if parent is not None:
+            pe = self._by_key.get(parent)
+            if pe is None or pe.page not in self._held.get(holder, ()):
+                return False  # its parent is not this holder's cached page: no orphan chains
+            pe.children += 1
+        e = CacheEntry(
+            page,
+            key,
+            parent,
+            c.namespaces[index],
+            tuple(tokens[index * ps : (index + 1) * ps]),
+            self.clock(),
+        )
+        self._by_key[key] = e
+        self._by_page[page] = e
+        self._ref(e, e.last_use)
+        self._held.setdefault(holder, []).append(page)
+        return True
+
+    def release(self, holder: Hashable) -> None:
+        """Drop every reference holder has; its last-held pages become evictable, deepest
+        first (so a chain is evicted from its leaf)."""
+        pages = self._held.pop(holder, [])
+        now = self.clock()
+        for p in reversed(pages):
+            e = self._by_page[p]
+            assert e.refs > 0, "releasing an unreferenced cache page"
+            e.refs -= 1
+            if e.refs == 0:
+                e.last_use = now
+                self._lru[p] = None
+
+    def _ref(self, e: CacheEntry, now: float) -> None:
+        e.refs += 1
+        e.last_use = now
+        self._lru.pop(e.page, None)
+
+    # ---- eviction --------------------------------------------------------------------------
+
+    def evict(self, n: int) -> list[int]:
+        """Up to n least recently used unreferenced pages leave the cache; the caller returns
+        them to the pool. A referenced page is never among them."""
+        out: list[int] = []
+        while len(out) < n and self._lru:
+            out.append(self._drop(next(iter(self._lru))))
+        return out
+
+    def expire(self) -> list[int]:
+        """Unreferenced pages unused for longer than the ttl leave the cache."""
+        if self.ttl is None:
+            return []
+        limit = self.clock() - self.ttl
+        out: list[int] = []
+        while self._lru:
+            e = self._by_page[next(iter(self._lru))]
+            if e.last_use > limit:
+                break
+            out.append(self._drop(e.page))
+        return out
+
+    def _drop(self, page: int) -> int:
+        e = self._by_page[page]
+        assert e.refs == 0 and e.children == 0, "evicting a referenced or inner cache page"
+        del self._lru[page]
+        del self._by_page[page]
+        del self._by_key[e.key]
+        if e.parent is not None:
+            self._by_key[e.parent].children -= 1
+        self.evictions += 1
+        return page
+
+    # ---- views -----------------------------------------------------------------------------
+
+    def is_cached(self, page: int) -> bool:
+        return page in self._by_page
+
+    def entry(self, page: int) -> CacheEntry | None:
+        return self._by_page.get(page)
+
+    def refcount(self, page: int) -> int:
+        return self._by_page[page].refs
+
+    def held(self, holder: Hashable) -> list[int]:
+        return list(self._held.get(holder, ()))
+
+    @property
+    def num_cached(self) -> int:
+        return len(self._by_page)
+
+    @property
+    def num_evictable(self) -> int:
+        return len(self._lru)
+
+    @property
+    def num_holders(self) -> int:
+        return len(self._held)
