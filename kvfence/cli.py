@@ -68,6 +68,34 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
         action="store_true",
         help="debug: fill freed KV pages with NaN so any stale read shows up",
     )
+    add_prefix_cache_args(p)
+
+
+def add_prefix_cache_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--enable-prefix-caching",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="reuse the KV of cached prompt prefixes within a tenant (default: on)",
+    )
+    p.add_argument(
+        "--disable-radix-cache",
+        dest="enable_prefix_caching",
+        action="store_false",
+        help="SGLang's name for --no-enable-prefix-caching",
+    )
+    p.add_argument(
+        "--shared-prefix-file",
+        default=None,
+        help="JSON list of public prefixes (texts or token-id lists) every tenant may reuse; "
+        "what it declares is public by definition",
+    )
+    p.add_argument(
+        "--prefix-cache-ttl",
+        type=float,
+        default=None,
+        help="seconds an unused cached page may stay (default: until evicted for space)",
+    )
 
 
 def engine_config(args: argparse.Namespace) -> EngineConfig:
@@ -90,6 +118,9 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         seed=args.seed,
         unsafe_skip_preflight=args.unsafe_skip_preflight,
         kv_poison_on_free=args.kv_poison_on_free,
+        enable_prefix_caching=args.enable_prefix_caching,
+        shared_prefix_file=args.shared_prefix_file,
+        prefix_cache_ttl=args.prefix_cache_ttl,
     )
 
 
@@ -178,7 +209,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         "check-protocol", help="model-check the KV transfer protocol (formal/)", add_help=False
     )
     sub.add_parser(
-        "leakcheck", help="check any OpenAI endpoint's answers for other requests' KV",
+        "leakcheck",
+        help="check any OpenAI endpoint's answers for other requests' KV",
         add_help=False,
     )
     argv = list(sys.argv[1:] if argv is None else argv)

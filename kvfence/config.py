@@ -42,6 +42,11 @@ class EngineConfig:
     # the incident's fault 1, so the other guards can be shown to hold without I7.
     unsafe_skip_preflight: bool = False
     kv_poison_on_free: bool = False  # debug: NaN-fill freed pages so any stale read shows
+    # The tenant-scoped prefix cache (kvfence/kv/prefix.py): on unless asked off. Its namespace
+    # is the tenant's; the shared-prefix file declares public prefixes every tenant may reuse.
+    enable_prefix_caching: bool = True
+    shared_prefix_file: str | None = None
+    prefix_cache_ttl: float | None = None  # seconds an unused cached page may stay
 
     def __post_init__(self) -> None:
         if self.device != "cpu" and not self.device.startswith("cuda"):
@@ -81,6 +86,10 @@ class EngineConfig:
             raise ConfigError("--unsafe-skip-preflight is for tests: set KVFENCE_FAULT_INJECTION=1")
         if self.threads is not None and self.threads < 1:
             raise ConfigError(f"--threads {self.threads}: must be >= 1")
+        if self.prefix_cache_ttl is not None and not self.prefix_cache_ttl > 0:
+            raise ConfigError(f"--prefix-cache-ttl {self.prefix_cache_ttl}: must be > 0")
+        if self.shared_prefix_file is not None and not self.enable_prefix_caching:
+            raise ConfigError("--shared-prefix-file needs --enable-prefix-caching")
         if self.max_running_requests < 1:
             raise ConfigError(f"--max-running-requests {self.max_running_requests}: must be >= 1")
 

@@ -103,8 +103,14 @@ def test_poison_on_free_nans_freed_pages_and_answers_stay_exact(checkpoint_dir) 
 def test_poison_twin_a_stale_read_shows_as_nan_garbage(checkpoint_dir) -> None:
     """With the tag check off, a page table pointing at a freed page reads poison: the answer
     is visibly broken instead of silently carrying someone's stale data."""
+    # The cache off: the first answer's pages must go back to the free list (poisoned), not
+    # stay cached, for the page table below to point at a freed page.
     llm = LLM(
-        str(checkpoint_dir("llama")), kv_pool_tokens=256, context_length=128, kv_poison_on_free=True
+        str(checkpoint_dir("llama")),
+        kv_pool_tokens=256,
+        context_length=128,
+        kv_poison_on_free=True,
+        enable_prefix_caching=False,
     )
     prompt = random_prompts([40], vocab=256, seed=13)[0]
     [want] = llm.generate([prompt], PARAMS)

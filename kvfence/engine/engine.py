@@ -27,6 +27,7 @@ from kvfence.engine.runner import ModelRunner, StepResult
 from kvfence.engine.scheduler import ScheduledChunk, Scheduler, SchedulerLimits
 from kvfence.engine.sequence import SeqMode, SeqStatus, Sequence
 from kvfence.kv.pool import KVPool
+from kvfence.kv.prefix import PrefixCache, PrefixCacheStats, SharedPrefixes, load_shared_prefixes
 from kvfence.kv.sizing import CapacityError, PoolPlan, plan_for_engine, require_fits
 from kvfence.model.config import ModelConfig
 from kvfence.model.loader import TORCH_DTYPES, load_model
@@ -63,6 +64,7 @@ class EngineStats:
     handoff: int = 0  # sequences whose pages a transfer holds
     pages_handoff: int = 0  # their pages
     integrity_failures: int = 0  # requests failed closed by the ownership check (I2)
+    prefix_cache: PrefixCacheStats | None = None  # None: the prefix cache is off
 
 
 class Engine:
@@ -84,6 +86,7 @@ class Engine:
         self.tokenizer = Tokenizer(cfg.model)
         self.model = load_model(cfg.model, cfg.dtype, self.device)
         self.model.init_rope(self.context_length, self.device)
+        self.prefix_caching = cfg.enable_prefix_caching
         self.pool = KVPool(
             num_layers=self.model_config.num_layers,
             num_pages=self.plan.pool_pages,
@@ -93,6 +96,7 @@ class Engine:
             dtype=TORCH_DTYPES[cfg.effective_kv_cache_dtype],
             device=self.device,
             poison_on_free=cfg.kv_poison_on_free,
+            prefix=self._prefix_cache() if cfg.enable_prefix_caching else None,
         )
         self.limits = AdmissionLimits(
             context_length=self.context_length,
@@ -124,6 +128,20 @@ class Engine:
         self._stopping = threading.Event()
         self.hooks: HandoffHooks | None = None
         self.integrity_failures = 0
+
+    def _prefix_cache(self) -> PrefixCache:
+        shared: list[list[int]] = []
+        if self.cfg.shared_prefix_file is not None:
+            shared = load_shared_prefixes(
+                self.cfg.shared_prefix_file,
+                lambda text: self.tokenizer.encode(text, add_special_tokens=False),
+                self.model_config.vocab_size,
+            )
+        return PrefixCache(
+            self.cfg.page_size,
+            shared=SharedPrefixes(shared, self.cfg.page_size),
+            ttl=self.cfg.prefix_cache_ttl,
+        )
 
     # ---- called from any thread -------------------------------------------------------------
 
@@ -167,6 +185,7 @@ class Engine:
             handoff=len(self.scheduler.handoff),
             pages_handoff=self._pages_in_handoff(),
             integrity_failures=self.integrity_failures,
+            prefix_cache=self.pool.prefix.stats() if self.pool.prefix is not None else None,
         )
 
     def _pages_in_handoff(self) -> int:
@@ -302,6 +321,9 @@ class Engine:
             chunk.seq.num_computed = chunk.start + chunk.length
         for chunk in result.rejected:
             self._fail_integrity(chunk.seq)
+        for chunk in chunks:
+            if chunk.seq.status is SeqStatus.RUNNING:  # not failed closed just now
+                self.scheduler.seal(chunk.seq)
         if result.samples is None:
             return
         s = result.samples

@@ -68,6 +68,7 @@ def emit(
             error=error,
             error_code=code,
             error_status=status,
+            cached_tokens=seq.cached_tokens,
         )
     )
 

@@ -42,6 +42,8 @@ class GenerateRequest:
     prompt_token_ids: tuple[int, ...]
     sampling: SamplingParams
     peer: str | None = None  # PD decode: the prefill bootstrap address the router picked
+    # vLLM's request field: a sub-namespace of the prefix cache *inside* tenant (narrows only).
+    cache_salt: str | None = None
 
 
 class FinishReason(enum.StrEnum):
@@ -72,6 +74,7 @@ class RequestOutput:
     error: str | None = None  # set with FinishReason.ERROR: the reason the client sees
     error_code: str | None = None
     error_status: int | None = None  # HTTP status for the error; None: 500
+    cached_tokens: int = 0  # prompt tokens whose KV came from the prefix cache
 
     @property
     def finished(self) -> bool:

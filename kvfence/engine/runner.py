@@ -12,13 +12,14 @@ import torch
 
 from kvfence import faults
 from kvfence.engine.scheduler import ScheduledChunk
-from kvfence.kv.pool import KVPool
+from kvfence.kv.pool import KVPool, SealedReads
 from kvfence.model import kernels
 from kvfence.model.attention import AttentionMetadata, NativeDecodeGroup, build_group
 from kvfence.model.llama import CausalLM
 from kvfence.model.sampling import SampleResult, SamplingBatch, sample
 
 T = TypeVar("T")
+NO_NAMESPACE = -4  # a row outside the prefix cache (PD modes): matches no sealed page
 
 
 @dataclass
@@ -180,12 +181,35 @@ class ModelRunner:
         must_hold = cols < held[:, None]
         grants = torch.tensor([c.seq.grant.grant_id for c in chunks], device=self.device)
         tenants = torch.tensor([c.seq.grant.tenant_id for c in chunks], device=self.device)
-        bad = self.pool.check_owned(table, grants, tenants, valid, must_hold).tolist()
+        sealed = self._sealed_reads(chunks, table.shape[1], cols)
+        bad = self.pool.check_owned(table, grants, tenants, valid, must_hold, sealed).tolist()
         if not any(bad) or faults.active("skip_tag_check"):
             return chunks, []
         return [c for c, b in zip(chunks, bad, strict=True) if not b], [
             c for c, b in zip(chunks, bad, strict=True) if b
         ]
+
+    def _sealed_reads(
+        self, chunks: list[ScheduledChunk], width: int, cols: torch.Tensor
+    ) -> SealedReads | None:
+        """Which sealed pages each row may read: those wholly before its chunk whose key is its
+        prefix's key there, in its namespace (None: no prefix cache, so no sealed page)."""
+        prefix = self.pool.prefix
+        if prefix is None:
+            return None
+        tags, ns = [], []
+        for c in chunks:
+            chain = c.seq.chain
+            row = chain.tags[:width] if chain is not None else []
+            tags.append(row + [0] * (width - len(row)))
+            ns.append(prefix.namespace_id(chain.tenant_ns) if chain is not None else NO_NAMESPACE)
+        ps = self.pool.page_size
+        first_written = torch.tensor([c.start // ps for c in chunks], device=self.device)
+        return SealedReads(
+            read_only=cols < first_written[:, None],
+            ns_ids=torch.tensor(ns, dtype=torch.int64, device=self.device),
+            key_tags=torch.tensor(tags, dtype=torch.int64, device=self.device),
+        )
 
     def _sampling_batch(self, chunks: list[ScheduledChunk]) -> SamplingBatch:
         params = [c.seq.admitted.request.sampling for c in chunks]

@@ -1,5 +1,7 @@
 """Scheduler: continuous batching with chunked prefill, FIFO entry to the pool, and preemption
-by recompute (newest first) when a running sequence needs a page and none is free."""
+by recompute (newest first) when a running sequence needs a page and none is free. With the
+prefix cache, a sequence enters holding the cached pages that start its tokens and computes only
+the rest; its full pages are sealed into the cache as they fill."""
 
 from __future__ import annotations
 
@@ -7,8 +9,10 @@ import logging
 from collections import deque
 from dataclasses import dataclass
 
+from kvfence import faults
 from kvfence.engine.sequence import SeqMode, SeqStatus, Sequence
 from kvfence.kv.pool import KVPool, OwnershipError
+from kvfence.kv.prefix import Namespace
 
 log = logging.getLogger("kvfence.engine")
 
@@ -70,8 +74,8 @@ class Scheduler:
                 del self.handoff[seq.request_id]
             if pages_suspect:
                 assert seq.grant is not None
-                self.pool.free_grant(seq.grant)
-                seq.pages, seq.grant = [], None
+                self.pool.free_grant(seq.grant)  # and drops its cache references, by grant
+                seq.pages, seq.num_sealed, seq.grant = [], 0, None
             else:
                 self._release(seq)
         elif seq.status is SeqStatus.WAITING:
@@ -79,6 +83,7 @@ class Scheduler:
         seq.status = SeqStatus.FINISHED
 
     def schedule(self) -> list[ScheduledChunk]:
+        self.pool.expire_prefix()
         chunks: list[ScheduledChunk] = []
         preempted_before = self.num_preemptions
         decoding = [s for s in self.running if s.in_decode]
@@ -106,12 +111,15 @@ class Scheduler:
             and len(self.running) < self.limits.max_running_requests
         ):
             seq = self.waiting[0]
-            needed = self.pool.pages_for(len(seq.token_ids))
-            if needed > self.pool.num_free:
+            hit = self._lookup(seq)
+            # The hit's pages are shared, not taken; those nobody references yet stop being
+            # evictable once this sequence holds them.
+            needed = self.pool.pages_for(len(seq.token_ids)) - len(hit)
+            if needed > self.pool.num_free - self.pool.num_evictable_among(hit):
                 break  # FIFO: later arrivals never overtake the head of the queue
             self.waiting.popleft()
             seq.grant = self.pool.new_grant(seq.tenant, seq.request_id)
-            seq.pages = self.pool.allocate(seq.grant, needed)
+            self._enter(seq, len(hit), needed)
             if seq.mode is SeqMode.DECODE_ONLY and not seq.output_ids:
                 # Pre-allocated for the whole prompt; its KV arrives by transfer, not compute.
                 seq.status = SeqStatus.HANDOFF
@@ -124,6 +132,53 @@ class Scheduler:
             chunks.append(ScheduledChunk(seq, seq.num_computed, n))
             budget -= n
         return chunks
+
+    def _lookup(self, seq: Sequence) -> list[int]:
+        """The cached pages seq may start from (none outside FULL mode or without a cache). At
+        least its last token is always computed: that step samples the next one."""
+        prefix = self.pool.prefix
+        if prefix is None or seq.mode is not SeqMode.FULL:
+            return []
+        if seq.chain is None:
+            ns = Namespace.of_tenant(seq.tenant, seq.admitted.request.cache_salt)
+            seq.chain = prefix.chain(seq.token_ids, ns)
+        else:
+            prefix.extend(seq.chain, seq.token_ids)  # tokens it generated before a preemption
+        max_pages = (len(seq.token_ids) - 1) // self.pool.page_size
+        return [e.page for e in prefix.lookup(seq.chain, seq.token_ids, max_pages)]
+
+    def _enter(self, seq: Sequence, n_hit: int, n_new: int) -> None:
+        """seq takes its n_hit cached pages by reference and n_new pages under its grant."""
+        assert seq.grant is not None
+        shared: list[int] = []
+        if n_hit:
+            assert seq.chain is not None
+            shared = self.pool.match_prefix(seq.grant, seq.chain, seq.token_ids, n_hit)
+            assert len(shared) == n_hit, "the cache changed between lookup and match"
+        seq.pages = shared + self.pool.allocate(seq.grant, n_new)
+        if shared and n_new and faults.active("write_sealed_page"):
+            # The bug this point stands for: the new tokens' page table entry names the last
+            # sealed page, so the forward would overwrite KV that other requests read.
+            seq.pages[n_hit] = shared[-1]
+        seq.num_sealed = n_hit
+        seq.may_seal = True
+        seq.num_computed = n_hit * self.pool.page_size
+        if not seq.output_ids:
+            seq.cached_tokens = seq.num_computed
+
+    def seal(self, seq: Sequence) -> None:
+        """Seal seq's full, computed pages into the prefix cache (they stay its pages to read,
+        by reference now; the grant no longer owns them)."""
+        if seq.chain is None or not seq.may_seal or seq.grant is None:
+            return
+        full = seq.num_computed // self.pool.page_size
+        if full <= seq.num_sealed:
+            return
+        self.pool.prefix.extend(seq.chain, seq.token_ids)
+        run = seq.pages[seq.num_sealed : full]
+        sealed = self.pool.seal(seq.grant, seq.chain, seq.num_sealed, run, seq.token_ids)
+        seq.num_sealed += sealed
+        seq.may_seal = sealed == len(run)
 
     def _ensure_slot(self, seq: Sequence) -> bool:
         """Make sure seq has a page for its next token, preempting newer sequences if needed.
@@ -150,8 +205,9 @@ class Scheduler:
 
     def _release(self, seq: Sequence) -> None:
         assert seq.grant is not None
+        self.pool.release_prefix(seq.grant)
         try:
-            self.pool.free(seq.grant, seq.pages)
+            self.pool.free(seq.grant, seq.own_pages)
         except OwnershipError:
             # The page list is corrupt (a bug elsewhere): free what the grant really owns, so
             # the pool stays sound and no foreign page is handed out twice.
@@ -160,4 +216,5 @@ class Scheduler:
             )
             self.pool.free_grant(seq.grant)
         seq.pages = []
+        seq.num_sealed = 0
         seq.grant = None

@@ -11,6 +11,7 @@ import torch
 from kvfence.engine.admission import Admitted
 from kvfence.engine.request import FinishReason, RequestOutput, TokenLogprob
 from kvfence.kv.pool import Grant
+from kvfence.kv.prefix import PageChain
 from kvfence.model.tokenizer import IncrementalDetokenizer
 
 
@@ -48,6 +49,18 @@ class Sequence:
     finish_reason: FinishReason | None = None
     pending_logprobs: list[TokenLogprob] = field(default_factory=list)
     num_preemptions: int = 0
+    # Prefix cache (FULL mode only): the keys of its full pages; how many leading `pages` are
+    # cache pages it references (matched, or its own sealed) rather than pages its grant owns;
+    # sealing stops for good once the cache refused a page (a twin computed it first).
+    chain: PageChain | None = None
+    num_sealed: int = 0
+    may_seal: bool = True
+    cached_tokens: int = 0  # prompt tokens reused at the admission that produced its output
+
+    @property
+    def own_pages(self) -> list[int]:
+        """The pages its grant owns (all but the leading cache pages)."""
+        return self.pages[self.num_sealed :]
 
     def __post_init__(self) -> None:
         if not self.token_ids:

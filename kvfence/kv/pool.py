@@ -1,8 +1,11 @@
 """KVPool: paged K/V tensors and the ownership side tables (I2, I4). Pages are not zeroed on free.
 
-A page is free or owned by exactly one Grant. The side tables (owner grant, owner tenant,
-generation) are tensors so a batch's ownership check is one vectorised compare. The generation of
-a page bumps on every free, so a page table entry taken before a free can never validate after it.
+A page is free or owned by exactly one Grant, or (with the prefix cache) sealed: immutable,
+owned by the cache (kvfence/kv/prefix.py keeps its keys and references) and readable by the rows
+of its namespace whose prefix has its key there. The side tables (owner grant, owner tenant,
+generation, and a sealed page's namespace and key) are tensors so a batch's ownership check is
+one vectorised compare. The generation of a page bumps on every free, so a page table entry
+taken before a free can never validate after it.
 """
 
 from __future__ import annotations
@@ -13,8 +16,13 @@ from dataclasses import dataclass
 
 import torch
 
+from kvfence import faults
+from kvfence.kv.prefix import PageChain, PrefixCache
+
 FREE = -1
 NULL_OWNER = -2
+CACHE_OWNER = -3  # a sealed page: the prefix cache's, no grant's; never written again
+SHARED_NS = 0  # PrefixCache.namespace_id of the declared public prefixes
 NULL_PAGE = 0  # a zeroed page never handed out: padding in gathers points here
 
 
@@ -47,7 +55,9 @@ class KVPool:
         dtype: torch.dtype,
         device: torch.device | str,
         poison_on_free: bool = False,
+        prefix: PrefixCache | None = None,
     ) -> None:
+        self.prefix = prefix
         self.poison_on_free = poison_on_free  # debug: NaN-fill freed pages so stale reads show
         self.num_layers = num_layers
         self.num_pages = num_pages  # usable pages; the null page comes on top
@@ -70,6 +80,9 @@ class KVPool:
         # The grant whose data a page holds (set when its K/V are written, never cleared on free):
         # a page that is owned but holds someone else's stale data fails the read check.
         self.written_by = torch.full((total,), FREE, dtype=torch.int64, device=self.device)
+        # A sealed page's namespace id and key tag (kvfence.kv.prefix.key_tag).
+        self.sealed_ns = torch.full((total,), FREE, dtype=torch.int64, device=self.device)
+        self.sealed_key = torch.zeros((total,), dtype=torch.int64, device=self.device)
         self._free: deque[int] = deque(range(1, total))
         self._grant_ids = itertools.count(1)
         self._tenant_ids: dict[str, int] = {}
@@ -80,11 +93,25 @@ class KVPool:
 
     @property
     def num_free(self) -> int:
-        return len(self._free)
+        """Pages an allocation can take now: the free list and cached pages no request
+        references (evicted on demand)."""
+        return len(self._free) + (self.prefix.num_evictable if self.prefix else 0)
 
     @property
     def num_used(self) -> int:
-        return self.num_pages - len(self._free)
+        """Pages some request holds: owned by its grant, or a cache page it references."""
+        return self.num_pages - self.num_free
+
+    @property
+    def num_cached(self) -> int:
+        return self.prefix.num_cached if self.prefix else 0
+
+    def num_evictable_among(self, pages: list[int]) -> int:
+        """How many of these cached pages no request references (they leave the evictable set
+        once someone matches them)."""
+        if self.prefix is None:
+            return 0
+        return sum(1 for p in pages if self.prefix.refcount(p) == 0)
 
     def pages_for(self, n_tokens: int) -> int:
         return -(-n_tokens // self.page_size)
@@ -97,8 +124,11 @@ class KVPool:
 
     def allocate(self, grant: Grant, n_pages: int) -> list[int]:
         """Take n_pages for grant, all or nothing. Returns the page ids."""
+        if n_pages > self.num_free:
+            raise PoolExhausted(f"need {n_pages} pages, {self.num_free} free")
         if n_pages > len(self._free):
-            raise PoolExhausted(f"need {n_pages} pages, {len(self._free)} free")
+            assert self.prefix is not None
+            self._drop_sealed(self.prefix.evict(n_pages - len(self._free)))
         pages = [self._free.popleft() for _ in range(n_pages)]
         if pages:
             idx = torch.tensor(pages, dtype=torch.int64, device=self.device)
@@ -119,7 +149,9 @@ class KVPool:
 
     def free_grant(self, grant: Grant) -> int:
         """Return every page grant owns, found from the side table rather than a page list that
-        may be corrupt (the path after an ownership check failed). Returns the page count."""
+        may be corrupt (the path after an ownership check failed), and drop its cache
+        references (kept by grant, not by page list). Returns the page count."""
+        self.release_prefix(grant)
         idx = torch.nonzero(self.owner_grant == grant.grant_id).flatten()
         self._release(idx)
         self._free.extend(idx.tolist())
@@ -141,9 +173,12 @@ class KVPool:
         tenant_ids: torch.Tensor,
         valid: torch.Tensor,
         must_hold: torch.Tensor | None = None,
+        sealed_reads: SealedReads | None = None,
     ) -> torch.Tensor:
         """Rows whose pages are not all owned by the row's grant and tenant, or (where must_hold)
-        do not hold data the grant wrote: one compare per batch.
+        do not hold data the grant wrote: one compare per batch. With sealed_reads, a page the
+        row only reads may instead be a sealed page of the row's namespace (or the shared one)
+        whose key is the one the row's prefix has there; a page the row writes never may.
 
         page_ids [B, P] (padding anywhere `valid` is False), grant_ids [B], tenant_ids [B],
         must_hold [B, P]: pages the row will read. Returns bool [B], True = fail closed.
@@ -154,8 +189,86 @@ class KVPool:
         )
         if must_hold is not None:
             ok &= (self.written_by[page_ids] == g) | ~must_hold
+        if sealed_reads is not None:
+            sealed = (
+                sealed_reads.read_only
+                & (self.owner_grant[page_ids] == CACHE_OWNER)
+                & (self.sealed_key[page_ids] == sealed_reads.key_tags)
+            )
+            if not faults.active("prefix_cache_ignore_namespace"):
+                ns = self.sealed_ns[page_ids]
+                sealed &= (ns == sealed_reads.ns_ids[:, None]) | (ns == SHARED_NS)
+            ok |= sealed
         return ~(ok | ~valid).all(dim=1)
 
     def mark_written(self, page_ids: torch.Tensor, grant_ids: torch.Tensor) -> None:
         """Record that these pages now hold data written under these grants (same shapes)."""
         self.written_by[page_ids] = grant_ids
+
+    # ---- the prefix cache's pages -----------------------------------------------------------
+
+    def match_prefix(self, grant: Grant, chain: PageChain, tokens: list[int], n: int) -> list[int]:
+        """The first n cached pages of chain (confirmed against their stored tokens), now
+        referenced by grant: shared read-only, never owned by it."""
+        assert self.prefix is not None
+        return self.prefix.match(grant.grant_id, chain, tokens, n)
+
+    def seal(
+        self, grant: Grant, chain: PageChain, start: int, pages: list[int], tokens: list[int]
+    ) -> int:
+        """pages (chain's pages start, start + 1, ...) pass from grant to the cache, in order,
+        until one cannot: a page grant does not own or did not write, or one whose key is cached
+        already. Returns how many did; grant keeps a reference to each."""
+        assert self.prefix is not None
+        if not pages:
+            return 0
+        idx = torch.tensor(pages, dtype=torch.int64, device=self.device)
+        ours = (
+            (self.owner_grant[idx] == grant.grant_id)
+            & (self.owner_tenant[idx] == grant.tenant_id)
+            & (self.written_by[idx] == grant.grant_id)
+        ).tolist()
+        n_ours = ours.index(False) if False in ours else len(ours)
+        n = self.prefix.seal_run(grant.grant_id, chain, start, pages[:n_ours], tokens)
+        if n:
+            idx = idx[:n]
+            self.owner_grant[idx] = CACHE_OWNER
+            self.owner_tenant[idx] = CACHE_OWNER
+            ns = [self.prefix.namespace_id(x) for x in chain.namespaces[start : start + n]]
+            self.sealed_ns[idx] = torch.tensor(ns, dtype=torch.int64, device=self.device)
+            tags = chain.tags[start : start + n]
+            self.sealed_key[idx] = torch.tensor(tags, dtype=torch.int64, device=self.device)
+        return n
+
+    def release_prefix(self, grant: Grant) -> None:
+        """Drop every cache reference grant holds (its pages stay cached, evictable if no one
+        else holds them)."""
+        if self.prefix is not None:
+            self.prefix.release(grant.grant_id)
+
+    def expire_prefix(self) -> None:
+        """The ttl: cached pages no one used for that long go back to the free list."""
+        if self.prefix is not None and self.prefix.ttl is not None:
+            self._drop_sealed(self.prefix.expire())
+
+    def _drop_sealed(self, pages: list[int]) -> None:
+        """Evicted cache pages (no reference left) back to the free list, poisoned if asked."""
+        if not pages:
+            return
+        idx = torch.tensor(pages, dtype=torch.int64, device=self.device)
+        assert bool((self.owner_grant[idx] == CACHE_OWNER).all()), "evicting an unsealed page"
+        self._release(idx)
+        self.sealed_ns[idx] = FREE
+        self.sealed_key[idx] = 0
+        self._free.extend(pages)
+
+
+@dataclass(frozen=True)
+class SealedReads:
+    """What a batch's rows may read from sealed pages: read_only [B, P] (pages wholly before
+    the chunk), ns_ids [B] (each row's own namespace id), key_tags [B, P] (the keys its
+    prefix has at each page, 0 past its full pages)."""
+
+    read_only: torch.Tensor
+    ns_ids: torch.Tensor
+    key_tags: torch.Tensor

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import enum
 import hashlib
+import json
 import secrets
 import struct
 import time
@@ -19,6 +20,7 @@ from array import array
 from collections import OrderedDict
 from collections.abc import Callable, Hashable, Iterable, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from kvfence import faults
 
@@ -105,6 +107,12 @@ def encode_namespace(ns: Namespace) -> bytes:
     return _field(b"n", ns.encode())
 
 
+def key_tag(key: bytes) -> int:
+    """A key's first 64 bits as a signed int64: what the pool's per-page table holds, so the
+    per-batch read check compares a row's expected keys with the pages' in one tensor op."""
+    return int.from_bytes(key[:8], "little", signed=True)
+
+
 class SharedPrefixes:
     """Operator-declared public prefixes, as a trie of their full pages: a request's page is
     shared only while every page up to and including it lies inside one declared prefix."""
@@ -122,6 +130,32 @@ class SharedPrefixes:
                 node = node[page]
 
 
+def load_shared_prefixes(
+    path: str, encode: Callable[[str], list[int]], vocab_size: int
+) -> list[list[int]]:
+    """--shared-prefix-file: a JSON list whose items are texts (encoded without special tokens,
+    exactly as they appear inside a rendered prompt) or token-id lists."""
+    flag = f"--shared-prefix-file {path}"
+    try:
+        data = json.loads(Path(path).read_text(encoding="utf-8"))
+    except (OSError, ValueError) as e:
+        raise ValueError(f"{flag}: {e}") from e
+    if not isinstance(data, list):
+        raise ValueError(f"{flag}: expected a JSON list of texts or token-id lists")
+    out: list[list[int]] = []
+    for i, item in enumerate(data):
+        if isinstance(item, str):
+            ids = encode(item)
+        elif isinstance(item, list) and all(type(t) is int for t in item):
+            ids = item
+        else:
+            raise ValueError(f"{flag}: item {i} is neither a text nor a list of token ids")
+        if not ids or not all(0 <= t < vocab_size for t in ids):
+            raise ValueError(f"{flag}: item {i} is empty or has a token id outside the vocabulary")
+        out.append(ids)
+    return out
+
+
 @dataclass
 class PageChain:
     """A request's full pages as the cache sees them: key and namespace of each, in order.
@@ -131,10 +165,20 @@ class PageChain:
     tenant_ns: Namespace
     keys: list[bytes] = field(default_factory=list)
     namespaces: list[Namespace] = field(default_factory=list)
+    tags: list[int] = field(default_factory=list)  # key_tag of each key: the pool's side table
     node: dict | None = None
 
     def __len__(self) -> int:
         return len(self.keys)
+
+
+@dataclass(frozen=True)
+class PrefixCacheStats:
+    queries: int  # prompt tokens looked up
+    hits: int  # of those, tokens whose KV was reused
+    pages: int  # pages the cache holds
+    evictable: int  # of those, referenced by no request
+    evictions: int
 
 
 @dataclass(eq=False)
@@ -176,7 +220,8 @@ class PrefixCache:
         # a child is (holders hold whole chains) and released after it, so the front is a leaf.
         self._lru: OrderedDict[int, None] = OrderedDict()
         self._ns_ids: dict[Namespace, int] = {SHARED: 0}
-        self.hits = 0  # pages handed out by match
+        self.queried_tokens = 0
+        self.hit_tokens = 0
         self.evictions = 0
 
     # ---- keys ------------------------------------------------------------------------------
@@ -198,8 +243,10 @@ class PrefixCache:
                 if c.node is not None:
                     ns = SHARED
             parent = c.keys[-1] if c.keys else None
-            c.keys.append(self.keyer.key(_NO_NAMESPACE if ignore_ns else ns, parent, page))
+            key = self.keyer.key(_NO_NAMESPACE if ignore_ns else ns, parent, page)
+            c.keys.append(key)
             c.namespaces.append(ns)
+            c.tags.append(key_tag(key))
 
     def namespace_id(self, ns: Namespace) -> int:
         """A small int per namespace for the pool's side table (0 is the shared one)."""
@@ -207,15 +254,13 @@ class PrefixCache:
 
     # ---- reuse -----------------------------------------------------------------------------
 
-    def match(
-        self, holder: Hashable, c: PageChain, tokens: Sequence[int], max_pages: int
-    ) -> list[int]:
-        """The longest run of cached pages that starts c (at most max_pages), each confirmed
-        against its stored namespace and tokens; holder now references them."""
+    def lookup(self, c: PageChain, tokens: Sequence[int], max_pages: int) -> list[CacheEntry]:
+        """The longest run of cached entries that starts c (at most max_pages), each confirmed
+        against its stored namespace and tokens. Takes no reference."""
         ps = self.page_size
         skip_compare = faults.active("prefix_cache_skip_token_compare")
         ignore_ns = faults.active("prefix_cache_ignore_namespace")
-        pages: list[int] = []
+        out: list[CacheEntry] = []
         for i in range(min(max_pages, len(c.keys))):
             e = self._by_key.get(c.keys[i])
             if e is None:
@@ -224,12 +269,21 @@ class PrefixCache:
                 break
             if not ignore_ns and e.namespace != c.namespaces[i]:
                 break
-            pages.append(e.page)
+            out.append(e)
+        return out
+
+    def match(
+        self, holder: Hashable, c: PageChain, tokens: Sequence[int], max_pages: int
+    ) -> list[int]:
+        """lookup(), and holder now references the pages found."""
+        found = self.lookup(c, tokens, max_pages)
         now = self.clock()
-        for p in pages:
-            self._ref(self._by_page[p], now)
+        for e in found:
+            self._ref(e, now)
+        pages = [e.page for e in found]
         self._held.setdefault(holder, []).extend(pages)
-        self.hits += len(pages)
+        self.queried_tokens += len(tokens)
+        self.hit_tokens += len(pages) * self.page_size
         return pages
 
     def seal(
@@ -262,6 +316,20 @@ class PrefixCache:
         self._ref(e, e.last_use)
         self._held.setdefault(holder, []).append(page)
         return True
+
+    def seal_run(
+        self,
+        holder: Hashable,
+        c: PageChain,
+        start: int,
+        pages: Sequence[int],
+        tokens: Sequence[int],
+    ) -> int:
+        """seal() pages[k] as page start + k of c, in order, until one is refused: the count."""
+        for k, page in enumerate(pages):
+            if not self.seal(holder, c, start + k, page, tokens):
+                return k
+        return len(pages)
 
     def release(self, holder: Hashable) -> None:
         """Drop every reference holder has; its last-held pages become evictable, deepest
@@ -314,6 +382,15 @@ class PrefixCache:
             self._by_key[e.parent].children -= 1
         self.evictions += 1
         return page
+
+    def stats(self) -> PrefixCacheStats:
+        return PrefixCacheStats(
+            self.queried_tokens,
+            self.hit_tokens,
+            len(self._by_page),
+            len(self._lru),
+            self.evictions,
+        )
 
     # ---- views -----------------------------------------------------------------------------
 

@@ -137,6 +137,7 @@ def build_app(
             req.choices_per_prompt,
             bool(req.stream),
             req.include_usage,
+            req.cache_salt,
         )
 
     @app.post("/v1/chat/completions")
@@ -166,6 +167,7 @@ def build_app(
             req.choices_per_prompt,
             bool(req.stream),
             req.include_usage,
+            req.cache_salt,
         )
 
     return app
@@ -365,11 +367,18 @@ def _token_text(engine: EngineLike, as_ids: bool | None = False) -> Any:
 class _Progress:
     """Accumulates outputs per choice and feeds the latency/finish metrics as they arrive."""
 
-    def __init__(self, state: AppState, rec: RequestRecord, n_choices: int, prompt_tokens: int):
+    def __init__(
+        self, state: AppState, rec: RequestRecord, n_choices: int, prompt_tokens: int, n: int
+    ):
         self.metrics = state.metrics
         self.rec = rec
         self.choices = [ChoiceState(i) for i in range(n_choices)]
         self.prompt_tokens = prompt_tokens
+        # A prompt counts once however many choices it has (as prompt_tokens does): its first
+        # choice's reuse is the prompt's. None: the engine has no prefix cache to report.
+        self.n = n
+        self.reports_cache = bool(getattr(state.engine, "prefix_caching", False))
+        self.cached = [0] * n_choices
         self._first_token_at: float | None = None
         self._last_at: list[float | None] = [None] * n_choices
 
@@ -388,6 +397,7 @@ class _Progress:
         c.logprobs.extend(out.logprobs)
         c.text_offset += len(out.new_text)
         c.completion_tokens = out.completion_tokens  # cumulative per the engine contract
+        self.cached[index] = out.cached_tokens
         self.rec.completion_tokens = sum(x.completion_tokens for x in self.choices)
         if out.finish_reason is not None:
             c.finish_reason = out.finish_reason.value
@@ -397,8 +407,9 @@ class _Progress:
                 self.metrics.e2e.observe(now - self.rec.start)
         return c
 
-    def usage(self) -> dict[str, int]:
-        return usage(self.prompt_tokens, self.rec.completion_tokens)
+    def usage(self) -> dict[str, Any]:
+        cached = sum(self.cached[:: self.n]) if self.reports_cache else None
+        return usage(self.prompt_tokens, self.rec.completion_tokens, cached)
 
 
 def _engine_failure(out: RequestOutput) -> APIError:
@@ -431,6 +442,7 @@ async def _generate(
     n: int,
     stream: bool,
     include_usage: bool,
+    cache_salt: str | None = None,
 ) -> Response:
     rec = _record(request)
     rec.request_id = ids[0]
@@ -444,6 +456,7 @@ async def _generate(
             sampling=sampling,
             # Set by the router in PD mode; only a decode worker reads it.
             peer=request.headers.get("x-kvfence-prefill"),
+            cache_salt=cache_salt,
         )
         for p, prompt in enumerate(prompts)
         for j in range(n)
@@ -454,7 +467,7 @@ async def _generate(
         rejected = await gen.submit()
         if rejected is not None:
             raise APIError(400, rejected.message, code=rejected.code, param=rejected.param)
-        progress = _Progress(state, rec, len(reqs), sum(len(p) for p in prompts))
+        progress = _Progress(state, rec, len(reqs), sum(len(p) for p in prompts), n)
         rec.prompt_tokens = progress.prompt_tokens
         gen.watch_disconnect(request.receive)
         if not stream:

@@ -60,8 +60,8 @@ class _PoolCollector(Collector):
             return
         for name, doc, value in (
             ("kvfence_pool_pages_total", "KV pool pages in total.", s.pages_total),
-            ("kvfence_pool_pages_used", "KV pool pages owned by a grant.", s.pages_used),
-            ("kvfence_pool_pages_free", "KV pool pages on the free list.", s.pages_free),
+            ("kvfence_pool_pages_used", "KV pool pages a request holds.", s.pages_used),
+            ("kvfence_pool_pages_free", "KV pool pages free or only cached.", s.pages_free),
             ("kvfence_pool_page_size_tokens", "Tokens per KV page.", s.page_size),
             ("kvfence_pool_tokens", "KV pool capacity in tokens.", s.pool_tokens),
             ("kvfence_requests_running", "Requests the scheduler is running.", s.running),
@@ -78,11 +78,48 @@ class _PoolCollector(Collector):
                 "Requests failed closed by the KV page ownership check (I2).",
                 value=failures,
             )
+        yield from _prefix_cache_metrics(s)
         preemptions = getattr(s, "preemptions", None)
         if preemptions is not None:
             yield CounterMetricFamily(
                 "kvfence_preemptions", "Sequences preempted for pages.", value=float(preemptions)
             )
+
+
+def _prefix_cache_metrics(s: Any) -> Iterator[Metric]:
+    """Node-wide prefix cache figures. No tenant label, on purpose: a per-tenant hit count is
+    another tenant's hit state for whoever reads it."""
+    pc = getattr(s, "prefix_cache", None)
+    if pc is None:
+        return
+    yield CounterMetricFamily(
+        "kvfence_prefix_cache_queries",
+        "Prompt tokens looked up in the prefix cache.",
+        value=float(pc.queries),
+    )
+    yield CounterMetricFamily(
+        "kvfence_prefix_cache_hits",
+        "Prompt tokens whose KV came from the prefix cache.",
+        value=float(pc.hits),
+    )
+    yield GaugeMetricFamily(
+        "kvfence_prefix_cache_hit_rate",
+        "Prefix cache hits / queries since start (tokens).",
+        value=pc.hits / pc.queries if pc.queries else 0.0,
+    )
+    yield GaugeMetricFamily(
+        "kvfence_prefix_cache_pages", "KV pages held by the prefix cache.", value=float(pc.pages)
+    )
+    yield GaugeMetricFamily(
+        "kvfence_prefix_cache_evictable_pages",
+        "Prefix cache pages no request references (evicted first when pages are needed).",
+        value=float(pc.evictable),
+    )
+    yield CounterMetricFamily(
+        "kvfence_prefix_cache_evictions",
+        "Prefix cache pages evicted (for space or by the ttl).",
+        value=float(pc.evictions),
+    )
 
 
 class ServerMetrics:

@@ -52,6 +52,8 @@ class _SamplingFields(_Strict):
     frequency_penalty: float | None = None
     logit_bias: dict[str, Any] | None = None
     best_of: int | None = None
+    # vLLM's field: narrows prefix-cache sharing to requests of this tenant with the same salt.
+    cache_salt: str | None = Field(default=None, min_length=1, max_length=256)
 
     @field_validator("stop")
     @classmethod
@@ -233,12 +235,19 @@ class ChoiceState:
     finish_reason: str | None = None
 
 
-def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
-    return {
+def usage(
+    prompt_tokens: int, completion_tokens: int, cached_tokens: int | None = None
+) -> dict[str, Any]:
+    """OpenAI's usage; prompt_tokens_details.cached_tokens where the server caches prefixes.
+    The count is this request's own reuse, within its tenant (or declared public prefixes)."""
+    out: dict[str, Any] = {
         "prompt_tokens": prompt_tokens,
         "completion_tokens": completion_tokens,
         "total_tokens": prompt_tokens + completion_tokens,
     }
+    if cached_tokens is not None:
+        out["prompt_tokens_details"] = {"cached_tokens": cached_tokens}
+    return out
 
 
 def completion_logprobs(
@@ -292,7 +301,7 @@ class CompletionFormat:
             "choices": choices,
         }
 
-    def body(self, choices: list[ChoiceState], use: dict[str, int]) -> dict[str, Any]:
+    def body(self, choices: list[ChoiceState], use: dict[str, Any]) -> dict[str, Any]:
         out = self._envelope(
             [
                 {
@@ -332,7 +341,7 @@ class CompletionFormat:
         }
         return [self._envelope([choice])]
 
-    def usage_chunk(self, use: dict[str, int]) -> dict[str, Any]:
+    def usage_chunk(self, use: dict[str, Any]) -> dict[str, Any]:
         out = self._envelope([])
         out["usage"] = use
         return out
@@ -350,7 +359,7 @@ class ChatFormat(CompletionFormat):
             "choices": choices,
         }
 
-    def body(self, choices: list[ChoiceState], use: dict[str, int]) -> dict[str, Any]:
+    def body(self, choices: list[ChoiceState], use: dict[str, Any]) -> dict[str, Any]:
         out = self._envelope(
             [
                 {

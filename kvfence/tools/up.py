@@ -136,7 +136,9 @@ def worker_args(args: argparse.Namespace, role: str) -> list[str]:
         if value is None or (value == action.default and not action.required):
             continue  # the worker's own default is the same one
         flag = action.option_strings[0]
-        if action.nargs == 0:
+        if isinstance(action, argparse.BooleanOptionalAction):
+            out.append(flag if value else action.option_strings[1])
+        elif action.nargs == 0:
             out.append(flag)
         else:
             out += [flag, str(value)]
