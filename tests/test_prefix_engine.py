@@ -1,0 +1,173 @@
+"""The prefix cache in the unified engine: greedy output is token-exact with the cache on, off
+and transformers, for every supported architecture, with many requests sharing prefixes under
+staggered batching, chunked prefill, forced preemption and eviction; reference counts and free
+pages return to baseline; aborts and identical concurrent requests keep counts exact."""
+
+from __future__ import annotations
+
+import argparse
+
+import pytest
+from conftest import hf_greedy, random_prompts
+from prefix_harness import Ask, assert_baseline, run_waves
+
+from kvfence.cli import add_engine_args, engine_config
+from kvfence.config import ConfigError, EngineConfig
+from kvfence.engine.llm import LLM
+from kvfence.engine.request import FinishReason, GenerateRequest, SamplingParams
+from kvfence.tools.up import worker_args
+
+PAGE = 16
+MAX_NEW = 16
+GREEDY = SamplingParams(max_tokens=MAX_NEW, temperature=0.0, ignore_eos=True)
+
+
+def sharing_prompts(seed: int) -> list[list[int]]:
+    """Prompts over two bases: suffixes of several lengths, an exact repeat, a prompt that
+    ends on a page boundary, one that is a strict prefix of a base, and two unrelated ones."""
+    base_a, base_b, *other = random_prompts([3 * PAGE + 4, 2 * PAGE, 21, 40], 256, seed)
+    tails = random_prompts([1, 5, PAGE, 20, 37], 256, seed + 1)
+    return [
+        base_a + tails[0],
+        base_a + tails[1],
+        base_b + tails[2],
+        base_a + tails[3],
+        base_a + tails[1],  # an exact repeat
+        base_a[: 2 * PAGE],  # ends on a page boundary: its last token is recomputed
+        base_b + tails[4],
+        base_b,
+        base_a[: PAGE + 3],
+        *other,
+        base_a + tails[2],
+    ]
+
+
+def waves_of(prompts: list[list[int]], tenant: str = "t") -> list[list[Ask]]:
+    asks = [Ask(f"r{i}", p, tenant) for i, p in enumerate(prompts)]
+    return [asks[:2], asks[2:5], asks[5:9], asks[9:]]
+
+
+@pytest.mark.parametrize("arch", ["llama", "mistral", "qwen2", "qwen3"])
+def test_token_exact_with_cache_on_off_and_transformers(arch: str, checkpoint_dir) -> None:
+    model_dir = checkpoint_dir(arch)
+    prompts = sharing_prompts(seed=11)
+    want = hf_greedy(model_dir, prompts, MAX_NEW)
+    # Tight: 16 pages for 12 requests of up to 6 pages each forces preemption and eviction;
+    # chunks of 24 straddle page boundaries.
+    on = LLM(str(model_dir), kv_pool_tokens=256, context_length=128, chunked_prefill_size=24)
+    got_on = run_waves(on.engine, waves_of(prompts), GREEDY)
+    off = LLM(
+        str(model_dir),
+        kv_pool_tokens=2048,
+        context_length=128,
+        chunked_prefill_size=24,
+        enable_prefix_caching=False,
+    )
+    got_off = run_waves(off.engine, waves_of(prompts), GREEDY)
+    for i, w in enumerate(want):
+        assert got_off[f"r{i}"].tokens == w, f"{arch}: cache off, prompt {i} diverged"
+        assert got_on[f"r{i}"].tokens == w, f"{arch}: cache on, prompt {i} diverged"
+        assert got_off[f"r{i}"].cached == 0
+    stats = on.engine.stats()
+    assert stats.preemptions > 0, "the pool was meant to run out"
+    assert stats.prefix_cache is not None and stats.prefix_cache.hits > 0
+    assert sum(a.cached for a in got_on.values()) > 0
+    assert got_on["r4"].cached >= 3 * PAGE  # the exact repeat reused its whole base
+    assert_baseline(on.engine)
+    assert_baseline(off.engine)
+    assert off.engine.stats().prefix_cache is None
+
+
+def test_eviction_under_pressure_keeps_answers_exact(checkpoint_dir) -> None:
+    """More distinct prefixes than the pool holds: cached pages are evicted (never referenced
+    ones), later repeats recompute or reuse, and answers never change."""
+    model_dir = str(checkpoint_dir("llama"))
+    prompts = random_prompts([40] * 8, 256, seed=5)
+    params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+    want = [c.token_ids for c in LLM(model_dir, kv_pool_tokens=2048).generate(prompts, params)]
+    llm = LLM(model_dir, kv_pool_tokens=128, context_length=128)
+    for _ in range(2):
+        for i, p in enumerate(prompts):
+            [c] = llm.generate([p], params)
+            assert c.token_ids == want[i]
+    s = llm.engine.stats()
+    assert s.prefix_cache is not None and s.prefix_cache.evictions > 0
+    assert_baseline(llm.engine)
+
+
+def test_identical_requests_at_once_and_aborts_keep_counts_exact(checkpoint_dir) -> None:
+    """n > 1 in the engine's eyes: identical prompts in flight together; then aborts in prefill
+    and in decode of requests that hold cache pages. Every count returns to baseline."""
+    model_dir = str(checkpoint_dir("llama"))
+    llm = LLM(model_dir, kv_pool_tokens=1024, context_length=128, chunked_prefill_size=20)
+    engine = llm.engine
+    [prompt] = random_prompts([50], 256, seed=9)
+    [want] = hf_greedy(checkpoint_dir("llama"), [prompt], MAX_NEW)
+    got = run_waves(engine, [[Ask(f"n{j}", prompt) for j in range(4)]], GREEDY)
+    assert all(a.tokens == want for a in got.values())
+    assert_baseline(engine)
+    # Now the prompt's pages are cached: three more hold them; abort one right after it
+    # entered and one a few tokens later.
+    outs: dict[str, list] = {"x": [], "y": [], "z": []}
+    for rid in outs:
+        engine.submit(GenerateRequest(rid, "t", tuple(prompt), GREEDY), outs[rid].append)
+    engine.step()
+    assert engine.pool.prefix.num_holders == 3
+    engine.abort("x")
+    for _ in range(3):
+        engine.step()
+    engine.abort("y")
+    while not (outs["z"] and outs["z"][-1].finished):
+        engine.step()
+    assert outs["x"][-1].finish_reason is FinishReason.ABORT
+    assert outs["y"][-1].finish_reason is FinishReason.ABORT
+    assert [t for o in outs["z"] for t in o.new_token_ids] == want
+    assert outs["z"][-1].cached_tokens == 3 * PAGE
+    assert_baseline(engine)
+
+
+def test_sealed_pages_fill_as_decoding_goes(checkpoint_dir) -> None:
+    """A request's generated tokens are sealed too once their page is full: a follow-up turn
+    that repeats the answer reuses it (multi-turn chat)."""
+    model_dir = str(checkpoint_dir("llama"))
+    llm = LLM(model_dir, kv_pool_tokens=1024, context_length=128)
+    [prompt] = random_prompts([20], 256, seed=4)
+    params = SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True)
+    [first] = llm.generate([prompt], params)
+    turn2 = prompt + first.token_ids + random_prompts([6], 256, seed=8)[0]
+    got = run_waves(llm.engine, [[Ask("t2", turn2, tenant="default")]], params)
+    assert got["t2"].cached == 3 * PAGE  # 56 tokens, all but the last partial page
+    [want] = hf_greedy(checkpoint_dir("llama"), [turn2], 30)
+    assert got["t2"].tokens == want
+    assert_baseline(llm.engine)
+
+
+def test_flags_and_config() -> None:
+    p = argparse.ArgumentParser()
+    add_engine_args(p)
+    on = engine_config(p.parse_args(["--model", "m"]))
+    assert on.enable_prefix_caching and on.shared_prefix_file is None
+    for flags in (["--no-enable-prefix-caching"], ["--disable-radix-cache"]):
+        assert not engine_config(p.parse_args(["--model", "m", *flags])).enable_prefix_caching
+    cfg = engine_config(
+        p.parse_args(["--model", "m", "--shared-prefix-file", "f", "--prefix-cache-ttl", "9"])
+    )
+    assert (cfg.shared_prefix_file, cfg.prefix_cache_ttl) == ("f", 9.0)
+    with pytest.raises(ConfigError):
+        EngineConfig(model="m", prefix_cache_ttl=0)
+    with pytest.raises(ConfigError):
+        EngineConfig(model="m", enable_prefix_caching=False, shared_prefix_file="f")
+    # `kvfence up` passes "off" on to its workers.
+    up = argparse.ArgumentParser()
+    add_engine_args(up)
+    for a in (
+        "--api-key-file",
+        "--log-level",
+        "--disaggregation-timeout",
+        "--cluster-secret-file",
+        "--disaggregation-transfer-backend",
+    ):
+        up.add_argument(a, default=None)
+    args = up.parse_args(["--model", "m", "--no-enable-prefix-caching"])
+    args.log_level, args.disaggregation_transfer_backend = "info", "tcp"
+    assert not p.parse_known_args(worker_args(args, "decode"))[0].enable_prefix_caching
