@@ -105,6 +105,9 @@ def test_identical_requests_at_once_and_aborts_keep_counts_exact(checkpoint_dir)
     [want] = hf_greedy(checkpoint_dir("llama"), [prompt], MAX_NEW)
     got = run_waves(engine, [[Ask(f"n{j}", prompt) for j in range(4)]], GREEDY)
     assert all(a.tokens == want for a in got.values())
+    # The first computes the prompt; the others wait a step for its pages and share them.
+    assert [got[f"n{j}"].cached for j in range(4)] == [0, 3 * PAGE, 3 * PAGE, 3 * PAGE]
+    assert not engine.scheduler.inflight
     assert_baseline(engine)
     # Now the prompt's pages are cached: three more hold them; abort one right after it
     # entered and one a few tokens later.

@@ -45,6 +45,9 @@ class Scheduler:
         self.handoff: dict[str, Sequence] = {}  # pages held for a KV transfer
         self.reserved: list[Sequence] = []  # DECODE_ONLY entries given pages this step
         self.num_preemptions = 0
+        # Cache keys of pages a running sequence is computing and will seal: an identical
+        # prompt (n > 1, a retry) waits for them rather than computing them a second time.
+        self.inflight: dict[bytes, Sequence] = {}
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
@@ -74,6 +77,7 @@ class Scheduler:
                 del self.handoff[seq.request_id]
             if pages_suspect:
                 assert seq.grant is not None
+                self._forget_inflight(seq)
                 self.pool.free_grant(seq.grant)  # and drops its cache references, by grant
                 seq.pages, seq.num_sealed, seq.grant = [], 0, None
             else:
@@ -112,6 +116,8 @@ class Scheduler:
         ):
             seq = self.waiting[0]
             hit = self._lookup(seq)
+            if self._awaits_twin(seq, len(hit)):
+                break  # its next page is being computed right now; it reuses it next step
             # The hit's pages are shared, not taken; those nobody references yet stop being
             # evictable once this sequence holds them.
             needed = self.pool.pages_for(len(seq.token_ids)) - len(hit)
@@ -147,6 +153,17 @@ class Scheduler:
         max_pages = (len(seq.token_ids) - 1) // self.pool.page_size
         return [e.page for e in prefix.lookup(seq.chain, seq.token_ids, max_pages)]
 
+    def _awaits_twin(self, seq: Sequence, n_hit: int) -> bool:
+        if seq.chain is None or n_hit >= (len(seq.token_ids) - 1) // self.pool.page_size:
+            return False
+        return self.inflight.get(seq.chain.keys[n_hit], seq) is not seq
+
+    def _forget_inflight(self, seq: Sequence) -> None:
+        if seq.chain is not None:
+            for key in seq.chain.keys:
+                if self.inflight.get(key) is seq:
+                    del self.inflight[key]
+
     def _enter(self, seq: Sequence, n_hit: int, n_new: int) -> None:
         """seq takes its n_hit cached pages by reference and n_new pages under its grant."""
         assert seq.grant is not None
@@ -162,6 +179,9 @@ class Scheduler:
             seq.pages[n_hit] = shared[-1]
         seq.num_sealed = n_hit
         seq.may_seal = True
+        if seq.chain is not None:
+            for key in seq.chain.keys[n_hit:]:
+                self.inflight.setdefault(key, seq)
         seq.num_computed = n_hit * self.pool.page_size
         if not seq.output_ids:
             seq.cached_tokens = seq.num_computed
@@ -177,8 +197,13 @@ class Scheduler:
         self.pool.prefix.extend(seq.chain, seq.token_ids)
         run = seq.pages[seq.num_sealed : full]
         sealed = self.pool.seal(seq.grant, seq.chain, seq.num_sealed, run, seq.token_ids)
+        for key in seq.chain.keys[seq.num_sealed : seq.num_sealed + sealed]:
+            if self.inflight.get(key) is seq:
+                del self.inflight[key]
         seq.num_sealed += sealed
         seq.may_seal = sealed == len(run)
+        if not seq.may_seal:
+            self._forget_inflight(seq)
 
     def _ensure_slot(self, seq: Sequence) -> bool:
         """Make sure seq has a page for its next token, preempting newer sequences if needed.
@@ -205,6 +230,7 @@ class Scheduler:
 
     def _release(self, seq: Sequence) -> None:
         assert seq.grant is not None
+        self._forget_inflight(seq)
         self.pool.release_prefix(seq.grant)
         try:
             self.pool.free(seq.grant, seq.own_pages)
