@@ -157,9 +157,7 @@ class KVPool:
         must_hold [B, P]: pages the row will read. Returns bool [B], True = fail closed.
         """
         g = grant_ids[:, None]
-        ok = (self._owner_grant[page_ids] == g) & (
-            self._owner_tenant[page_ids] == tenant_ids[:, None]
-        )
+        ok = self._owned(page_ids, g, tenant_ids[:, None])
         if must_hold is not None:
             ok &= (self._written_by[page_ids] == g) | ~must_hold
         return ~(ok | ~valid).all(dim=1)
@@ -181,11 +179,7 @@ class KVPool:
     def check_destination(self, grant: Grant, pages: Sequence[int]) -> list[bool]:
         """A transfer's destination: per page, True where grant and its tenant still own it (a
         write into any other page must be refused)."""
-        idx = self._index(pages)
-        ok = (self._owner_grant[idx] == grant.grant_id) & (
-            self._owner_tenant[idx] == grant.tenant_id
-        )
-        return ok.tolist()
+        return self._owned(self._index(pages), grant.grant_id, grant.tenant_id).tolist()
 
     def mark_written(
         self, grant: Grant | torch.Tensor, pages: Sequence[int] | torch.Tensor
@@ -202,6 +196,13 @@ class KVPool:
             f"owners={self._owner_grant[idx].tolist()} "
             f"written_by={self._written_by[idx].tolist()}"
         )
+
+    def _owned(
+        self, idx: torch.Tensor, grant_id: torch.Tensor | int, tenant_id: torch.Tensor | int
+    ) -> torch.Tensor:
+        """Per page: owned by this grant AND its tenant (both compared, neither implies the
+        other where a page table or a grant is corrupt)."""
+        return (self._owner_grant[idx] == grant_id) & (self._owner_tenant[idx] == tenant_id)
 
     def _index(self, pages: Sequence[int] | torch.Tensor) -> torch.Tensor:
         if isinstance(pages, torch.Tensor):
