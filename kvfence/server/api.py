@@ -339,20 +339,19 @@ def _request_ids(count: int) -> list[str]:
 
 
 def _encode_prompts(tokenizer: TokenizerLike, prompts: list[str | list[int]]) -> list[list[int]]:
-    return [tokenizer.encode(p) if isinstance(p, str) else p for p in prompts]
+    # An empty string is an empty prompt (admission's 400), not a lone BOS to continue from.
+    return [(tokenizer.encode(p) if p else []) if isinstance(p, str) else p for p in prompts]
 
 
 def _render_chat(tokenizer: TokenizerLike, messages: list[dict[str, Any]]) -> list[int]:
     try:
-        text = tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+        return tokenizer.encode_chat(messages, add_generation_prompt=True)
     except ValueError as e:  # ChatTemplateError: templates refuse some message orders
         raise bad_request(
             f"The chat template rejected these messages: {e}",
             code="invalid_messages",
             param="messages",
         ) from e
-    # The template already wrote BOS and friends; encoding must not add them twice.
-    return tokenizer.encode(text, add_special_tokens=False)
 
 
 def _token_text(engine: EngineLike, as_ids: bool | None = False) -> Any:
