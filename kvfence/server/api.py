@@ -23,7 +23,7 @@ from starlette.types import Receive, Scope, Send
 from kvfence import faults
 from kvfence.engine.request import FinishReason, GenerateRequest, RequestOutput, SamplingParams
 from kvfence.server.app_state import AppState, EngineLike, Event, Generation, TokenizerLike
-from kvfence.server.auth import Authenticator, load_api_keys
+from kvfence.server.auth import Authenticator, load_api_keys, single_authorization
 from kvfence.server.errors import (
     INVALID_REQUEST,
     SERVER_ERROR,
@@ -272,7 +272,7 @@ def _record(request: Request) -> RequestRecord:
 
 def _authenticate(state: AppState, request: Request) -> str:
     # I6: the tenant comes from the credential only; body fields and headers never name it.
-    tenant = state.auth.tenant_for(request.headers.get("authorization"))
+    tenant = state.auth.tenant_for(single_authorization(request.headers.getlist("authorization")))
     if faults.active("tenant_from_header") and request.headers.get("x-tenant"):
         tenant = request.headers["x-tenant"]  # the bug I6 forbids, for its twin test only
     _record(request).tenant = tenant
