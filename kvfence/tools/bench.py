@@ -356,6 +356,12 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         help="write the system prompts here (JSON list) for a server's --shared-prefix-file",
     )
     p.add_argument("--num-turns", type=int, default=4, help="multi-turn: turns per chat")
+    p.add_argument(
+        "--text-words",
+        choices=("letters", "ids"),
+        default="letters",
+        help="text prompts: random 3-letter words, or w<id> words (a word-level tokenizer)",
+    )
     p.add_argument("--model", default=None, help="default: the first of GET /v1/models")
     p.add_argument(
         "--prompt-format",
@@ -411,7 +417,7 @@ async def bench(a: argparse.Namespace) -> tuple[int, dict[str, Any]]:
         return DatasetArgs(
             name, n, a.input_len, a.vocab_size, seed, not use_ids, keys, a.cache_salt,
             a.num_groups, a.prompts_per_group, a.system_prompt_len, a.question_len,
-            a.one_system_prompt, a.num_turns,
+            a.one_system_prompt, a.num_turns, a.text_words,
         )
 
     try:

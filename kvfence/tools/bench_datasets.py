@@ -43,11 +43,18 @@ class DatasetArgs:
     one_system_prompt: bool = False  # every group shares one public system prompt
     # multi-turn
     num_turns: int = 4
+    # text prompts: random 3-letter words (about a token each in BPE vocabularies), or "ids":
+    # words `w<id>` that a word-level benchmark tokenizer maps one to one
+    text_words: str = "letters"
 
 
-def random_prompt(rng: random.Random, n: int, vocab: int, as_text: bool) -> Prompt:
+def random_prompt(
+    rng: random.Random, n: int, vocab: int, as_text: bool, words: str = "letters"
+) -> Prompt:
     """n random token ids (ids 0..9 avoided: specials live there in most vocabularies), or n
-    random lowercase words of about one token each for servers that take text only."""
+    random words for servers that take text only (see DatasetArgs.text_words)."""
+    if as_text and words == "ids":
+        return " ".join(f"w{rng.randrange(10, vocab)}" for _ in range(n))
     if as_text:
         return " ".join("".join(rng.choices(_LETTERS, k=3)) for _ in range(n))
     return [rng.randrange(10, vocab) for _ in range(n)]
@@ -71,31 +78,31 @@ def salt_for(api_key: str | None, mode: str) -> dict[str, Any]:
 
 
 def make_sessions(a: DatasetArgs) -> list[Session]:
-    rng = random.Random(a.seed)
+    base = random.Random(a.seed)
     keys = a.api_keys or (None,)
+
+    def draw(n: int, as_text: bool) -> Prompt:
+        return random_prompt(base, n, a.vocab, as_text, a.text_words)
+
     if a.dataset == "random":
         return [
             Session(
                 keys[i % len(keys)],
-                (random_prompt(rng, a.input_len, a.vocab, a.as_text),),
+                (draw(a.input_len, a.as_text),),
                 salt_for(keys[i % len(keys)], a.cache_salt),
             )
             for i in range(a.num_prompts)
         ]
     if a.dataset == "shared-prefix":
-        one = random_prompt(rng, a.system_prompt_len, a.vocab, a.as_text)
+        one = draw(a.system_prompt_len, a.as_text)
         sessions = []
         for g in range(a.num_groups):
             key = keys[g % len(keys)]
-            system = (
-                one
-                if a.one_system_prompt
-                else random_prompt(rng, a.system_prompt_len, a.vocab, a.as_text)
-            )
+            system = one if a.one_system_prompt else draw(a.system_prompt_len, a.as_text)
             for _ in range(a.prompts_per_group):
-                q = random_prompt(rng, a.question_len, a.vocab, a.as_text)
+                q = draw(a.question_len, a.as_text)
                 sessions.append(Session(key, (join(system, q),), salt_for(key, a.cache_salt)))
-        rng.shuffle(sessions)  # groups interleave, as SGLang's generator does
+        base.shuffle(sessions)  # groups interleave, as SGLang's generator does
         return sessions
     if a.dataset == "multi-turn":
         if not a.as_text:
@@ -103,11 +110,8 @@ def make_sessions(a: DatasetArgs) -> list[Session]:
         return [
             Session(
                 keys[i % len(keys)],
-                (random_prompt(rng, a.input_len, a.vocab, True),)
-                + tuple(
-                    random_prompt(rng, a.question_len, a.vocab, True)
-                    for _ in range(a.num_turns - 1)
-                ),
+                (draw(a.input_len, True),)
+                + tuple(draw(a.question_len, True) for _ in range(a.num_turns - 1)),
                 salt_for(keys[i % len(keys)], a.cache_salt),
             )
             for i in range(a.num_prompts)
