@@ -179,7 +179,7 @@ def test_i2_sealed_pages_are_read_only_and_namespaced() -> None:
     ga = pool.new_grant("A", "a")
     chain_a = cache.chain(tokens, Namespace.of_tenant("A"))
     pages = pool.allocate(ga, 3)
-    pool.mark_written(torch.tensor(pages[:2]), torch.tensor([ga.grant_id] * 2))
+    pool.mark_written(ga, pages[:2])
     assert pool.seal(ga, chain_a, 0, pages[:2], tokens) == 2
     assert chain_a.namespaces == [SHARED, Namespace.of_tenant("A")]
     # A sealed page is no grant's: it cannot be freed, nor sealed twice.
