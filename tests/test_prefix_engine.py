@@ -6,8 +6,10 @@ pages return to baseline; aborts and identical concurrent requests keep counts e
 from __future__ import annotations
 
 import argparse
+import json
 
 import pytest
+import torch
 from conftest import hf_greedy, random_prompts
 from prefix_harness import Ask, assert_baseline, run_waves
 
@@ -174,3 +176,52 @@ def test_flags_and_config() -> None:
     args = up.parse_args(["--model", "m", "--no-enable-prefix-caching"])
     args.log_level, args.disaggregation_transfer_backend = "info", "tcp"
     assert not p.parse_known_args(worker_args(args, "decode"))[0].enable_prefix_caching
+
+
+def test_ttl_expires_unused_pages_and_poisons_them(checkpoint_dir) -> None:
+    """--prefix-cache-ttl: a namespace's pages unused for that long leave the cache at the next
+    step (poisoned with --kv-poison-on-free), so a repeat recomputes, still token-exact."""
+    model_dir = str(checkpoint_dir("llama"))
+    llm = LLM(
+        model_dir,
+        kv_pool_tokens=1024,
+        context_length=128,
+        prefix_cache_ttl=5.0,
+        kv_poison_on_free=True,
+    )
+    engine = llm.engine
+    now = [0.0]
+    engine.pool.prefix.clock = lambda: now[0]
+    [prompt, other] = random_prompts([40, 30], 256, seed=12)
+    first = run_waves(engine, [[Ask("a", prompt)]], GREEDY)["a"]
+    cached_pages = [
+        p for p in range(1, engine.pool.num_pages + 1) if engine.pool.prefix.is_cached(p)
+    ]
+    assert len(cached_pages) == 3  # two of the prompt, one full of generated tokens
+    now[0] = 4.0
+    assert run_waves(engine, [[Ask("b", prompt)]], GREEDY)["b"].cached == 2 * PAGE
+    now[0] = 20.0  # 16 s unused
+    run_waves(engine, [[Ask("c", other)]], GREEDY)
+    assert not any(engine.pool.prefix.is_cached(p) for p in cached_pages)
+    assert all(torch.isnan(engine.pool.k[:, p * PAGE : (p + 1) * PAGE]).all() for p in cached_pages)
+    again = run_waves(engine, [[Ask("d", prompt)]], GREEDY)["d"]
+    assert again.cached == 0 and again.tokens == first.tokens
+    assert engine.stats().prefix_cache.evictions >= 2
+    assert_baseline(engine)
+
+
+def test_shared_prefix_file_is_validated(tmp_path) -> None:
+    from kvfence.kv.prefix import load_shared_prefixes
+
+    def encode(text: str) -> list[int]:
+        return [ord(c) % 50 for c in text]
+
+    f = tmp_path / "p.json"
+    f.write_text(json.dumps(["ab", [1, 2, 3]]))
+    assert load_shared_prefixes(str(f), encode, 100) == [[47, 48], [1, 2, 3]]
+    for bad in ("{}", "[1]", "[[1, 200]]", "[[]]", '[[1, "2"]]', "not json"):
+        f.write_text(bad)
+        with pytest.raises(ValueError, match="--shared-prefix-file"):
+            load_shared_prefixes(str(f), encode, 100)
+    with pytest.raises(ValueError, match="--shared-prefix-file"):
+        load_shared_prefixes(str(tmp_path / "missing.json"), encode, 100)
