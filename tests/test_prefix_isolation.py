@@ -189,7 +189,7 @@ def test_i2_sealed_pages_are_read_only_and_namespaced() -> None:
     def bad(grant, chain, row_pages, read_only_cols) -> bool:
         table = torch.tensor([row_pages])
         cols = torch.arange(len(row_pages))[None, :]
-        tags = chain.tags + [0] * (len(row_pages) - len(chain.tags))
+        tags = list(chain.tags) + [0] * (len(row_pages) - len(chain.tags))
         reads = SealedReads(
             read_only=cols < read_only_cols,
             ns_ids=torch.tensor([cache.namespace_id(chain.tenant_ns)]),

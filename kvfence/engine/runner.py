@@ -3,6 +3,7 @@ runs the model and samples. It owns no scheduling state."""
 
 from __future__ import annotations
 
+from array import array
 from collections.abc import Callable
 from dataclasses import dataclass
 from itertools import chain
@@ -200,18 +201,22 @@ class ModelRunner:
         prefix = self.pool.prefix
         if prefix is None:
             return None
-        tags, ns = [], []
+        zeros = array("q", bytes(8 * width))
+        tags, ns = array("q"), []
         for c in chunks:
-            chain = c.seq.chain
-            row = chain.tags[:width] if chain is not None else []
-            tags.append(row + [0] * (width - len(row)))
-            ns.append(prefix.namespace_id(chain.tenant_ns) if chain is not None else NO_NAMESPACE)
+            keys = c.seq.chain
+            n = min(len(keys.tags), width) if keys is not None else 0
+            if n:
+                tags.extend(keys.tags[:n])
+            tags.extend(zeros[: width - n])
+            ns.append(prefix.namespace_id(keys.tenant_ns) if keys is not None else NO_NAMESPACE)
         ps = self.pool.page_size
         first_written = torch.tensor([c.start // ps for c in chunks], device=self.device)
+        key_tags = torch.frombuffer(tags, dtype=torch.int64).view(len(chunks), width)
         return SealedReads(
             read_only=cols < first_written[:, None],
             ns_ids=torch.tensor(ns, dtype=torch.int64, device=self.device),
-            key_tags=torch.tensor(tags, dtype=torch.int64, device=self.device),
+            key_tags=key_tags.to(self.device, copy=True),
         )
 
     def _sampling_batch(self, chunks: list[ScheduledChunk]) -> SamplingBatch:

@@ -165,7 +165,9 @@ class PageChain:
     tenant_ns: Namespace
     keys: list[bytes] = field(default_factory=list)
     namespaces: list[Namespace] = field(default_factory=list)
-    tags: list[int] = field(default_factory=list)  # key_tag of each key: the pool's side table
+    # key_tag of each key, as the pool's side table holds them; an array, so a batch's rows
+    # are copied into one tensor without a Python int per page.
+    tags: array = field(default_factory=lambda: array("q"))
     node: dict | None = None
 
     def __len__(self) -> int:
