@@ -47,7 +47,9 @@ def run_waves(
     for i, wave in enumerate(waves):
         for ask in wave:
             answers[ask.rid] = Answer()
-            req = GenerateRequest(ask.rid, ask.tenant, tuple(ask.prompt), params, None, ask.salt)
+            req = GenerateRequest(
+                ask.rid, ask.tenant, tuple(ask.prompt), params, cache_salt=ask.salt
+            )
             engine.submit(req, sink)
         for _ in range(gap if i < len(waves) - 1 else 0):
             engine.step()
