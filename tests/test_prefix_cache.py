@@ -356,3 +356,18 @@ class CacheMachine(RuleBasedStateMachine):
 
 TestCacheMachine = CacheMachine.TestCase
 TestCacheMachine.settings = settings(max_examples=150, stateful_step_count=40, deadline=None)
+
+
+def test_namespace_ids_are_keyed_tags_with_no_growing_registry():
+    cache = PrefixCache(PS)
+    ids = {cache.namespace_id(Namespace.of_tenant("A", f"salt-{i}")) for i in range(5000)}
+    assert len(ids) == 5000 and 0 not in ids  # a salt each: distinct, never the shared id
+    assert cache.namespace_id(SHARED) == 0
+    assert cache.namespace_id(Namespace.of_tenant("A")) == cache.namespace_id(
+        Namespace.of_tenant("A")
+    )
+    assert cache.keyer.namespace_tag.cache_info().currsize <= 4096  # bounded, whatever comes
+    other = PrefixCache(PS)  # another process: another secret, other ids
+    assert other.namespace_id(Namespace.of_tenant("A")) != cache.namespace_id(
+        Namespace.of_tenant("A")
+    )

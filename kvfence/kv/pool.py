@@ -21,12 +21,11 @@ from dataclasses import dataclass
 import torch
 
 from kvfence import faults
-from kvfence.kv.prefix import PageChain, PrefixCache
+from kvfence.kv.prefix import SHARED_ID, PageChain, PrefixCache
 
 FREE = -1
 NULL_OWNER = -2
 CACHE_OWNER = -3  # a sealed page: the prefix cache's, no grant's; never written again
-SHARED_NS = 0  # PrefixCache.namespace_id of the declared public prefixes
 NULL_PAGE = 0  # a zeroed page never handed out: padding in gathers points here
 
 
@@ -203,7 +202,7 @@ class KVPool:
             )
             if not faults.active("prefix_cache_ignore_namespace"):
                 ns = self._sealed_ns[page_ids]
-                sealed &= (ns == sealed_reads.ns_ids[:, None]) | (ns == SHARED_NS)
+                sealed &= (ns == sealed_reads.ns_ids[:, None]) | (ns == SHARED_ID)
             ok |= sealed
         return ~(ok | ~valid).all(dim=1)
 

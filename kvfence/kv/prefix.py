@@ -11,6 +11,7 @@ entry's stored namespace and tokens before reuse: a hash alone is never trusted.
 from __future__ import annotations
 
 import enum
+import functools
 import hashlib
 import json
 import secrets
@@ -27,6 +28,8 @@ from kvfence import faults
 KEY_BYTES = 32
 SECRET_BYTES = 32  # >= 16 (128 bits) is required; 32 is BLAKE2b's maximum key size
 _PERSON = b"kvfence-pfx-v1"  # BLAKE2b personalisation: these keys are prefix-cache page keys
+_PERSON_NS = b"kvfence-pfxns-v1"  # ... and these, namespace ids
+SHARED_ID = 0  # the shared namespace's id in the pool's side table
 _U64 = struct.Struct("<Q")
 
 
@@ -81,16 +84,25 @@ class PageKeyer:
         if not 16 <= len(secret) <= 64:
             raise ValueError("the prefix cache secret must be 16..64 bytes")
         self._secret = secret
-        self._ns_cache: dict[Namespace, bytes] = {}
+        # Bounded: cache_salt is the client's, so the namespaces seen are not.
+        self._encode = functools.lru_cache(maxsize=4096)(encode_namespace)
+        self.namespace_tag = functools.lru_cache(maxsize=4096)(self._namespace_tag)
 
     def key(self, ns: Namespace, parent: bytes | None, tokens: Sequence[int]) -> bytes:
-        enc = self._ns_cache.get(ns)
-        if enc is None:
-            enc = self._ns_cache.setdefault(ns, encode_namespace(ns))
+        enc = self._encode(ns)
         h = hashlib.blake2b(digest_size=KEY_BYTES, key=self._secret, person=_PERSON)
         for part in encode_page(enc, parent, tokens):
             h.update(part)
         return h.digest()
+
+    def _namespace_tag(self, ns: Namespace) -> int:
+        """A namespace's nonzero 64-bit id for the pool's side table (0 is the shared one):
+        keyed like the page keys, so no registry grows with the salts clients send."""
+        if ns == SHARED:
+            return SHARED_ID
+        h = hashlib.blake2b(digest_size=8, key=self._secret, person=_PERSON_NS)
+        h.update(self._encode(ns))
+        return key_tag(h.digest()) or 1
 
 
 def encode_page(ns_field: bytes, parent: bytes | None, tokens: Sequence[int]) -> tuple[bytes, ...]:
@@ -221,7 +233,6 @@ class PrefixCache:
         # Unreferenced entries, least recently released first. A parent is referenced whenever
         # a child is (holders hold whole chains) and released after it, so the front is a leaf.
         self._lru: OrderedDict[int, None] = OrderedDict()
-        self._ns_ids: dict[Namespace, int] = {SHARED: 0}
         self.queried_tokens = 0
         self.hit_tokens = 0
         self.evictions = 0
@@ -251,8 +262,8 @@ class PrefixCache:
             c.tags.append(key_tag(key))
 
     def namespace_id(self, ns: Namespace) -> int:
-        """A small int per namespace for the pool's side table (0 is the shared one)."""
-        return self._ns_ids.setdefault(ns, len(self._ns_ids))
+        """The namespace's 64-bit id in the pool's side table (SHARED_ID for the shared one)."""
+        return self.keyer.namespace_tag(ns)
 
     # ---- reuse -----------------------------------------------------------------------------
 
