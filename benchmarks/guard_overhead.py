@@ -109,6 +109,9 @@ def micro_i2(batch: int, ctx_tokens: int, page_size: int, repeats: int) -> dict[
         chunks.append(SimpleNamespace(seq=seq, start=ctx_tokens - 1, length=1))
     fake = SimpleNamespace(pool=pool, device=torch.device("cpu"))
     fake._page_table = lambda cs: ModelRunner._page_table(fake, cs)  # type: ignore[arg-type]
+    # No prefix cache in this pool: the sealed-page part of the check is None, as with the
+    # cache off.
+    fake._sealed_reads = lambda cs, w, cols: ModelRunner._sealed_reads(fake, cs, w, cols)  # type: ignore[arg-type]
     table = fake._page_table(chunks)
     starts = torch.zeros(batch, dtype=torch.int64)
     lengths = torch.full((batch,), ctx_tokens, dtype=torch.int64)

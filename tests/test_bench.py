@@ -45,6 +45,17 @@ SMOKE = {
         "",
     ],
     "kv_transfer": ["--prompt-len", "64", "--repeats", "1", "--backends", "tcp"],
+    "prefix_timing": [
+        "--tiny",
+        "--pairs",
+        "2",
+        "--prompt-len",
+        "32",
+        "--context-length",
+        "256",
+        "--pool-tokens",
+        "4096",
+    ],
     "pd_vs_unified": [
         "--lengths",
         "32,64",
