@@ -1,10 +1,9 @@
-"""The PD router against fake workers: forwarding, room/prefill headers, auth, health, pairing,
+"""The PD router against fake workers: forwarding, the prefill header, auth, health, pairing,
 error and stream pass-through (I5), and hang-ups reaching the decode."""
 
 from __future__ import annotations
 
 import json
-import re
 import time
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -16,12 +15,11 @@ from fake_workers import FakeState, ServerThread, free_port, make_app, stop_all
 from kvfence.server import router as router_mod
 from kvfence.server.router import (
     Role,
-    RouterSettings,
     RouterState,
     WorkerPool,
-    _SSECutter,
     build_router_app,
 )
+from kvfence.server.router.relay import _SSECutter
 
 KEY = "sk-tenant-a"
 
@@ -83,7 +81,7 @@ def sse_events(text: str) -> list[str]:
 # ---- forwarding --------------------------------------------------------------------------------
 
 
-def test_forwards_body_and_auth_unchanged_and_sets_room_and_prefill(pair) -> None:
+def test_forwards_body_and_auth_unchanged_and_sets_prefill(pair) -> None:
     url, prefill, decode, _ = pair
     raw = b'{ "prompt":  "hi",\n "model": "m", "max_tokens": 3 }'
     r = httpx.post(url + "/v1/completions", content=raw, timeout=5, headers={
@@ -100,7 +98,7 @@ def test_forwards_body_and_auth_unchanged_and_sets_room_and_prefill(pair) -> Non
     assert seen["body"] == raw
     h = seen["headers"]
     assert h["authorization"] == "Bearer whatever-the-client-sent"
-    assert re.fullmatch(r"[0-9a-f]{32}", h["x-kvfence-room"]) and h["x-kvfence-room"] != "0" * 32
+    assert "x-kvfence-room" not in h  # decode mints the room; a client's never travels on
     assert h["x-kvfence-prefill"] == f"127.0.0.1:{prefill.bootstrap_port}"
     assert "x-kvfence-tenant" not in h
 
@@ -111,25 +109,6 @@ def test_chat_route_is_forwarded_to_the_same_path(pair) -> None:
     r = httpx.post(url + "/v1/chat/completions", json=body, timeout=5)
     assert r.status_code == 200
     assert decode.requests[0]["path"] == "/v1/chat/completions"
-
-
-def test_rooms_are_unique_and_released(pair) -> None:
-    url, _, decode, state = pair
-    for _ in range(5):
-        assert post(url, {"prompt": "x"}).status_code == 200
-    rooms = {req["headers"]["x-kvfence-room"] for req in decode.requests}
-    assert len(rooms) == 5
-    wait_for(lambda: state.rooms == set())  # released just after the last byte
-
-
-def test_i8_room_collision_is_regenerated(monkeypatch: pytest.MonkeyPatch) -> None:
-    state = RouterState(["http://a:1"], ["http://b:2"], None, RouterSettings())
-    tokens = iter(["aa" * 16, "aa" * 16, "bb" * 16])
-    monkeypatch.setattr(router_mod.secrets, "token_hex", lambda n: next(tokens))
-    assert state.new_room() == "aa" * 16
-    assert state.new_room() == "bb" * 16  # the live duplicate was skipped
-    state.release_room("aa" * 16)
-    assert state.rooms == {"bb" * 16}
 
 
 def test_models_are_proxied_from_a_decode(pair) -> None:
@@ -343,7 +322,7 @@ def test_client_hangup_mid_stream_closes_the_decode_connection(pair) -> None:
                       timeout=5) as r:
         next(r.iter_raw())
     wait_for(lambda: decode.disconnects == ["hang"])
-    wait_for(lambda: state.decode.workers[0].in_flight == 0 and not state.rooms)
+    wait_for(lambda: state.decode.workers[0].in_flight == 0)
 
 
 def test_client_hangup_before_the_first_byte_closes_the_decode_connection(pair) -> None:
