@@ -21,7 +21,8 @@ from kvfence.server.router.args import (
     RouterSettings,
 )
 from kvfence.server.router.relay import Relay, request_headers
-from kvfence.server.router.workers import RouterState, normalize_url
+from kvfence.server.router.state import RouterState
+from kvfence.server.router.workers import normalize_url
 
 
 def build_router_app(

@@ -13,7 +13,7 @@ from kvfence.server.auth import ApiKeyFileError, load_api_keys
 from kvfence.server.httpio import ReadyServer
 from kvfence.server.router.app import build_router_app
 from kvfence.server.router.args import DEFAULT_GRACEFUL_SHUTDOWN_S, add_router_args
-from kvfence.server.router.workers import RouterState
+from kvfence.server.router.state import RouterState
 
 
 def run_router(args: argparse.Namespace) -> int:

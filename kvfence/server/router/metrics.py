@@ -4,14 +4,12 @@ from the pools at scrape time."""
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Iterator
-from typing import TYPE_CHECKING
 
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, generate_latest
 from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-if TYPE_CHECKING:
-    from kvfence.server.router.workers import WorkerPool
+from kvfence.server.router.workers import WorkerPool
 
 
 class RouterMetrics:

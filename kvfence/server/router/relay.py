@@ -16,7 +16,8 @@ from fastapi.responses import Response
 from starlette.types import Message, Receive, Scope, Send
 
 from kvfence.server.errors import SERVER_ERROR, APIError
-from kvfence.server.router.workers import RouterState, Worker, no_workers
+from kvfence.server.router.state import RouterState, no_workers
+from kvfence.server.router.workers import Worker
 
 logger = logging.getLogger("kvfence.router")
 
