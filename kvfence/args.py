@@ -40,6 +40,8 @@ class Option:
     def add(self, parser: Parser, **changes: Any) -> None:
         """Add to `parser` (or a group of it); `changes` adapt one command's view of the flag
         (a help text, a default that command resolves differently), never its name."""
+        if {"names", "dest"} & changes.keys():
+            raise ValueError(f"{self.flag}: a command may not rename an option")
         o = dataclasses.replace(self, **changes) if changes else self
         kw: dict[str, Any] = {"dest": o.dest, "default": o.default, "help": o.help}
         if o.switch:
@@ -61,6 +63,7 @@ def add_options(
     **changes: Mapping[str, Any],
 ) -> None:
     """Add each option; `changes[dest]` adapts that one (see `Option.add`)."""
+    options = tuple(options)
     unknown = set(changes) - {o.dest for o in options}
     if unknown:
         raise ValueError(f"no such option to change: {', '.join(sorted(unknown))}")

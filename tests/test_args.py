@@ -105,9 +105,11 @@ def test_up_leaves_defaults_to_the_worker_so_both_resolve_them_the_same() -> Non
     assert EngineConfig.from_args(serve(flags)) == EngineConfig(model=str(TINY_MODEL))
 
 
-def test_add_options_refuses_a_change_to_an_option_it_does_not_add() -> None:
+def test_a_command_may_adapt_an_option_but_not_rename_or_invent_one() -> None:
     with pytest.raises(ValueError, match="page_size"):
         add_options(argparse.ArgumentParser(), SERVER_OPTIONS, page_size={"default": 1})
+    with pytest.raises(ValueError, match="rename"):
+        add_options(argparse.ArgumentParser(), SERVER_OPTIONS, host={"names": ("--bind",)})
 
 
 def test_preflight_plans_the_pool_serve_would_build(capsys: pytest.CaptureFixture[str]) -> None:
