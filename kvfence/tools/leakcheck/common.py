@@ -1,0 +1,39 @@
+"""What every part of `kvfence leakcheck` shares: exit codes, probe names, the run's settings and
+its tenants, and the one exception that means "nothing about leaks is known"."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+EXIT_CLEAN = 0
+EXIT_FAILED = 1  # a leak or a wrong status
+EXIT_CANNOT_RUN = 2
+REPORT_VERSION = 1
+PROBES = ("setup", "admission", "crosstalk", "stale_bait", "cancellation")
+# Statuses that say nothing about the request's length: auth, rate limits, overload.
+NOT_A_VERDICT = {401, 403, 408, 429}
+
+
+class CannotRun(Exception):
+    """The check could not be run at all (exit 2): nothing about leaks is known."""
+
+
+@dataclass(frozen=True)
+class Tenant:
+    name: str
+    key: str
+
+
+@dataclass(frozen=True)
+class Settings:
+    base_url: str
+    tenants: tuple[Tenant, ...]
+    model: str | None = None
+    context_length: int | None = None
+    requests: int = 200
+    concurrency: int = 8
+    duration: float = 300.0
+    timeout: float = 180.0
+    seed: int | None = None
+    report: str | None = None
+    progress: bool = True
