@@ -1,49 +1,48 @@
 """Probe `admission`: requests at the context's edges (N-1, N, N+1 plain, chat and streamed,
-2N, prompt + max_tokens = N+1), sized with the server's own token counts."""
+2N, prompt + max_tokens = N+1), sized with the server's own token counts. Every case is a
+status check: a case whose prompt could not be sized, or whose answer could not be judged,
+shows as inconclusive or skipped, never as passed."""
 
 from __future__ import annotations
 
 from kvfence.tools.canary import CanaryPrompt
+from kvfence.tools.leakcheck.cases import Kind, State
 from kvfence.tools.leakcheck.common import Tenant
 from kvfence.tools.leakcheck.run import Run
-from kvfence.tools.leakcheck.wording import count_from_error
+from kvfence.tools.leakcheck.sizing import Measured, fit, send_over_length
 
-_MAX_FIT_STEPS = 5
+PROBE = "admission"
+CASES = (
+    "N-1, max_tokens to N",
+    "N, default max_tokens",
+    "N+1",
+    "N+1 chat",
+    "N+1 stream",
+    "2N",
+    "prompt + max_tokens = N+1",
+)
 
 
-async def measure(run: Run, tenant: Tenant, p: CanaryPrompt, label: str) -> int | None:
-    t = run.target
-    assert t is not None
-    if t.tokenizer == "server":
-        return await run.api.tokenize(tenant, p.text)
-    # No tokenizer: a 1-token request tells (usage, or the count in its error), and is
-    # itself an admission check of whatever length it turns out to have.
-    out = await run.send("admission", f"measure {label}", tenant, p, 1)
-    if out is None:
+def _unsized(run: Run, case: str, m: Measured | None, target: int) -> None:
+    why = (
+        f"no prompt of exactly {target} tokens could be built: the server's count was "
+        f"{m.tokens} ({m.source})"
+        if m is not None
+        else f"the server gave no token count for a prompt of about {target} tokens "
+        "(no tokenizer endpoint, no usage, and a refusal in a wording leakcheck does not know)"
+    )
+    run.cases.force(PROBE, case, Kind.STATUS, State.SKIPPED, why)
+
+
+async def _sized(
+    run: Run, tenant: Tenant, target: int, label: str, cases: tuple[str, ...]
+) -> tuple[CanaryPrompt, Measured] | None:
+    p, m = await fit(run, PROBE, tenant, target, label)
+    if m is None or m.tokens != target or m.lower_bound:
+        for case in cases:
+            _unsized(run, case, m, target)
         return None
-    r = out.reply
-    if r.status == 200 and r.prompt_tokens is not None:
-        return r.prompt_tokens
-    if r.error:
-        return count_from_error(r.error)
-    return None
-
-
-async def fit(run: Run, tenant: Tenant, target: int, label: str) -> tuple[CanaryPrompt, int | None]:
-    """A prompt of exactly `target` server tokens when the server's counts allow it; the
-    best one found (and its count, if known) otherwise."""
-    p = run.prompt(tenant, "admission", target)
-    n = None
-    for _ in range(_MAX_FIT_STEPS):
-        n = await measure(run, tenant, p, label)
-        if n is None or n == target:
-            return p, n
-        pad = p.pad + (target - n)
-        if pad < 0:  # too long even unpadded: rebuild shorter by the observed ratio
-            p = run.prompt(tenant, "admission", int(p.tokens * target / n) - 2)
-        else:
-            p = p.padded(pad)
-    return p, n
+    return p, m
 
 
 async def probe(run: Run) -> None:
@@ -52,20 +51,92 @@ async def probe(run: Run) -> None:
     n = t.context_length
     a = t.tenants[0]
     b = t.tenants[-1]
-    p, c = await fit(run, a, n - 1, "N-1")
-    if c is not None and c < n and t.tokenizer == "server":
-        await run.send("admission", "N-1, max_tokens to N", a, p, n - c, known_tokens=c)
-    p, c = await fit(run, b, n, "N")
-    if c is not None:
-        await run.send("admission", "N, default max_tokens", b, p, None, known_tokens=c)
-    p, c = await fit(run, a, n + 1, "N+1")
-    if c is not None:
-        await run.send("admission", "N+1", a, p, 16, known_tokens=c)
+    for case in CASES:
+        run.cases.plan(PROBE, case, Kind.STATUS)
+    if not t.chat:
+        run.cases.force(
+            PROBE, "N+1 chat", Kind.STATUS, State.NOT_APPLICABLE, "no chat completions here"
+        )
+    got = await _sized(run, a, n - 1, "N-1", ("N-1, max_tokens to N",))
+    if got:
+        p, m = got
+        await run.send(
+            PROBE,
+            "N-1, max_tokens to N",
+            a,
+            p,
+            n - m.tokens,
+            known_tokens=m.tokens,
+            known_source=m.source,
+            kind=Kind.STATUS,
+        )
+    got = await _sized(run, b, n, "N", ("N, default max_tokens",))
+    if got:
+        p, m = got
+        await run.send(
+            PROBE,
+            "N, default max_tokens",
+            b,
+            p,
+            None,
+            known_tokens=m.tokens,
+            known_source=m.source,
+            kind=Kind.STATUS,
+        )
+    plus = ("N+1", "N+1 chat", "N+1 stream") if t.chat else ("N+1", "N+1 stream")
+    got = await _sized(run, a, n + 1, "N+1", plus)
+    if got:
+        p, m = got
+        await run.send(
+            PROBE,
+            "N+1",
+            a,
+            p,
+            16,
+            known_tokens=m.tokens,
+            known_source=m.source,
+            kind=Kind.STATUS,
+        )
         if t.chat:
-            await run.send("admission", "N+1 chat", a, p, 16, chat=True)
-        await run.send("admission", "N+1 stream", a, p, 16, stream=True, known_tokens=c)
-    p = run.prompt(b, "admission", 2 * n)
-    await run.send("admission", "2N", b, p, 16)
-    p, c = await fit(run, a, max(8, n - 48), "N-48")
-    if c is not None and c < n:
-        await run.send("admission", "prompt + max_tokens = N+1", a, p, n - c + 1, known_tokens=c)
+            # The chat template only adds tokens; the tokenizer (when there is one) counts
+            # them, else the refusal has to.
+            chat_n = None
+            if t.tokenizer == "server":
+                chat_n = await run.api.tokenize(a, p.text, chat=True)
+            await run.send(
+                PROBE,
+                "N+1 chat",
+                a,
+                p,
+                16,
+                chat=True,
+                kind=Kind.STATUS,
+                known_tokens=chat_n,
+                known_source="tokenizer",
+                known_is_chat=True,
+            )
+        await run.send(
+            PROBE,
+            "N+1 stream",
+            a,
+            p,
+            16,
+            stream=True,
+            known_tokens=m.tokens,
+            known_source=m.source,
+            kind=Kind.STATUS,
+        )
+    await send_over_length(run, PROBE, "2N", b, 2 * n, 16)
+    got = await _sized(run, a, max(8, n - 48), "N-48", ("prompt + max_tokens = N+1",))
+    if got:
+        p, m = got
+        await run.send(
+            PROBE,
+            "prompt + max_tokens = N+1",
+            a,
+            p,
+            n - m.tokens + 1,
+            known_tokens=m.tokens,
+            known_source=m.source,
+            kind=Kind.STATUS,
+        )

@@ -97,13 +97,17 @@ class Api:
     async def models(self, tenant: Tenant) -> httpx.Response:
         return await self.client.get("/v1/models", headers=self._headers(tenant))
 
-    async def tokenize(self, tenant: Tenant, text: str) -> int | None:
-        """vLLM's (and SGLang's) tokenizer endpoint, when the server has one."""
+    async def tokenize(self, tenant: Tenant, text: str, *, chat: bool = False) -> int | None:
+        """vLLM's (and SGLang's) tokenizer endpoint, when the server has one; `chat`: the
+        count of `text` as one user message, chat template included (vLLM's `messages`)."""
+        body: dict[str, Any] = {"model": self.model}
+        if chat:
+            body["messages"] = [{"role": "user", "content": text}]
+        else:
+            body["prompt"] = text
         for path in ("/tokenize", "/v1/tokenize"):
             try:
-                r = await self.client.post(
-                    path, json={"model": self.model, "prompt": text}, headers=self._headers(tenant)
-                )
+                r = await self.client.post(path, json=body, headers=self._headers(tenant))
             except httpx.HTTPError:
                 return None
             if r.status_code != 200:
@@ -213,6 +217,8 @@ def _parse_reply(r: httpx.Response, chat: bool) -> Reply:
         err = body.get("error")
         if isinstance(err, dict):
             message, code = str(err.get("message", "")), err.get("code")
+        elif err is None and isinstance(body.get("message"), str):  # SGLang's ErrorResponse
+            message, code = body["message"], body.get("code")
         else:
             message, code = str(err or body.get("detail") or body)[:500], None
         where = ""

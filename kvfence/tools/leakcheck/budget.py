@@ -1,24 +1,96 @@
-"""The order of leakcheck's probes and each one's share of `--requests`."""
+"""Which probes run, in what order, and each one's share of `--requests`: every probe gets at
+least what one pass over its cases needs, or is reported as skipped with the reason; what a
+probe leaves unspent goes to the next."""
 
 from __future__ import annotations
 
+import time
+
 from kvfence.tools.leakcheck import admission, cancellation, crosstalk, discovery, stale_bait
+from kvfence.tools.leakcheck.cases import State
+from kvfence.tools.leakcheck.common import ALL_PROBES, CANARY_PROBES, Settings
 from kvfence.tools.leakcheck.run import Run
+
+# Requests one pass over a probe's cases needs (admission without a tokenizer measures by
+# sending; with one it needs 7).
+MIN_SHARE = {"admission": 24, "crosstalk": 4, "stale_bait": 14, "cancellation": 6}
+# How what is left over is shared (admission needs no more than one pass).
+WEIGHT = {"admission": 0, "crosstalk": 5, "stale_bait": 3, "cancellation": 2}
+
+
+def selected(settings: Settings) -> list[str]:
+    """The probes to run, in run order."""
+    wanted = settings.probes if settings.probes is not None else CANARY_PROBES
+    return [p for p in CANARY_PROBES if p in wanted and p not in settings.skip_probes]
+
+
+def shares(probes: list[str], budget: int, tokenizer: bool) -> dict[str, int]:
+    need = dict(MIN_SHARE)
+    if tokenizer:
+        need["admission"] = 8
+    out: dict[str, int] = {}
+    left = budget
+    for p in probes:  # each its minimum, in order, while the budget lasts
+        out[p] = min(need[p], left)
+        left -= out[p]
+    weights = {p: WEIGHT[p] for p in probes if WEIGHT[p]}
+    total = sum(weights.values())
+    for p, w in weights.items():
+        out[p] += left * w // total if total else 0
+    if weights:  # rounding leftovers to the first weighted probe
+        first = next(iter(weights))
+        out[first] += budget - sum(out.values())
+    return out
 
 
 async def run_all(run: Run) -> None:
-    """Setup, then every probe in turn, each within its share of the budget."""
+    """Setup, then every selected probe in turn, each within its share of the budget."""
+    probes = selected(run.s)
+    run.cases.excluded = {p for p in ALL_PROBES if p not in probes}
     await discovery.setup(run)
-    quota_admission = min(24, max(8, run.limit // 8))
-    quota_stale = max(8, run.limit // 5)
-    quota_cancel = max(6, run.limit // 8)
-    before = run.left
-    await admission.probe(run)
-    spent = before - run.left
-    if spent > quota_admission:
-        run.notes.append(f"admission probe used {spent} requests")
-    await crosstalk.probe(run, max(0, run.left - quota_stale - quota_cancel))
-    await stale_bait.probe(run, max(0, run.left - quota_cancel))
-    await cancellation.probe(run, run.left)
+    t = run.target
+    assert t is not None
+    tokenizer = t.tokenizer == "server"
+    for i, p in enumerate(probes):
+        # Shares are worked out again before each probe, so what one leaves unspent is shared
+        # among all that follow (never taken by the next alone).
+        run.cap = None
+        share = shares(probes[i:], run.left, tokenizer)[p]
+        need = 8 if p == "admission" and tokenizer else MIN_SHARE[p]
+        if 0 < share < need:
+            run.notes.append(f"{p}: --requests leaves it {share} requests; one pass needs {need}")
+        if time.monotonic() > run.deadline:
+            run.cases.set_probe(p, State.SKIPPED, "--duration ran out before it started")
+            continue
+        if share == 0:
+            run.cases.set_probe(p, State.SKIPPED, "--requests ran out before it started")
+            continue
+        run.cap = run.sent + share
+        await _PROBES[p](run)
+    run.cap = None
     if run.stopped_early:
         run.notes.append(f"stopped early: --{run.stopped_early} reached")
+
+
+async def _admission(run: Run) -> None:
+    await admission.probe(run)
+
+
+async def _crosstalk(run: Run) -> None:
+    await crosstalk.probe(run, run.left)
+
+
+async def _stale_bait(run: Run) -> None:
+    await stale_bait.probe(run, run.left)
+
+
+async def _cancellation(run: Run) -> None:
+    await cancellation.probe(run, run.left)
+
+
+_PROBES = {
+    "admission": _admission,
+    "crosstalk": _crosstalk,
+    "stale_bait": _stale_bait,
+    "cancellation": _cancellation,
+}

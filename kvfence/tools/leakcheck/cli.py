@@ -16,7 +16,7 @@ import httpx
 
 from kvfence.tools.leakcheck.api import Api, api_root
 from kvfence.tools.leakcheck.budget import run_all
-from kvfence.tools.leakcheck.common import CannotRun, Settings, Tenant
+from kvfence.tools.leakcheck.common import ALL_PROBES, CannotRun, Settings, Tenant
 from kvfence.tools.leakcheck.report import build_report, render_summary
 from kvfence.tools.leakcheck.run import Run
 
@@ -39,7 +39,9 @@ def parse_args(argv: Sequence[str] | None) -> Settings:
     p = argparse.ArgumentParser(
         prog="kvfence leakcheck",
         description="Check an OpenAI-compatible deployment for KV-cache leaks between requests "
-        "and tenants by reading the answers (exit 0 clean, 1 leak or wrong status, 2 cannot run).",
+        "and tenants by reading the answers. Exit 0 clean; 1 a leak, a wrong status, or a "
+        "prefix cache shared across tenants; 2 could not run, or INCOMPLETE (a check that was "
+        "not left out could not be judged; --allow-incomplete makes that 0).",
     )
     p.add_argument("--base-url", required=True, help="e.g. http://vllm-host:8000 (or .../v1)")
     p.add_argument(
@@ -59,6 +61,22 @@ def parse_args(argv: Sequence[str] | None) -> Settings:
     p.add_argument("--report", default=None, help="write the JSON report here")
     p.add_argument("--seed", type=int, default=None, help="replay prompts and canaries exactly")
     p.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
+    p.add_argument(
+        "--probe",
+        action="append",
+        choices=ALL_PROBES,
+        default=None,
+        help="run only this probe (repeat for several); default: all of them",
+    )
+    p.add_argument(
+        "--skip-probe", action="append", choices=ALL_PROBES, default=[], help="leave a probe out"
+    )
+    p.add_argument(
+        "--allow-incomplete",
+        action="store_true",
+        help="exit 0 (not 2) when the verdict is INCOMPLETE: some check that was not left out "
+        "could not be judged (the summary and the report still say which and why)",
+    )
     a = p.parse_args(argv)
     tenants = _tenants(a.api_key, a.api_key_file)
     if not tenants:
@@ -80,6 +98,9 @@ def parse_args(argv: Sequence[str] | None) -> Settings:
         seed=a.seed,
         report=a.report,
         progress=not a.no_progress,
+        probes=tuple(a.probe) if a.probe else None,
+        skip_probes=tuple(a.skip_probe),
+        allow_incomplete=a.allow_incomplete,
     )
 
 

@@ -7,9 +7,11 @@ from dataclasses import dataclass
 
 EXIT_CLEAN = 0
 EXIT_FAILED = 1  # a leak or a wrong status
-EXIT_CANNOT_RUN = 2
-REPORT_VERSION = 1
-PROBES = ("setup", "admission", "crosstalk", "stale_bait", "cancellation")
+EXIT_CANNOT_RUN = 2  # also INCOMPLETE: a check the user did not exclude could not be judged
+REPORT_VERSION = 2
+CANARY_PROBES = ("admission", "crosstalk", "stale_bait", "cancellation")
+PROBES = ("setup", *CANARY_PROBES)
+ALL_PROBES = (*CANARY_PROBES, "timing")
 # Statuses that say nothing about the request's length: auth, rate limits, overload.
 NOT_A_VERDICT = {401, 403, 408, 429}
 
@@ -37,3 +39,6 @@ class Settings:
     seed: int | None = None
     report: str | None = None
     progress: bool = True
+    probes: tuple[str, ...] | None = None  # None: the default set
+    skip_probes: tuple[str, ...] = ()
+    allow_incomplete: bool = False  # INCOMPLETE exits 0 instead of 2 (still says INCOMPLETE)

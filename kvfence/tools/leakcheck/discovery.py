@@ -8,6 +8,7 @@ from typing import Any
 import httpx
 
 from kvfence.tools.leakcheck.api import CONTEXT_FIELDS, pick_model
+from kvfence.tools.leakcheck.cases import Kind
 from kvfence.tools.leakcheck.common import CannotRun, Tenant
 from kvfence.tools.leakcheck.run import Run, Target
 
@@ -66,7 +67,7 @@ async def _first_requests(run: Run, t: Target) -> None:
     completions_missing = 0
     for tenant in tenants:
         p = run.prompt(tenant, "setup", min(96, t.context_length // 4))
-        out = await run.send("setup", "first request", tenant, p, 16)
+        out = await run.send("setup", "first request", tenant, p, 16, kind=Kind.DISCOVER)
         if out is None:
             break
         status = out.reply.status
@@ -87,7 +88,9 @@ async def _first_requests(run: Run, t: Target) -> None:
         # Err low: a prompt meant to be legal must not come out over the context.
         t.chars_per_token = min(ratios) * 0.95
     p = run.prompt(t.tenants[0], "setup", min(96, t.context_length // 4))
-    out = await run.send("setup", "chat support", t.tenants[0], p, 16, chat=True)
+    out = await run.send(
+        "setup", "chat support", t.tenants[0], p, 16, chat=True, kind=Kind.DISCOVER
+    )
     t.chat = out is not None and out.reply.status == 200
     if not t.chat:
         run.notes.append("chat completions unavailable: probes use completions only")

@@ -23,9 +23,13 @@ class Outcome:
     max_tokens: int | None
     prompt_tokens: int | None  # best known: server usage > error message > tokenizer > fit
     reply: Reply
+    # Where prompt_tokens came from: usage | refusal | refusal (at least) | tokenizer | fit |
+    # estimate. Only "estimate" is leakcheck's own guess.
+    tokens_source: str = "estimate"
     leaks: list[Leak] = field(default_factory=list)
     wrong_status: str | None = None
     echoed_own: bool = False
+    unjudged: str | None = None  # why this answer could not be judged; None when it was
 
     @property
     def error(self) -> str | None:
@@ -52,17 +56,32 @@ class Outcome:
             "cancelled": r.cancelled,
             "server_id": r.server_id,
             "prompt_tokens": self.prompt_tokens,
+            "prompt_tokens_source": self.tokens_source,
             "max_tokens": self.max_tokens,
             "completion_tokens": r.completion_tokens,
             "echoed_own": self.echoed_own,
             "leaks": len(self.leaks),
             "wrong_status": self.wrong_status,
             "error": self.error,
+            # A refusal's own words, so a finding about a status can be checked without a replay.
+            "refusal": (
+                {"status": r.status, "message": r.error, "code": r.error_code}
+                if r.status is not None and 400 <= r.status < 500
+                else None
+            ),
+            "judged": self.unjudged is None,
+            "unjudged_reason": self.unjudged,
         }
 
 
 def judge_status(
-    reply: Reply, prompt_tokens: int | None, max_tokens: int | None, context: int, *, clear: bool
+    reply: Reply,
+    prompt_tokens: int | None,
+    max_tokens: int | None,
+    context: int,
+    *,
+    clear: bool,
+    lower_bound: bool = False,
 ) -> str | None:
     """Why this status is wrong for a request of this length, or None.
 
@@ -71,11 +90,11 @@ def judge_status(
     server provably computed nothing past the context (a prompt of exactly N answered with an
     empty completion, or max_tokens clamped so prompt + completion <= N). A legal request
     refused with a 4xx means the advertised context cannot be served (the incident's first
-    fault). `clear` says a length that is only estimated is far enough from N to judge."""
-    if reply.status is None or reply.status in NOT_A_VERDICT or reply.status >= 500:
+    fault). `clear` says a length that is only estimated is far enough from N to judge;
+    `lower_bound` that the count is "at least" (then only "over-length" can be concluded)."""
+    if status_unjudged(reply, prompt_tokens, max_tokens, context, clear, lower_bound):
         return None
-    if prompt_tokens is None or not clear:
-        return None
+    assert reply.status is not None and prompt_tokens is not None
     legal = prompt_tokens + (max_tokens if max_tokens is not None else 1) <= context
     ok = 200 <= reply.status < 300
     if legal and 400 <= reply.status < 500:
@@ -94,3 +113,48 @@ def judge_status(
             f"max_tokens {max_tokens}, context {context}): it must be refused with a 4xx"
         )
     return None
+
+
+def status_unjudged(
+    reply: Reply,
+    prompt_tokens: int | None,
+    max_tokens: int | None,
+    context: int,
+    clear: bool,
+    lower_bound: bool,
+) -> str | None:
+    """Why this reply's status cannot be judged against the request's length; None if it can."""
+    status = reply.status
+    if status is None:
+        if reply.cancelled:
+            return "we hung up before the status line"
+        return f"no response: {reply.error or 'transport error'}"
+    if status in NOT_A_VERDICT:
+        return f"HTTP {status} says nothing about the length: {reply.error or ''}"[:300]
+    if status >= 500:
+        return f"HTTP {status}: {reply.error or ''}"[:300]
+    if 300 <= status < 400:
+        return f"HTTP {status}: {reply.error or ''}"[:300]
+    if prompt_tokens is None:
+        return "the prompt's length is unknown (no usage, no count in the refusal, no tokenizer)"
+    if not clear:
+        return (
+            f"the prompt's length is only leakcheck's estimate ({prompt_tokens} tokens), too "
+            f"close to the context ({context}) to judge"
+        )
+    if lower_bound and prompt_tokens + (max_tokens if max_tokens is not None else 1) <= context:
+        return (
+            f"the server's count is a lower bound (at least {prompt_tokens} tokens), which does "
+            "not say whether the request fits"
+        )
+    return None
+
+
+def read_unjudged(outcome: Outcome, context: int, clear: bool, lower_bound: bool) -> str | None:
+    """For a request whose answer is read for canaries: judged when an answer was read, when we
+    cut it on purpose, or when its status alone could be judged (a refusal of known length)."""
+    r = outcome.reply
+    if r.cancelled or (r.status is not None and 200 <= r.status < 300):
+        return None
+    tokens, max_tokens = outcome.prompt_tokens, outcome.max_tokens
+    return status_unjudged(r, tokens, max_tokens, context, clear, lower_bound)

@@ -8,8 +8,8 @@ import asyncio
 import random
 import time
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass
-from typing import IO
+from dataclasses import dataclass, field
+from typing import IO, Any
 
 from kvfence.tools.canary import (
     DEFAULT_CHARS_PER_TOKEN,
@@ -19,57 +19,11 @@ from kvfence.tools.canary import (
     build_prompt,
 )
 from kvfence.tools.leakcheck.api import Api, Reply
+from kvfence.tools.leakcheck.cases import Cases, Kind
 from kvfence.tools.leakcheck.common import PROBES, Settings, Tenant
-from kvfence.tools.leakcheck.judge import Outcome, judge_status
-from kvfence.tools.leakcheck.wording import count_from_error
-
-
-@dataclass
-class ProbeTally:
-    requests: int = 0
-    served: int = 0  # 2xx
-    refused: int = 0  # 4xx
-    leaks: int = 0  # requests whose output held another request's canary
-    wrong_statuses: int = 0
-    errors: int = 0
-    echoed_own: int = 0
-
-    def as_dict(self) -> dict[str, int]:
-        return dict(self.__dict__)
-
-
-class Progress:
-    """A one-line bar on a terminal; a line per 10% elsewhere (CI logs)."""
-
-    def __init__(self, total: int, stream: IO[str], enabled: bool) -> None:
-        self.total = max(total, 1)
-        self.stream = stream
-        self.enabled = enabled
-        self.tty = enabled and stream.isatty()
-        self.start = time.monotonic()
-        self._last_decile = -1
-
-    def update(self, done: int, leaks: int, wrong: int, errors: int) -> None:
-        if not self.enabled:
-            return
-        frac = min(done / self.total, 1.0)
-        line = (
-            f"leakcheck {done}/{self.total} requests, leaks {leaks}, wrong status {wrong}, "
-            f"errors {errors}, {time.monotonic() - self.start:.0f} s"
-        )
-        if self.tty:
-            bar = "#" * int(frac * 30)
-            self.stream.write(f"\r[{bar:<30}] {line}")
-            self.stream.flush()
-        elif int(frac * 10) > self._last_decile:
-            self._last_decile = int(frac * 10)
-            self.stream.write(line + "\n")
-            self.stream.flush()
-
-    def close(self) -> None:
-        if self.tty:
-            self.stream.write("\n")
-            self.stream.flush()
+from kvfence.tools.leakcheck.judge import Outcome, judge_status, read_unjudged, status_unjudged
+from kvfence.tools.leakcheck.tally import ProbeTally, Progress
+from kvfence.tools.leakcheck.wording import parse_refusal
 
 
 @dataclass
@@ -81,7 +35,16 @@ class Target:
     completions: bool = True
     chat: bool = False
     tokenizer: str = "usage"  # "server" (/tokenize) | "usage" (usage.prompt_tokens, errors)
-    chars_per_token: float = DEFAULT_CHARS_PER_TOKEN
+    chars_per_token: float = DEFAULT_CHARS_PER_TOKEN  # errs low: "legal" prompts stay legal
+    # Errs high, for prompts meant to be over the context (then checked, never trusted).
+    chars_per_token_high: float = 4.0
+    ratios: list[float] = field(default_factory=list)
+    pad_rate: float = 1.0  # tokens per canary.PAD_UNIT, learned while fitting
+
+    def learn_ratio(self, ratio: float) -> None:
+        """A served prompt's chars per token, from the server's own count."""
+        self.ratios.append(ratio)
+        self.chars_per_token_high = max(self.ratios) * 1.05
 
 
 class Run:
@@ -95,6 +58,8 @@ class Run:
         )
         self.outcomes: list[Outcome] = []
         self.tallies = {p: ProbeTally() for p in PROBES}
+        self.cases = Cases()
+        self.timing: dict[str, Any] | None = None  # the timing probe's result, when it ran
         self.notes: list[str] = []
         self.limit = settings.requests
         self.deadline = time.monotonic() + settings.duration
@@ -102,6 +67,7 @@ class Run:
         self.progress = Progress(settings.requests, err, settings.progress)
         self.target: Target | None = None
         self._reserved = 0
+        self.cap: int | None = None  # the current probe's share ends at this many requests
         self._ids = 0
         self._sends: dict[str, int] = {}  # prompt id -> times sent
         self.stopped_early: str | None = None
@@ -114,23 +80,34 @@ class Run:
             return False
         if self._reserved >= self.limit:
             return False
+        if self.cap is not None and self._reserved >= self.cap:
+            return False
         self._reserved += 1
         return True
 
     @property
     def left(self) -> int:
-        return max(0, self.limit - self._reserved)
+        """Requests the current probe may still send (its share, within the whole budget)."""
+        left = self.limit - self._reserved
+        if self.cap is not None:
+            left = min(left, self.cap - self._reserved)
+        return max(0, left)
+
+    @property
+    def sent(self) -> int:
+        return self._reserved
 
     def new_id(self, probe: str) -> str:
         self._ids += 1
         return f"lc-{self._ids:05d}-{probe}"
 
     def prompt(
-        self, tenant: Tenant, probe: str, tokens: int, *, records: bool = True
+        self, tenant: Tenant, probe: str, tokens: int, *, records: bool = True, over: bool = False
     ) -> CanaryPrompt:
+        """A canary prompt of about `tokens`; `over`: sized so that it errs long, not short."""
         t = self.target
         assert t is not None
-        count = approx_counter(t.chars_per_token)
+        count = approx_counter(t.chars_per_token_high if over else t.chars_per_token)
         return build_prompt(
             self.registry,
             tenant.name,
@@ -154,10 +131,15 @@ class Run:
         cut_after: int | None = None,
         cancel_after_s: float | None = None,
         known_tokens: int | None = None,
+        known_source: str = "fit",
+        known_is_chat: bool = False,
+        kind: Kind = Kind.READ,
     ) -> Outcome | None:
-        """One request, judged and recorded; None once the budget or the time is spent."""
+        """One request, judged and recorded; None once the budget, the probe's share or the
+        time is spent (the case then shows as skipped unless another send of it ran)."""
         t = self.target
         assert t is not None
+        self.cases.plan(probe, case, kind)
         if not self._take():
             return None
         chat = chat or not t.completions
@@ -174,16 +156,13 @@ class Run:
                     reply = await asyncio.wait_for(call, cancel_after_s)
                 except TimeoutError:
                     reply = Reply(None, cancelled=True)
-        # A completions prompt's own count is the fit's; a chat prompt adds a template.
-        tokens = reply.prompt_tokens
-        if tokens is None and reply.error:
-            tokens = count_from_error(reply.error)
-        if tokens is None and not chat:
-            tokens = known_tokens
+        # A count made for the completions prompt does not hold once a chat template wraps it.
+        known = known_tokens if known_is_chat or not chat else None
+        tokens, source, lower = self._count(reply, known, known_source)
         clear = True
         if tokens is None:
             # Only an estimate: judge it only when far from the boundary.
-            tokens = prompt.tokens
+            tokens, source = prompt.tokens, "estimate"
             need = tokens + (max_tokens if max_tokens is not None else 1)
             clear = need > 1.5 * t.context_length or need < 0.6 * t.context_length
         out = Outcome(
@@ -197,13 +176,43 @@ class Run:
             max_tokens=max_tokens,
             prompt_tokens=tokens,
             reply=reply,
+            tokens_source=source,
         )
         seen = reply.text + "\n" + (reply.error or "")
         out.leaks = self.registry.find_leaks(seen, prompt.request_id, tenant.name)
         out.echoed_own = self.registry.echoed_own(reply.text, prompt.request_id)
-        out.wrong_status = judge_status(reply, tokens, max_tokens, t.context_length, clear=clear)
+        ctx = t.context_length
+        out.wrong_status = judge_status(
+            reply, tokens, max_tokens, ctx, clear=clear, lower_bound=lower
+        )
+        if kind is Kind.STATUS:
+            out.unjudged = status_unjudged(reply, tokens, max_tokens, ctx, clear, lower)
+        elif kind is Kind.READ:
+            out.unjudged = read_unjudged(out, ctx, clear, lower)
+        elif reply.status is None or reply.status >= 500:
+            out.unjudged = f"no usable answer: {reply.error or reply.status}"
+        if reply.status == 200 and reply.prompt_tokens and not chat:
+            t.learn_ratio(len(prompt.text) / reply.prompt_tokens)
         self._record(out)
+        self.cases.record(probe, case, kind, out.unjudged is None, out.unjudged)
         return out
+
+    @staticmethod
+    def _count(reply: Reply, known: int | None, known_source: str) -> tuple[int | None, str, bool]:
+        """(the prompt's token count, where it came from, whether it is only a lower bound)."""
+        if reply.prompt_tokens is not None:
+            return reply.prompt_tokens, "usage", False
+        if reply.error:
+            count = parse_refusal(reply.error)
+            if count is not None:
+                return (
+                    count.tokens,
+                    "refusal (at least)" if count.lower_bound else "refusal",
+                    (count.lower_bound),
+                )
+        if known is not None:
+            return known, known_source, known_source.endswith("(at least)")
+        return None, "estimate", False
 
     def _record(self, out: Outcome) -> None:
         self.outcomes.append(out)

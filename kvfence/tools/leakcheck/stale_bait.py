@@ -10,6 +10,7 @@ from collections.abc import Awaitable
 
 from kvfence.tools.leakcheck.common import Tenant
 from kvfence.tools.leakcheck.run import Run
+from kvfence.tools.leakcheck.sizing import send_over_length
 
 
 async def probe(run: Run, n: int) -> None:
@@ -38,13 +39,14 @@ async def probe(run: Run, n: int) -> None:
             p = run.prompt(b, "stale_bait", size)
             return run.send("stale_bait", "long within context", b, p, 32)
 
-        over = run.prompt(b, "stale_bait", run.rng.choice([ctx + 16, int(ctx * 1.5)]))
         aborted = run.prompt(b, "stale_bait", run.rng.randint(int(ctx * 0.3), ctx - 40))
         await asyncio.gather(
             long_legal(),
             long_legal(),
             long_legal(),
-            run.send("stale_bait", "over-length", b, over, 32),
+            send_over_length(
+                run, "stale_bait", "over-length", b, run.rng.choice([ctx + 16, int(ctx * 1.5)]), 32
+            ),
             run.send(
                 "stale_bait",
                 "aborted long",
