@@ -97,6 +97,8 @@ class FakeServer:
 
 
 def run_fake(server: FakeServer, requests: int = 80, **kw: Any) -> dict[str, Any]:
+    # The timing probe (default with two tenants) has its own tests against a caching fake.
+    kw.setdefault("skip_probes", ("timing",))
     settings = Settings(
         base_url="http://fake:8000/v1", tenants=TENANTS, requests=requests, seed=3, **kw
     )
@@ -244,6 +246,9 @@ class Up(LocalCluster):
 def leakcheck_main(url: str, tmp: Path, *extra: str) -> tuple[int, dict[str, Any]]:
     report = tmp / "report.json"
     args = ["--base-url", url, "--report", str(report), "--seed", "5", "--no-progress"]
+    # Until kvfence has a prefix cache the timing probe can only say "no caching detected";
+    # its kvfence runs follow the prefix-cache issue.
+    args += ["--skip-probe", "timing"]
     for key in KEYS:
         args += ["--api-key", key]
     code = leakcheck.main([*args, *extra])

@@ -3,6 +3,7 @@ tokenizer endpoint, and one request (plain or streamed, optionally cut) read int
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 from typing import Any
 from urllib.parse import urlsplit
@@ -121,6 +122,36 @@ class Api:
             if isinstance(body.get("tokens"), list):
                 return len(body["tokens"])
         return None
+
+    async def timed(
+        self, tenant: Tenant, text: str, *, chat: bool, stream: bool, extra: dict[str, Any]
+    ) -> tuple[float | None, int | None, str | None]:
+        """(seconds to the first SSE event, or to the whole answer when not streamed; status;
+        error) of a 1-token request. None seconds: it failed or carried no event."""
+        body: dict[str, Any] = {"model": self.model, "max_tokens": 1, "temperature": 0, **extra}
+        if chat:
+            body["messages"] = [{"role": "user", "content": text}]
+        else:
+            body["prompt"] = text
+        path = "/v1/chat/completions" if chat else "/v1/completions"
+        headers = self._headers(tenant)
+        start = time.perf_counter()
+        try:
+            if not stream:
+                r = await self.client.post(path, json=body, headers=headers)
+                dt = time.perf_counter() - start
+                return (dt if r.status_code == 200 else None), r.status_code, r.text[:200]
+            body["stream"] = True
+            async with self.client.stream("POST", path, json=body, headers=headers) as r:
+                if r.status_code != 200:
+                    return None, r.status_code, (await r.aread()).decode(errors="replace")[:200]
+                first = None
+                async for _ in aiter_events(r.aiter_bytes()):
+                    # Read to the end (a 1-token answer): the connection stays reusable.
+                    first = first if first is not None else time.perf_counter() - start
+                return first, 200, None if first is not None else "a stream without events"
+        except httpx.HTTPError as e:
+            return None, None, f"{type(e).__name__}: {e}"[:200]
 
     async def generate(
         self,

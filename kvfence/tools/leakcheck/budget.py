@@ -6,9 +6,16 @@ from __future__ import annotations
 
 import time
 
-from kvfence.tools.leakcheck import admission, cancellation, crosstalk, discovery, stale_bait
+from kvfence.tools.leakcheck import (
+    admission,
+    cancellation,
+    crosstalk,
+    discovery,
+    stale_bait,
+    timing,
+)
 from kvfence.tools.leakcheck.cases import State
-from kvfence.tools.leakcheck.common import ALL_PROBES, CANARY_PROBES, Settings
+from kvfence.tools.leakcheck.common import CANARY_PROBES, Settings
 from kvfence.tools.leakcheck.run import Run
 
 # Requests one pass over a probe's cases needs (admission without a tokenizer measures by
@@ -44,18 +51,33 @@ def shares(probes: list[str], budget: int, tokenizer: bool) -> dict[str, int]:
 
 
 async def run_all(run: Run) -> None:
-    """Setup, then every selected probe in turn, each within its share of the budget."""
-    probes = selected(run.s)
-    run.cases.excluded = {p for p in ALL_PROBES if p not in probes}
+    """Setup, then every selected probe in turn, each within its share of the budget; the
+    timing probe last, with half the budget when canary probes run too (all of it alone)."""
+    s = run.s
+    probes = selected(s)
+    explicit_timing = s.probes is not None and "timing" in s.probes
+    want_timing = (s.probes is None or explicit_timing) and "timing" not in s.skip_probes
+    run.cases.excluded = {p for p in CANARY_PROBES if p not in probes}
+    if not want_timing:
+        run.cases.excluded.add("timing")
     await discovery.setup(run)
     t = run.target
     assert t is not None
+    timing_on = want_timing and (explicit_timing or len(t.tenants) >= 2)
+    if want_timing and not timing_on:
+        run.cases.set_probe(
+            "timing", State.NOT_APPLICABLE, "one tenant: needs two API keys of different tenants"
+        )
+    if not timing_on:
+        run.tallies.pop("timing", None)
+    timing_share = (run.left // 2 if probes else run.left) if timing_on else 0
+    canary_end = run.sent + run.left - timing_share
     tokenizer = t.tokenizer == "server"
     for i, p in enumerate(probes):
         # Shares are worked out again before each probe, so what one leaves unspent is shared
         # among all that follow (never taken by the next alone).
         run.cap = None
-        share = shares(probes[i:], run.left, tokenizer)[p]
+        share = shares(probes[i:], max(0, min(run.left, canary_end - run.sent)), tokenizer)[p]
         need = 8 if p == "admission" and tokenizer else MIN_SHARE[p]
         if 0 < share < need:
             run.notes.append(f"{p}: --requests leaves it {share} requests; one pass needs {need}")
@@ -68,6 +90,11 @@ async def run_all(run: Run) -> None:
         run.cap = run.sent + share
         await _PROBES[p](run)
     run.cap = None
+    if timing_on:
+        if time.monotonic() > run.deadline:
+            run.cases.set_probe("timing", State.SKIPPED, "--duration ran out before it started")
+        else:
+            await timing.probe(run, run.left)
     if run.stopped_early:
         run.notes.append(f"stopped early: --{run.stopped_early} reached")
 

@@ -66,10 +66,28 @@ def parse_args(argv: Sequence[str] | None) -> Settings:
         action="append",
         choices=ALL_PROBES,
         default=None,
-        help="run only this probe (repeat for several); default: all of them",
+        help="run only this probe (repeat for several); default: all of them (timing when two "
+        "or more keys are given). The timing probe's INCONCLUSIVE (no prefix caching seen, or "
+        "too little power) sets exit 2 only with --probe timing alone; in the default set it is "
+        "reported and the exit code follows the other probes",
     )
     p.add_argument(
         "--skip-probe", action="append", choices=ALL_PROBES, default=[], help="leave a probe out"
+    )
+    p.add_argument(
+        "--timing-prefix-tokens",
+        type=int,
+        default=None,
+        help="timing probe: prefix length P (default: context/4, at least 1024, within context)",
+    )
+    p.add_argument(
+        "--timing-pairs", type=int, default=40, help="timing probe: at most this many pairs per arm"
+    )
+    p.add_argument(
+        "--cache-salt-field",
+        default=None,
+        help="timing probe: also check a per-request cache salt sent in this body field (e.g. "
+        "cache_salt): one tenant with two salts, and two tenants with one salt, must not share",
     )
     p.add_argument(
         "--allow-incomplete",
@@ -101,6 +119,9 @@ def parse_args(argv: Sequence[str] | None) -> Settings:
         probes=tuple(a.probe) if a.probe else None,
         skip_probes=tuple(a.skip_probe),
         allow_incomplete=a.allow_incomplete,
+        timing_prefix_tokens=a.timing_prefix_tokens,
+        timing_pairs=a.timing_pairs,
+        cache_salt_field=a.cache_salt_field,
     )
 
 

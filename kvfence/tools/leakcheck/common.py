@@ -42,3 +42,9 @@ class Settings:
     probes: tuple[str, ...] | None = None  # None: the default set
     skip_probes: tuple[str, ...] = ()
     allow_incomplete: bool = False  # INCOMPLETE exits 0 instead of 2 (still says INCOMPLETE)
+    # The timing probe (prefix cache shared across tenants).
+    timing_prefix_tokens: int | None = None  # P; default from the context length
+    timing_pairs: int = 40  # at most this many pairs per arm
+    timing_alpha: float = 0.01  # KS test level per arm
+    timing_auc_floor: float = 0.6  # an arm shows hits when its AUC CI lies above this
+    cache_salt_field: str | None = None  # e.g. "cache_salt": adds the salt arms

@@ -58,6 +58,8 @@ class Run:
         )
         self.outcomes: list[Outcome] = []
         self.tallies = {p: ProbeTally() for p in PROBES}
+        if "timing" in (settings.probes or ()) or settings.probes is None:
+            self.tallies["timing"] = ProbeTally()  # dropped again if it does not run
         self.cases = Cases()
         self.timing: dict[str, Any] | None = None  # the timing probe's result, when it ran
         self.notes: list[str] = []
@@ -73,6 +75,10 @@ class Run:
         self.stopped_early: str | None = None
 
     # -- plumbing
+
+    def take(self) -> bool:
+        """Reserve one request of the budget (False once it, the share or the time is spent)."""
+        return self._take()
 
     def _take(self) -> bool:
         if time.monotonic() > self.deadline:
