@@ -16,6 +16,7 @@ POINTS = frozenset(
     {
         "skip_admission",  # admit() lets everything in (I1)
         "skip_tag_check",  # the runner's page-ownership check passes everything (I2)
+        "skip_dest_check",  # decode writes a transfer's pages whatever grant/tenant owns them (I2)
         "corrupt_page",  # prefill flips a byte of a page after checksumming it (I3)
         "truncate_transfer",  # prefill sends only the first page, and a DONE that agrees (I3)
         "stall_transfer",  # prefill waits STALL_S before sending pages: a window for kills/aborts

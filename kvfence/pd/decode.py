@@ -21,6 +21,7 @@ from kvfence.engine.admission import Admitted, Rejected
 from kvfence.engine.engine import Engine
 from kvfence.engine.request import GenerateRequest
 from kvfence.engine.sequence import SeqMode, Sequence
+from kvfence.kv.pool import Grant
 from kvfence.pd import auth, kvio, wire
 from kvfence.pd import protocol as p
 from kvfence.pd.ioloop import IOLoop
@@ -39,7 +40,7 @@ class _Room:
     state: p.DecodeRoom
     peer: str
     pages: list[int]
-    grant_id: int
+    grant: Grant
     deadline: float
     started: float
 
@@ -148,7 +149,7 @@ class DecodeService:
             dst_pages=tuple(seq.pages),
             grant=seq.grant.grant_id,
         )
-        self.loop.call_soon_threadsafe(self._reserve, reserve, req.peer)
+        self.loop.call_soon_threadsafe(self._reserve, reserve, req.peer, seq.grant)
 
     def on_prefilled(self, seq: Sequence) -> None:  # pragma: no cover - prefill only
         raise AssertionError("a decode engine never prefills for a transfer")
@@ -158,14 +159,14 @@ class DecodeService:
 
     # ---- rooms ----------------------------------------------------------------------------------
 
-    def _reserve(self, r: p.Reserve, peer_addr: str) -> None:
+    def _reserve(self, r: p.Reserve, peer_addr: str, grant: Grant) -> None:
         self.transfer_stats.inc("reserved")
         room = p.DecodeRoom(r.room, len(r.prompt), len(r.dst_pages))
         self.rooms[r.room] = _Room(
             room,
             peer_addr,
             list(r.dst_pages),
-            r.grant,
+            grant,
             time.monotonic() + self.timeout_s,
             time.monotonic(),
         )
@@ -299,13 +300,13 @@ class DecodeService:
         check = self._guards().on("checksum")  # off: mutation twin, the bytes as they come
         if one_sided:
             # The bytes are already in the pool; the read-back digest at DONE checks them.
-            self._run_applied(run, *self._write_run(run, pages, room.grant_id, None, check))
+            self._run_applied(run, *self._write_run(run, pages, room.grant, None, check))
             return None
         buf = conn.keep()  # the payload stays ours until the writer is done with it
         # Handed to the writer now, not from a task: the loop may read several buffered frames
         # before it next yields, and the writer would sit idle meanwhile.
         written = self.loop.run_in_executor(
-            self._kv_writer, self._write_run, run, pages, room.grant_id, payload, check
+            self._kv_writer, self._write_run, run, pages, room.grant, payload, check
         )
 
         async def apply() -> None:
@@ -322,7 +323,7 @@ class DecodeService:
         self,
         run: wire.PageRun,
         pages: list[int],
-        grant: int,
+        grant: Grant,
         payload: memoryview | None,
         check: bool,
     ) -> tuple[list[bool], int, int]:
@@ -338,8 +339,11 @@ class DecodeService:
             if check:
                 got = kvio.run_checksums(data)
                 intact = [g == c for g, c in zip(got, run.checksums, strict=True)]
-        # I2 on the write path: every destination page must still belong to this room's grant.
-        owned = (pool.owner_grant[torch.tensor(pages)] == grant).tolist()
+        # I2 on the write path: every destination page must still belong to this room's grant
+        # and tenant.
+        owned = pool.check_destination(grant, pages)
+        if faults.active("skip_dest_check"):
+            owned = [True] * n
         foreign = owned.count(False)
         if foreign:
             intact = [i and o for i, o in zip(intact, owned, strict=True)]
@@ -349,7 +353,7 @@ class DecodeService:
         which = None if len(good) == n else good
         dst = [pages[i] for i in good]
         kvio.scatter(pool, dst, run.n_tokens, data, which)
-        pool.written_by[torch.tensor(dst)] = grant
+        pool.mark_written(grant, dst)
         return intact, foreign, len(good)
 
     def _run_applied(
@@ -416,8 +420,7 @@ class DecodeService:
             elif isinstance(a, p.Commit):
                 if self.mooncake is not None:
                     # One-sided writes left no trace; the verified digest vouches for the pages.
-                    idx = torch.tensor(room.pages, dtype=torch.int64)
-                    self.engine.pool.written_by[idx] = room.grant_id
+                    self.engine.pool.mark_written(room.grant, room.pages)
                 self.transfer_stats.inc("transfers_committed")
                 self.transfer_stats.observe_latency(time.monotonic() - room.started)
                 self.engine.commit(rid, a.first_token, a.first_logprobs)
