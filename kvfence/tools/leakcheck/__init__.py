@@ -1,9 +1,11 @@
 """`kvfence leakcheck`: checks any OpenAI-compatible deployment from outside for KV leaks between
 requests and tenants (canary cross-talk, admission edges, stale-page bait, cancellation) by
-reading every answer, not only its status code; exit 0 clean, 1 leak or wrong status, 2 cannot run.
+reading every answer, not only its status code, and for a prefix cache shared across tenants
+(timing); exit 0 clean, 1 a finding, 2 could not run or INCOMPLETE.
 
-One file per probe (`admission`, `crosstalk`, `stale_bait`, `cancellation`); `run` holds the
-shared plumbing, `budget` the order and shares, `report` and `cli` the output and the flags."""
+One file per probe (`admission`, `crosstalk`, `stale_bait`, `cancellation`, `timing`); `run`
+holds the shared plumbing, `budget` the order and shares, `cases` what ran and what did not,
+`report` and `cli` the output and the flags."""
 
 from kvfence.tools.leakcheck.api import Reply, api_root, context_length_of, pick_model
 from kvfence.tools.leakcheck.cli import check, main, parse_args
