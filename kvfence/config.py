@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+import argparse
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 DTYPES = ("float32", "bfloat16", "float16")
 KV_CACHE_DTYPES = ("auto", "float32", "bfloat16", "float16")
@@ -93,6 +94,7 @@ class EngineConfig:
         if self.max_running_requests < 1:
             raise ConfigError(f"--max-running-requests {self.max_running_requests}: must be >= 1")
 
-    @property
-    def effective_kv_cache_dtype(self) -> str:
-        return self.dtype if self.kv_cache_dtype == "auto" else self.kv_cache_dtype
+    @classmethod
+    def from_args(cls, args: argparse.Namespace) -> EngineConfig:
+        """From flags parsed with kvfence.args.ENGINE_OPTIONS (one option per field)."""
+        return cls(**{f.name: getattr(args, f.name) for f in fields(cls)})

@@ -13,11 +13,11 @@ import torch
 from conftest import hf_greedy, random_prompts
 from prefix_harness import Ask, assert_baseline, run_waves
 
-from kvfence.cli import add_engine_args, engine_config
+from kvfence.cli import build_parser
 from kvfence.config import ConfigError, EngineConfig
 from kvfence.engine.llm import LLM
 from kvfence.engine.request import FinishReason, GenerateRequest, SamplingParams
-from kvfence.tools.up import worker_args
+from kvfence.tools.up import add_up_args, worker_args
 
 PAGE = 16
 MAX_NEW = 16
@@ -148,34 +148,26 @@ def test_sealed_pages_fill_as_decoding_goes(checkpoint_dir) -> None:
 
 
 def test_flags_and_config() -> None:
-    p = argparse.ArgumentParser()
-    add_engine_args(p)
-    on = engine_config(p.parse_args(["--model", "m"]))
+    def cfg(*flags: str) -> EngineConfig:
+        return EngineConfig.from_args(build_parser().parse_args(["serve", "--model", "m", *flags]))
+
+    on = cfg()
     assert on.enable_prefix_caching and on.shared_prefix_file is None
     for flags in (["--no-enable-prefix-caching"], ["--disable-radix-cache"]):
-        assert not engine_config(p.parse_args(["--model", "m", *flags])).enable_prefix_caching
-    cfg = engine_config(
-        p.parse_args(["--model", "m", "--shared-prefix-file", "f", "--prefix-cache-ttl", "9"])
-    )
-    assert (cfg.shared_prefix_file, cfg.prefix_cache_ttl) == ("f", 9.0)
+        assert not cfg(*flags).enable_prefix_caching
+    assert cfg("--enable-prefix-caching").enable_prefix_caching
+    got = cfg("--shared-prefix-file", "f", "--prefix-cache-ttl", "9")
+    assert (got.shared_prefix_file, got.prefix_cache_ttl) == ("f", 9.0)
     with pytest.raises(ConfigError):
         EngineConfig(model="m", prefix_cache_ttl=0)
     with pytest.raises(ConfigError):
         EngineConfig(model="m", enable_prefix_caching=False, shared_prefix_file="f")
     # `kvfence up` passes "off" on to its workers.
     up = argparse.ArgumentParser()
-    add_engine_args(up)
-    for a in (
-        "--api-key-file",
-        "--log-level",
-        "--disaggregation-timeout",
-        "--cluster-secret-file",
-        "--disaggregation-transfer-backend",
-    ):
-        up.add_argument(a, default=None)
-    args = up.parse_args(["--model", "m", "--no-enable-prefix-caching"])
-    args.log_level, args.disaggregation_transfer_backend = "info", "tcp"
-    assert not p.parse_known_args(worker_args(args, "decode"))[0].enable_prefix_caching
+    add_up_args(up)
+    flags = worker_args(up.parse_args(["--model", "m", "--disable-radix-cache"]), "decode")
+    assert "--no-enable-prefix-caching" in flags
+    assert not cfg(*flags[2:]).enable_prefix_caching
 
 
 def test_ttl_expires_unused_pages_and_poisons_them(checkpoint_dir) -> None:
