@@ -25,6 +25,7 @@ import time
 from pathlib import Path
 
 import httpx
+import numpy as np
 
 sys.path.append(str(Path(__file__).resolve().parent.parent))  # after PYTHONPATH
 
@@ -36,7 +37,7 @@ from benchmarks.common import (  # noqa: E402
     this_command,
     write_json,
 )
-from kvfence.tools.timing_stats import auc, ks_2samp  # noqa: E402
+from kvfence.tools.leakcheck.timing_stats import auc, ks_pvalue, ks_statistic  # noqa: E402
 
 KEYS = {"A": "timing-key-a", "B": "timing-key-b"}
 FAULTS = {"KVFENCE_FAULT_INJECTION": "1", "KVFENCE_FAULTS": "prefix_cache_ignore_namespace"}
@@ -72,11 +73,11 @@ def arm(url: str, model: str, pairs: int, n: int, vocab: int, prober: str, seed:
             rng.shuffle(sides)
             for sink, prompt in sides:
                 sink.append(ttft_ms(client, model, prober, prompt))
-    _, p = ks_2samp(control, probed)
+    hits, fresh = np.array(probed), np.array(control)
     return {
         "pairs": pairs,
-        "auc_fresh_over_probed": auc(control, probed),
-        "ks_p": p,
+        "auc_fresh_over_probed": auc(hits, fresh),
+        "ks_p": ks_pvalue(ks_statistic(hits, fresh), len(hits), len(fresh)),
         "ttft_p50_ms_probed": statistics.median(probed),
         "ttft_p50_ms_fresh": statistics.median(control),
     }
