@@ -395,3 +395,52 @@ def test_official_client_sees_answers_streams_and_errors(pair) -> None:
     assert bad.value.code == "context_length_exceeded"
     with pytest.raises(openai.APIError, match="stopped before the answer was complete"):
         list(client.completions.create(model="m", prompt="die", stream=True))
+
+
+# ---- the router relays only its own routes ------------------------------------------------------
+
+
+TRAVERSALS = (
+    "/v1/models/%2e%2e/%2e%2e/pd/info",
+    "/v1/models/%2E%2E/%2E%2E/metrics",
+    "/v1/models/..%2f..%2fpd%2finfo",
+    "/v1/models/%2e%2e%2f%2e%2e%2fhealth",
+    "/v1/models/fake-model/%2e%2e/%2e%2e/%2e%2e/pd/info",
+)
+
+
+def test_a_model_id_is_never_a_path_to_a_workers_internal_route(cluster: Cluster) -> None:
+    # The attack: the decoded path was relayed, so a tenant read decode's /pd/info (room ids and
+    # their timings) and /metrics (per-tenant counters) through the public router.
+    p_url, _ = cluster.worker("prefill")
+    d_url, decode = cluster.worker("decode")
+    url, _ = cluster.router([p_url], [d_url], api_keys={KEY: "tenant-a"})
+    auth = {"Authorization": f"Bearer {KEY}"}
+    for path in TRAVERSALS:
+        r = httpx.get(url + path, headers=auth, timeout=5)
+        assert r.status_code == 404, (path, r.text)
+        assert r.json()["error"]["code"] == "model_not_found", path
+        assert "bootstrap" not in r.text and "role" not in r.text, path
+    assert decode.requests == []
+    # A real id, including an HF-style org/name, reaches the worker's model route as itself.
+    r = httpx.get(f"{url}/v1/models/fake-model", headers=auth, timeout=5)
+    assert r.status_code == 200 and r.json()["id"] == "fake-model", r.text
+    r = httpx.get(f"{url}/v1/models/org/model-1.5_b", headers=auth, timeout=5)
+    assert r.status_code == 404, r.text  # the worker's own answer: it serves another model
+    assert [q["path"] for q in decode.requests] == [
+        "/v1/models/fake-model", "/v1/models/org/model-1.5_b"
+    ]
+
+
+def test_i6_two_authorization_headers_are_refused_at_the_router(cluster: Cluster) -> None:
+    # The router checked the first header and forwarded the last: tenant B's key reached decode
+    # behind tenant A's check. Now neither hop accepts two.
+    p_url, _ = cluster.worker("prefill")
+    d_url, decode = cluster.worker("decode")
+    url, _ = cluster.router([p_url], [d_url], api_keys={KEY: "tenant-a", "sk-b": "tenant-b"})
+    two = [("Authorization", f"Bearer {KEY}"), ("Authorization", "Bearer sk-b")]
+    r = httpx.post(url + "/v1/completions", json={"model": "fake-model", "prompt": "x"},
+                   headers=two, timeout=5)
+    assert r.status_code == 400 and r.json()["error"]["code"] == "duplicate_authorization"
+    assert httpx.get(url + "/v1/models", headers=two, timeout=5).status_code == 400
+    assert decode.requests == []

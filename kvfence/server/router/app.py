@@ -3,14 +3,17 @@ to a decode after the first door (auth) and the body limit."""
 
 from __future__ import annotations
 
+import re
 from collections.abc import Sequence
 from contextlib import asynccontextmanager
 from typing import Any
+from urllib.parse import quote
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
-from kvfence.server.errors import install_handlers
+from kvfence.server.auth import single_authorization
+from kvfence.server.errors import APIError, install_handlers
 from kvfence.server.httpio import read_body
 from kvfence.server.router.args import (
     DEFAULT_CONNECT_TIMEOUT_S,
@@ -23,6 +26,25 @@ from kvfence.server.router.args import (
 from kvfence.server.router.relay import Relay, request_headers
 from kvfence.server.router.state import RouterState
 from kvfence.server.router.workers import normalize_url
+
+# A model id is a name, never a path: segments of [A-Za-z0-9._-] that start with a letter or
+# digit (so no "." or ".." can walk up to a worker's internal routes), "/" between them (HF ids).
+_SEGMENT = r"[A-Za-z0-9][A-Za-z0-9._\-]{0,127}"
+_MODEL_ID = re.compile(rf"{_SEGMENT}(/{_SEGMENT}){{0,3}}")
+
+
+def _model_path(model_id: str) -> str:
+    """The upstream path for GET /v1/models/{model_id}, rebuilt from a validated id (the
+    client's path, decoded, is never forwarded)."""
+    if not _MODEL_ID.fullmatch(model_id):
+        raise APIError(
+            404,
+            "The model does not exist.",
+            code="model_not_found",
+            type="invalid_request_error",
+            param="model",
+        )
+    return "/v1/models/" + quote(model_id, safe="/")
 
 
 def build_router_app(
@@ -77,27 +99,39 @@ def build_router_app(
         data, content_type = state.metrics.render()
         return Response(data, media_type=content_type)
 
-    async def relay_post(request: Request) -> Response:
-        # First door: a bad key never costs a worker anything.
-        state.auth.tenant_for(request.headers.get("authorization"))
-        body = await read_body(request, settings.max_body_bytes)
-        return Relay(state, "POST", request.url.path, body, request_headers(request), paired=True)
+    def authenticate(request: Request) -> None:
+        # First door: a bad key never costs a worker anything; two keys are refused, so the
+        # worker sees the one key that was checked here (I6).
+        state.auth.tenant_for(single_authorization(request.headers.getlist("authorization")))
 
-    async def relay_get(request: Request) -> Response:
-        state.auth.tenant_for(request.headers.get("authorization"))
-        route = request.scope["route"].path if "route" in request.scope else None
+    # Only the routes below are relayed, each to a path built here, never the client's path.
+    def relay_post(path: str) -> Any:
+        async def handler(request: Request) -> Response:
+            authenticate(request)
+            body = await read_body(request, settings.max_body_bytes)
+            return Relay(state, "POST", path, body, request_headers(request), paired=True)
+
+        return handler
+
+    async def list_models(request: Request) -> Response:
+        authenticate(request)
+        return Relay(state, "GET", "/v1/models", b"", request_headers(request), paired=False)
+
+    async def get_model(request: Request, model_id: str) -> Response:
+        authenticate(request)
+        path = _model_path(model_id)
         return Relay(
             state,
             "GET",
-            request.url.path,
+            path,
             b"",
             request_headers(request),
             paired=False,
-            route=route,
+            route="/v1/models/{model_id:path}",
         )
 
-    app.add_api_route("/v1/completions", relay_post, methods=["POST"])
-    app.add_api_route("/v1/chat/completions", relay_post, methods=["POST"])
-    app.add_api_route("/v1/models", relay_get, methods=["GET"])
-    app.add_api_route("/v1/models/{model_id:path}", relay_get, methods=["GET"])
+    for path in ("/v1/completions", "/v1/chat/completions"):
+        app.add_api_route(path, relay_post(path), methods=["POST"])
+    app.add_api_route("/v1/models", list_models, methods=["GET"])
+    app.add_api_route("/v1/models/{model_id:path}", get_model, methods=["GET"])
     return app
