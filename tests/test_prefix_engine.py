@@ -16,7 +16,7 @@ from prefix_harness import Ask, assert_baseline, run_waves
 from kvfence.cli import build_parser
 from kvfence.config import ConfigError, EngineConfig
 from kvfence.engine.llm import LLM
-from kvfence.engine.request import FinishReason, GenerateRequest, SamplingParams
+from kvfence.engine.request import FinishReason, GenerateRequest, RequestOutput, SamplingParams
 from kvfence.tools.up import add_up_args, worker_args
 
 PAGE = 16
@@ -217,3 +217,71 @@ def test_shared_prefix_file_is_validated(tmp_path) -> None:
             load_shared_prefixes(str(f), encode, 100)
     with pytest.raises(ValueError, match="--shared-prefix-file"):
         load_shared_prefixes(str(tmp_path / "missing.json"), encode, 100)
+
+
+def test_random_workload_keeps_every_invariant_at_every_step(checkpoint_dir) -> None:
+    """Three tenants (some salted) over shared bases, a pool that forces preemption and
+    eviction, aborts at random steps. After every step: each cache page's reference count is
+    the number of live sequences holding it, and every page a sequence holds by reference is
+    of its namespace (or the shared one) with its own tokens. Answers equal the cache-off ones;
+    everything returns to baseline."""
+    import random
+
+    from kvfence.kv.prefix import SHARED, Namespace
+
+    model_dir = str(checkpoint_dir("llama"))
+    rng = random.Random(21)
+    bases = random_prompts([2 * PAGE, 3 * PAGE + 3], 256, seed=30)
+    asks = []
+    for i in range(24):
+        tenant = rng.choice(["A", "B", "C"])
+        salt = rng.choice([None, None, "s"])
+        tail = random_prompts([rng.randrange(1, 30)], 256, seed=100 + i)[0]
+        asks.append(
+            Ask(f"q{i}", rng.choice(bases)[: rng.randrange(PAGE, 3 * PAGE)] + tail, tenant, salt)
+        )
+    params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+    want = run_waves(
+        LLM(model_dir, kv_pool_tokens=4096, context_length=128, enable_prefix_caching=False).engine,
+        [asks],
+        params,
+    )
+    llm = LLM(model_dir, kv_pool_tokens=144, context_length=128, chunked_prefill_size=24)
+    engine, prefix = llm.engine, llm.engine.pool.prefix
+    answers: dict[str, list[RequestOutput]] = {a.rid: [] for a in asks}
+    aborted: set[str] = set()
+    pending = list(asks)
+    steps = 0
+    while pending or engine.scheduler.has_work():
+        for _ in range(rng.randrange(0, 4)):
+            if pending:
+                a = pending.pop(0)
+                req = GenerateRequest(a.rid, a.tenant, tuple(a.prompt), params, cache_salt=a.salt)
+                engine.submit(req, answers[a.rid].append)
+        if rng.random() < 0.08:
+            rid = rng.choice([a.rid for a in asks])
+            if not (answers[rid] and answers[rid][-1].finished):
+                aborted.add(rid)
+                engine.abort(rid)
+        engine.step()
+        steps += 1
+        assert steps < 5000
+        live = [s for s in engine.scheduler.running if s.grant is not None]
+        holders: dict[int, int] = {}
+        for s in live:
+            ns = Namespace.of_tenant(s.tenant, s.admitted.request.cache_salt)
+            for i, p in enumerate(s.pages[: s.num_sealed]):
+                holders[p] = holders.get(p, 0) + 1
+                e = prefix.entry(p)
+                assert e is not None and e.namespace in (ns, SHARED)
+                assert list(e.tokens) == s.token_ids[i * PAGE : (i + 1) * PAGE]
+        for p, n in holders.items():
+            assert prefix.refcount(p) == n
+        assert prefix.num_holders == len({id(s) for s in live if s.num_sealed})
+    for a in asks:
+        outs = answers[a.rid]
+        assert outs and outs[-1].finished
+        if a.rid not in aborted:
+            assert [t for o in outs for t in o.new_token_ids] == want[a.rid].tokens, a.rid
+    assert engine.stats().preemptions > 0 and engine.stats().prefix_cache.hits > 0
+    assert_baseline(engine)
