@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
+
+from kvfence import env
 
 DTYPES = ("float32", "bfloat16", "float16")
 KV_CACHE_DTYPES = ("auto", "float32", "bfloat16", "float16")
@@ -77,8 +78,8 @@ class EngineConfig:
                 raise ConfigError(f"{flag} native: the native kernel is CPU-only")
         if self.chunked_prefill_size < 1:
             raise ConfigError(f"--chunked-prefill-size {self.chunked_prefill_size}: must be >= 1")
-        if self.unsafe_skip_preflight and os.environ.get("KVFENCE_FAULT_INJECTION") != "1":
-            raise ConfigError("--unsafe-skip-preflight is for tests: set KVFENCE_FAULT_INJECTION=1")
+        if self.unsafe_skip_preflight and not env.fault_injection():
+            raise ConfigError(f"--unsafe-skip-preflight is for tests: set {env.FAULT_INJECTION}=1")
         if self.threads is not None and self.threads < 1:
             raise ConfigError(f"--threads {self.threads}: must be >= 1")
         if self.max_running_requests < 1:

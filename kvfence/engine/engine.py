@@ -26,6 +26,7 @@ from kvfence.engine.request import FinishReason, GenerateRequest, RequestOutput,
 from kvfence.engine.runner import ModelRunner, StepResult
 from kvfence.engine.scheduler import ScheduledChunk, Scheduler, SchedulerLimits
 from kvfence.engine.sequence import SeqMode, SeqStatus, Sequence
+from kvfence.faults import Faults
 from kvfence.kv.pool import KVPool
 from kvfence.kv.sizing import CapacityError, PoolPlan, plan_for_engine, require_fits
 from kvfence.model.config import ModelConfig
@@ -66,8 +67,17 @@ class EngineStats:
 
 
 class Engine:
-    def __init__(self, cfg: EngineConfig) -> None:
+    def __init__(
+        self,
+        cfg: EngineConfig,
+        faults: Faults | None = None,
+        hooks: HandoffHooks | None = None,
+    ) -> None:
+        """hooks: the PD role's hand-off callbacks (None for a unified engine, which never
+        parks a sequence in HANDOFF); faults: this process's fault points (none armed)."""
         self.cfg = cfg
+        self.faults = faults if faults is not None else Faults()
+        self.hooks = hooks
         self.model_config = ModelConfig.from_dir(cfg.model)
         self.context_length = cfg.context_length or self.model_config.max_position_embeddings
         self.model_name = cfg.served_model_name or Path(cfg.model).resolve().name
@@ -114,6 +124,7 @@ class Engine:
             cfg.seed,
             cfg.attention_backend,
             cfg.linear_backend,
+            self.faults,
         )
         self.eos_token_ids = self._eos_ids(Path(cfg.model))
         self._inbox: queue.SimpleQueue[tuple[str, object]] = queue.SimpleQueue()
@@ -122,7 +133,6 @@ class Engine:
         self._arrivals = 0
         self._thread: threading.Thread | None = None
         self._stopping = threading.Event()
-        self.hooks: HandoffHooks | None = None
         self.integrity_failures = 0
 
     # ---- called from any thread -------------------------------------------------------------
@@ -134,10 +144,14 @@ class Engine:
         mode: SeqMode = SeqMode.FULL,
     ) -> Admitted | Rejected:
         """Admission runs here, in the caller's thread: a Rejected never reaches the loop."""
-        verdict = admit(req, self.limits)
+        verdict = self.admit(req)
         if isinstance(verdict, Admitted):
             self._post("add", (verdict, sink, mode))
         return verdict
+
+    def admit(self, req: GenerateRequest) -> Admitted | Rejected:
+        """The admission rule (I1) against this engine's limits, queueing nothing."""
+        return admit(req, self.limits, self.faults.guards())
 
     def abort(self, request_id: str) -> None:
         self._post("abort", request_id)

@@ -10,8 +10,8 @@ from typing import TypeVar
 
 import torch
 
-from kvfence import faults
 from kvfence.engine.scheduler import ScheduledChunk
+from kvfence.faults import Faults
 from kvfence.kv.pool import KVPool
 from kvfence.model import kernels
 from kvfence.model.attention import AttentionMetadata, NativeDecodeGroup, build_group
@@ -37,8 +37,10 @@ class ModelRunner:
         seed: int,
         attention_backend: str = "auto",
         linear_backend: str = "auto",
+        faults: Faults | None = None,
     ) -> None:
         self.model = model
+        self.faults = faults if faults is not None else Faults()
         model.fuse_projections()
         self.pool = pool
         self.device = device
@@ -181,7 +183,7 @@ class ModelRunner:
         grants = torch.tensor([c.seq.grant.grant_id for c in chunks], device=self.device)
         tenants = torch.tensor([c.seq.grant.tenant_id for c in chunks], device=self.device)
         bad = self.pool.check_owned(table, grants, tenants, valid, must_hold).tolist()
-        if not any(bad) or faults.active("skip_tag_check"):
+        if not any(bad) or not self.faults.guards().on("tag_check"):
             return chunks, []
         return [c for c, b in zip(chunks, bad, strict=True) if not b], [
             c for c, b in zip(chunks, bad, strict=True) if b

@@ -7,26 +7,29 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import os
 import time
 from collections import deque
+from collections.abc import Iterable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+from prometheus_client.core import Metric
 
-from kvfence import faults
+from kvfence.config import EngineConfig
 from kvfence.engine.admission import Admitted, Rejected
 from kvfence.engine.engine import Engine
 from kvfence.engine.request import GenerateRequest
 from kvfence.engine.sequence import SeqMode, Sequence
+from kvfence.faults import Faults
 from kvfence.pd import auth, kvio, wire
 from kvfence.pd import protocol as p
 from kvfence.pd.ioloop import IOLoop
-from kvfence.pd.pairing import pairing_problem
+from kvfence.pd.pairing import model_fingerprint, node_info, pairing_problem
 from kvfence.pd.stats import TransferStats
 from kvfence.pd.transport.tcp import Connection
+from kvfence.role import EngineRole
 
 log = logging.getLogger("kvfence.pd.decode")
 
@@ -52,24 +55,31 @@ class _Peer:
     rooms: set[str] = field(default_factory=set)
 
 
-class DecodeService:
+class DecodeService(EngineRole):
     def __init__(
         self,
-        engine: Engine,
-        info: dict[str, Any],
+        cfg: EngineConfig,
         timeout_s: float = 30.0,
-        guards: p.Guards = p.ALL_ON,
-        mooncake: Any = None,
+        backend: str = "tcp",
         secret: bytes = b"",
+        faults: Faults | None = None,
+        host: str = "127.0.0.1",
     ) -> None:
-        self.engine = engine
+        """host: where this worker is reachable (a Mooncake peer's one-sided writes go there)."""
+        self.faults = faults if faults is not None else Faults()
+        super().__init__(Engine(cfg, self.faults, hooks=self))
         self.secret = secret  # I8: every frame is MACed under keys derived from it
         # Set: prefill writes our pool one-sidedly; we cannot veto a write, only verify it.
-        self.mooncake = mooncake
-        if mooncake is not None:
-            info = {**info, "mooncake": mooncake.descriptor()}
-        self.guards = guards  # every guard on, except in a test's mutation twin
-        self.info = info
+        self.mooncake: Any = None
+        info = node_info(self.engine, "decode", model_fingerprint(cfg.model), backend)
+        if cfg.unsafe_skip_preflight:
+            info["unsafe_skip_capacity"] = True
+        if backend == "mooncake":
+            from kvfence.pd.transport.mooncake import MooncakeEndpoint
+
+            self.mooncake = MooncakeEndpoint(self.engine.pool, hostname=host)
+            info["mooncake"] = self.mooncake.descriptor()
+        self.pairing = info
         self.timeout_s = timeout_s
         self.rooms: dict[str, _Room] = {}
         self.peers: dict[str, _Peer] = {}
@@ -80,9 +90,8 @@ class DecodeService:
         # Checksums and writes of received runs: one thread, so a connection's runs land in
         # order; numpy and xxhash release the GIL over whole blocks, so the loop keeps receiving.
         self._kv_writer = ThreadPoolExecutor(1, thread_name_prefix="kvfence-decode-kv")
-        engine.hooks = self
 
-    # ---- the engine facade the HTTP layer talks to ------------------------------------------
+    # ---- the role the HTTP layer talks to ------------------------------------------------------
 
     def submit(self, req: GenerateRequest, sink: Any) -> Admitted | Rejected:
         """The decode door: admission, then the engine reserves pages and calls on_reserved."""
@@ -93,9 +102,6 @@ class DecodeService:
                 "This is a decode worker: send requests through the kvfence router.",
             )
         return self.engine.submit(req, sink, SeqMode.DECODE_ONLY)
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self.engine, name)
 
     # ---- lifecycle ------------------------------------------------------------------------------
 
@@ -108,6 +114,8 @@ class DecodeService:
         self.io.stop()
         self._kv_writer.shutdown(wait=True)
         self.engine.shutdown()
+        if self.mooncake is not None:
+            self.mooncake.close()
 
     async def _begin(self) -> None:
         asyncio.ensure_future(self._expire())
@@ -117,10 +125,10 @@ class DecodeService:
             if peer.conn is not None:
                 peer.conn.close()
 
-    def pd_metrics(self) -> Any:
+    def metrics(self) -> Iterable[Metric]:
         return self.transfer_stats.metrics(self.engine.stats().pages_handoff)
 
-    def pd_info(self) -> dict[str, Any]:
+    def info(self) -> dict[str, Any]:
         return {
             "role": "decode",
             "bootstrap_host": None,
@@ -131,7 +139,7 @@ class DecodeService:
             "pairing_errors": dict(self.pairing_errors),
             "counters": self.transfer_stats.snapshot(),
             "transfer_marks": self.transfer_stats.marks(),
-            "pairing": {k: v for k, v in self.info.items() if k != "mooncake"},
+            "pairing": {k: v for k, v in self.pairing.items() if k != "mooncake"},
         }
 
     # ---- engine hooks (engine thread) -----------------------------------------------------------
@@ -182,7 +190,7 @@ class DecodeService:
             await peer.conn.send(r)
         except ConnectionError:
             pass  # the reader task feeds ConnectionLost for every room of this peer
-        if faults.active("client_disconnect"):
+        if self.faults.active("client_disconnect"):
             # The client hangs up mid-transfer: by then prefill is computing or sending.
             asyncio.get_running_loop().call_later(0.5, self.engine.abort, r.room)
 
@@ -197,9 +205,11 @@ class DecodeService:
     async def _connect(self, addr: str, peer: _Peer) -> None:
         try:
             host, port = addr.rsplit(":", 1)
-            conn = await Connection.open(host, int(port), self.timeout_s, self.secret)
+            conn = await Connection.open(
+                host, int(port), self.timeout_s, self.secret, self.faults
+            )
             client_nonce = auth.new_nonce()
-            await conn.send(wire.Hello({**self.info, "nonce": client_nonce}))
+            await conn.send(wire.Hello({**self.pairing, "nonce": client_nonce}))
             msg, _ = await asyncio.wait_for(conn.recv(), self.timeout_s)
             if isinstance(msg, wire.HelloRefused):
                 self.transfer_stats.inc("pairing_refused")
@@ -207,7 +217,7 @@ class DecodeService:
                 raise ConnectionError(f"prefill {addr} refused to pair: {msg.reason}")
             if not isinstance(msg, wire.HelloOk):
                 raise wire.WireError("expected HelloOk")
-            problem = pairing_problem(self.info, msg.info)
+            problem = pairing_problem(self.pairing, msg.info, self.faults.guards())
             if problem is not None:
                 self.transfer_stats.inc("pairing_refused")
                 self.pairing_errors[addr] = problem
@@ -296,7 +306,7 @@ class DecodeService:
             self._run_applied(run, [False] * n, 0, 0)
             return None
         pages = room.pages[run.first : run.first + n]
-        check = self._guards().on("checksum")  # off: mutation twin, the bytes as they come
+        check = self.faults.guards().on("checksum")  # off: mutation twin, the bytes as they come
         if one_sided:
             # The bytes are already in the pool; the read-back digest at DONE checks them.
             self._run_applied(run, *self._write_run(run, pages, room.grant_id, None, check))
@@ -375,8 +385,8 @@ class DecodeService:
                 )
             ),
         )
-        if run.first == 0 and faults.active("kill_decode"):
-            os._exit(137)
+        if run.first == 0 and self.faults.active("kill_decode"):
+            self.faults.crash("kill_decode")
 
     def _on_done(self, done: p.Done) -> None:
         room = self.rooms.get(done.room)
@@ -404,7 +414,7 @@ class DecodeService:
             if isinstance(event, p.AbortArrived):
                 self._send(rid, None, p.AbortAck(rid))
             return
-        room.state, actions = p.decode_step(room.state, event, self._guards())
+        room.state, actions = p.decode_step(room.state, event, self.faults.guards())
         if room.state.state in (p.DState.RELEASED, p.DState.COMMITTED):
             del self.rooms[rid]
             peer = self.peers.get(room.peer)
@@ -427,13 +437,6 @@ class DecodeService:
                 self.engine.fail(rid, message, a.code, a.status)
             elif isinstance(a, p.ReleasePages):
                 self.engine.release(rid)
-
-    def _guards(self) -> p.Guards:
-        off = set(self.guards.off)
-        for fault, guard in _FAULT_GUARDS.items():
-            if faults.active(fault):
-                off.add(guard)
-        return p.Guards(frozenset(off)) if off else p.ALL_ON
 
     def _send(self, rid: str, peer_addr: str | None, msg: p.Message) -> None:
         peer = self.peers.get(peer_addr) if peer_addr else None
@@ -486,10 +489,3 @@ def _sampling_dict(req: GenerateRequest) -> dict[str, Any]:
         "logprobs": sp.logprobs,
     }
 
-
-# Fault points that switch off a protocol guard on the decode side (tests only).
-_FAULT_GUARDS = {
-    "skip_count_check": "count_check",
-    "skip_checksum": "checksum",
-    "early_release": "deferred_release",
-}

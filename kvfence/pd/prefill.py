@@ -9,25 +9,28 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import os
 import time
+from collections.abc import Iterable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
 import torch
+from prometheus_client.core import Metric
 
-from kvfence import faults
+from kvfence.config import EngineConfig
 from kvfence.engine.admission import Admitted, Rejected
 from kvfence.engine.engine import Engine
 from kvfence.engine.request import GenerateRequest, RequestOutput, SamplingParams
 from kvfence.engine.sequence import SeqMode, Sequence
+from kvfence.faults import Faults
 from kvfence.pd import auth, kvio, wire
 from kvfence.pd import protocol as p
 from kvfence.pd.ioloop import IOLoop
-from kvfence.pd.pairing import pairing_problem
+from kvfence.pd.pairing import model_fingerprint, node_info, pairing_problem
 from kvfence.pd.stats import TransferStats
 from kvfence.pd.transport.tcp import Connection, Listener
+from kvfence.role import EngineRole
 
 log = logging.getLogger("kvfence.pd.prefill")
 
@@ -45,26 +48,29 @@ class _Room:
     writing: asyncio.Future | None = None  # an in-flight one-sided write (mooncake)
 
 
-class PrefillService:
+class PrefillService(EngineRole):
     def __init__(
         self,
-        engine: Engine,
-        info: dict[str, Any],
+        cfg: EngineConfig,
         host: str,
         port: int,
         timeout_s: float = 30.0,
-        mooncake: Any = None,
+        backend: str = "tcp",
         secret: bytes = b"",
+        faults: Faults | None = None,
     ) -> None:
-        self.engine = engine
-        self.info = info
+        self.faults = faults if faults is not None else Faults()
+        super().__init__(Engine(cfg, self.faults, hooks=self))
         self.secret = secret  # I8: every frame is MACed under keys derived from it
-        # Set: pages go by one-sided writes into decode's pool; frames carry only checksums.
-        self.mooncake = mooncake
-        self._remote: dict[Connection, dict] = {}
         self.host, self.port = host, port
         # What decode workers should dial: the bind address unless it is a wildcard.
         self.advertise_host = "127.0.0.1" if host in ("0.0.0.0", "") else host
+        # Set: pages go by one-sided writes into decode's pool; frames carry only checksums.
+        self.mooncake = _mooncake(backend, self.engine, self.advertise_host)
+        self._remote: dict[Connection, dict] = {}
+        self.pairing = node_info(self.engine, "prefill", model_fingerprint(cfg.model), backend)
+        if cfg.unsafe_skip_preflight:
+            self.pairing["unsafe_skip_capacity"] = True
         self.timeout_s = timeout_s
         self.rooms: dict[str, _Room] = {}
         self.transfer_stats = TransferStats("prefill")
@@ -75,7 +81,6 @@ class PrefillService:
         self._run_bufs: list[bytearray] = []  # gather buffers, reused across rooms
         # Gathers and checksums of the next run while the loop sends the current one.
         self._gather = ThreadPoolExecutor(1, thread_name_prefix="kvfence-prefill-kv")
-        engine.hooks = self
 
     # ---- lifecycle ------------------------------------------------------------------------------
 
@@ -88,9 +93,13 @@ class PrefillService:
         self.io.stop()
         self._gather.shutdown(wait=True)
         self.engine.shutdown()
+        if self.mooncake is not None:
+            self.mooncake.close()
 
     async def _listen(self) -> None:
-        self._server = await Listener.start(self.host, self.port, self._serve_conn, self.secret)
+        self._server = await Listener.start(
+            self.host, self.port, self._serve_conn, self.secret, self.faults
+        )
         self.port = self._server.port
         asyncio.ensure_future(self._expire())
 
@@ -100,10 +109,10 @@ class PrefillService:
         for conn in list(self._conns):
             conn.close()
 
-    def pd_metrics(self) -> Any:
+    def metrics(self) -> Iterable[Metric]:
         return self.transfer_stats.metrics(self.engine.stats().pages_handoff)
 
-    def pd_info(self) -> dict[str, Any]:
+    def info(self) -> dict[str, Any]:
         return {
             "role": "prefill",
             "bootstrap_host": self.advertise_host,
@@ -113,10 +122,10 @@ class PrefillService:
             "page_size": self.engine.pool.page_size,
             "counters": self.transfer_stats.snapshot(),
             "transfer_marks": self.transfer_stats.marks(),
-            "pairing": {k: v for k, v in self.info.items() if k != "mooncake"},
+            "pairing": {k: v for k, v in self.pairing.items() if k != "mooncake"},
         }
 
-    # ---- the engine facade the HTTP layer talks to ------------------------------------------
+    # ---- the role the HTTP layer talks to ------------------------------------------------------
 
     def submit(self, req: GenerateRequest, sink: Any) -> Admitted | Rejected:
         """Prefill work arrives as RESERVEs from decode workers, never over HTTP."""
@@ -125,9 +134,6 @@ class PrefillService:
             "pd_route_required",
             "This is a prefill worker: send requests through the kvfence router.",
         )
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self.engine, name)
 
     # ---- engine hooks (engine thread) -----------------------------------------------------------
 
@@ -170,7 +176,7 @@ class PrefillService:
         msg, _ = await asyncio.wait_for(conn.recv(), self.timeout_s)
         if not isinstance(msg, wire.Hello):
             raise wire.WireError("expected Hello")
-        problem = pairing_problem(self.info, msg.info)
+        problem = pairing_problem(self.pairing, msg.info, self.faults.guards())
         if problem is not None:
             self.transfer_stats.inc("pairing_refused")
             log.error("refusing to pair with decode %s: %s", conn.peer, problem)
@@ -179,7 +185,7 @@ class PrefillService:
         if self.mooncake is not None:
             self._remote[conn] = msg.info["mooncake"]
         server_nonce = auth.new_nonce()
-        await conn.send(wire.HelloOk({**self.info, "nonce": server_nonce}))
+        await conn.send(wire.HelloOk({**self.pairing, "nonce": server_nonce}))
         conn.start_session(str(msg.info.get("nonce", "")), server_nonce)
         return True
 
@@ -217,7 +223,7 @@ class PrefillService:
             verdict = self.engine.submit(req, _ignore, SeqMode.PREFILL_ONLY)
         except (TypeError, ValueError) as e:
             verdict = Rejected(r.room, "invalid_request", f"bad RESERVE: {e}")
-        if isinstance(verdict, Rejected) and faults.active("placeholder_on_reject"):
+        if isinstance(verdict, Rejected) and self.faults.active("placeholder_on_reject"):
             # The incident's engine bug, on purpose: keep going with a 1-token stand-in.
             one = GenerateRequest(
                 r.room, r.tenant, r.prompt[:1] or (0,), SamplingParams(max_tokens=1)
@@ -252,8 +258,7 @@ class PrefillService:
                 # Idempotent: an abort of a room we no longer hold is still acknowledged.
                 asyncio.ensure_future(_safe_send(conn, p.AbortAck(rid)))
             return
-        guards = p.Guards(frozenset({"abort_ack"})) if faults.active("drop_abort_ack") else p.ALL_ON
-        room.state, actions = p.prefill_step(room.state, event, guards)
+        room.state, actions = p.prefill_step(room.state, event, self.faults.guards())
         if room.state.state is p.PState.CLOSED:
             del self.rooms[rid]
         self._execute(rid, room.conn, actions, room)
@@ -288,10 +293,10 @@ class PrefillService:
         assert room.seq is not None and room.first_token is not None
         started = self.transfer_stats.mark(rid, "send_start")
         n_tokens = room.seq.prompt_len  # what was computed (a placeholder's is shorter)
-        late = faults.active("late_write")
-        corrupt = faults.active("corrupt_page")  # decided once per room (chaos fires per room)
-        if faults.active("stall_transfer"):
-            await asyncio.sleep(faults.STALL_S)
+        late = self.faults.active("late_write")
+        corrupt = self.faults.active("corrupt_page")  # decided once per room (chaos: per room)
+        if self.faults.active("stall_transfer"):
+            await asyncio.sleep(self.faults.stall_s)
             if (room.stop_sending and not late) or room.conn.closed:
                 return
         if not self._source_is_sound(room.seq, n_tokens):
@@ -304,7 +309,7 @@ class PrefillService:
             pool = self.engine.pool
             src = list(room.seq.pages)
             runs = kvio.runs(pool, n_tokens)
-            if faults.active("truncate_transfer"):
+            if self.faults.active("truncate_transfer"):
                 first_count = min(n_tokens, pool.page_size)
                 runs, n_tokens = [(0, 1, first_count)], first_count
             n_pages = sum(n for _, n, _ in runs)
@@ -360,8 +365,8 @@ class PrefillService:
                 finally:
                     if sending is not None:
                         sending.set_result(None)
-                if faults.active("kill_prefill"):
-                    os._exit(137)
+                if self.faults.active("kill_prefill"):
+                    self.faults.crash("kill_prefill")
                 self.transfer_stats.inc("pages_sent", n)
                 self.transfer_stats.inc("bytes_sent", n * kvio.payload_size(pool, count))
         except ConnectionError:
@@ -421,7 +426,7 @@ class PrefillService:
     def _source_is_sound(self, seq: Sequence, n_tokens: int) -> bool:
         """I2 on the transfer source: every page sent must be owned by the room's grant and
         hold data written under it (one compare over the room's pages)."""
-        if faults.active("skip_tag_check") or seq.grant is None:
+        if not self.faults.guards().on("tag_check") or seq.grant is None:
             return seq.grant is not None
         pool = self.engine.pool
         pages = torch.tensor(seq.pages, dtype=torch.int64, device=pool.device)[None, :]
@@ -454,6 +459,15 @@ class PrefillService:
                 if now > room.deadline:
                     log.warning("room %s timed out in %s", rid, room.state.state.value)
                     self._feed(rid, p.TimedOut())
+
+
+def _mooncake(backend: str, engine: Engine, host: str) -> Any:
+    """The Mooncake endpoint with this engine's pool registered, for the mooncake backend."""
+    if backend != "mooncake":
+        return None
+    from kvfence.pd.transport.mooncake import MooncakeEndpoint
+
+    return MooncakeEndpoint(engine.pool, hostname=host)
 
 
 def _ignore(_: RequestOutput) -> None:

@@ -16,6 +16,10 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field, replace
 
+# The one Guards type of kvfence, re-exported: the model checker and the services read it here.
+from kvfence.guards import ALL_ON as ALL_ON
+from kvfence.guards import Guards as Guards
+
 # ---- messages --------------------------------------------------------------------------------
 
 
@@ -213,20 +217,8 @@ DecodeEvent = (
     | ConnectionLost
 )
 
+# The guards the state machines read; the others of kvfence.guards.Guards apply elsewhere.
 GUARDS = frozenset({"count_check", "checksum", "deferred_release", "abort_ack"})
-
-
-@dataclass(frozen=True)
-class Guards:
-    """Which guards are on. Only the model checker's mutation twins and fault tests turn any off."""
-
-    off: frozenset[str] = field(default_factory=frozenset)
-
-    def on(self, guard: str) -> bool:
-        return guard not in self.off
-
-
-ALL_ON = Guards()
 
 
 def digest_of(checksums: tuple[tuple[int, int], ...], n_tokens: int) -> int:
