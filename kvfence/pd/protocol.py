@@ -37,16 +37,6 @@ class Reserve:
 
 
 @dataclass(frozen=True)
-class Page:
-    """prefill -> decode: one page of K/V (the payload travels beside the header)."""
-
-    room: str
-    index: int  # position in dst_pages
-    n_tokens: int  # valid tokens in this page
-    checksum: int
-
-
-@dataclass(frozen=True)
 class Done:
     room: str
     n_tokens: int
@@ -75,7 +65,7 @@ class AbortAck:
     room: str
 
 
-Message = Reserve | Page | Done | DoneAck | Abort | AbortAck
+Message = Reserve | Done | DoneAck | Abort | AbortAck
 
 # ---- actions ---------------------------------------------------------------------------------
 
