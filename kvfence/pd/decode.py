@@ -10,7 +10,6 @@ import logging
 import time
 from collections import deque
 from collections.abc import Iterable
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -28,6 +27,7 @@ from kvfence.pd import protocol as p
 from kvfence.pd.ioloop import IOLoop
 from kvfence.pd.pairing import model_fingerprint, node_info, pairing_problem
 from kvfence.pd.stats import TransferStats
+from kvfence.pd.transport.link import page_receiver
 from kvfence.pd.transport.tcp import Connection
 from kvfence.role import EngineRole
 
@@ -69,17 +69,11 @@ class DecodeService(EngineRole):
         self.faults = faults if faults is not None else Faults()
         super().__init__(Engine(cfg, self.faults, hooks=self))
         self.secret = secret  # I8: every frame is MACed under keys derived from it
-        # Set: prefill writes our pool one-sidedly; we cannot veto a write, only verify it.
-        self.mooncake: Any = None
+        self.link = page_receiver(backend, self.engine.pool, host)
         info = node_info(self.engine, "decode", model_fingerprint(cfg.model), backend)
         if cfg.unsafe_skip_preflight:
             info["unsafe_skip_capacity"] = True
-        if backend == "mooncake":
-            from kvfence.pd.transport.mooncake import MooncakeEndpoint
-
-            self.mooncake = MooncakeEndpoint(self.engine.pool, hostname=host)
-            info["mooncake"] = self.mooncake.descriptor()
-        self.pairing = info
+        self.pairing = info  # the I7 facts; HELLO adds what the transport needs
         self.timeout_s = timeout_s
         self.rooms: dict[str, _Room] = {}
         self.peers: dict[str, _Peer] = {}
@@ -87,9 +81,6 @@ class DecodeService(EngineRole):
         self.pairing_errors: dict[str, str] = {}
         self.io = IOLoop("kvfence-decode-io")
         self.loop = self.io.loop
-        # Checksums and writes of received runs: one thread, so a connection's runs land in
-        # order; numpy and xxhash release the GIL over whole blocks, so the loop keeps receiving.
-        self._kv_writer = ThreadPoolExecutor(1, thread_name_prefix="kvfence-decode-kv")
 
     # ---- the role the HTTP layer talks to ------------------------------------------------------
 
@@ -112,10 +103,8 @@ class DecodeService(EngineRole):
 
     def shutdown(self) -> None:
         self.io.stop()
-        self._kv_writer.shutdown(wait=True)
+        self.link.close()
         self.engine.shutdown()
-        if self.mooncake is not None:
-            self.mooncake.close()
 
     async def _begin(self) -> None:
         asyncio.ensure_future(self._expire())
@@ -139,7 +128,7 @@ class DecodeService(EngineRole):
             "pairing_errors": dict(self.pairing_errors),
             "counters": self.transfer_stats.snapshot(),
             "transfer_marks": self.transfer_stats.marks(),
-            "pairing": {k: v for k, v in self.pairing.items() if k != "mooncake"},
+            "pairing": dict(self.pairing),
         }
 
     # ---- engine hooks (engine thread) -----------------------------------------------------------
@@ -151,7 +140,7 @@ class DecodeService(EngineRole):
             room=seq.request_id,
             tenant=req.tenant,
             prompt=req.prompt_token_ids,
-            sampling=_sampling_dict(req),
+            sampling=req.sampling.to_dict(),
             max_tokens=seq.admitted.max_tokens,
             dst_pages=tuple(seq.pages),
             grant=seq.grant.grant_id,
@@ -209,7 +198,8 @@ class DecodeService(EngineRole):
                 host, int(port), self.timeout_s, self.secret, self.faults
             )
             client_nonce = auth.new_nonce()
-            await conn.send(wire.Hello({**self.pairing, "nonce": client_nonce}))
+            hello = {**self.pairing, **self.link.hello_info(), "nonce": client_nonce}
+            await conn.send(wire.Hello(hello))
             msg, _ = await asyncio.wait_for(conn.recv(), self.timeout_s)
             if isinstance(msg, wire.HelloRefused):
                 self.transfer_stats.inc("pairing_refused")
@@ -285,7 +275,7 @@ class DecodeService(EngineRole):
     ) -> asyncio.Future | None:
         """A run of pages: every page is checked (position, size, checksum, grant) on its own,
         the good ones are written in one batch, and the state machine sees the run as one
-        RunArrived. Checks and writes of a framed run go to the writer thread (the Future)."""
+        RunArrived. The transport applies it: at once, or on its writer thread (the Future)."""
         room = self.rooms.get(run.room)
         if room is None or room.state.state is not p.DState.RESERVED:
             # the tcp receiver can refuse a late write
@@ -294,8 +284,7 @@ class DecodeService(EngineRole):
         self.transfer_stats.mark(run.room, "first_page")
         pool = self.engine.pool
         n = len(run.checksums)
-        one_sided = self.mooncake is not None
-        expected = 0 if one_sided else n * kvio.payload_size(pool, run.n_tokens)
+        expected = self.link.payload_bytes(pool, n, run.n_tokens)
         ok_shape = (
             0 <= run.first
             and run.first + n <= len(room.pages)
@@ -307,26 +296,12 @@ class DecodeService(EngineRole):
             return None
         pages = room.pages[run.first : run.first + n]
         check = self.faults.guards().on("checksum")  # off: mutation twin, the bytes as they come
-        if one_sided:
-            # The bytes are already in the pool; the read-back digest at DONE checks them.
-            self._run_applied(run, *self._write_run(run, pages, room.grant_id, None, check))
-            return None
-        buf = conn.keep()  # the payload stays ours until the writer is done with it
-        # Handed to the writer now, not from a task: the loop may read several buffered frames
-        # before it next yields, and the writer would sit idle meanwhile.
-        written = self.loop.run_in_executor(
-            self._kv_writer, self._write_run, run, pages, room.grant_id, payload, check
+        return self.link.apply(
+            conn,
+            payload,
+            lambda data: self._write_run(run, pages, room.grant_id, data, check),
+            lambda result: self._run_applied(run, *result),
         )
-
-        async def apply() -> None:
-            try:
-                result = await written
-            finally:
-                if buf is not None:
-                    conn.give_back(buf)
-            self._run_applied(run, *result)
-
-        return asyncio.ensure_future(apply())
 
     def _write_run(
         self,
@@ -424,10 +399,7 @@ class DecodeService(EngineRole):
             if isinstance(a, p.Send):
                 self._send(rid, room.peer, a.message)
             elif isinstance(a, p.Commit):
-                if self.mooncake is not None:
-                    # One-sided writes left no trace; the verified digest vouches for the pages.
-                    idx = torch.tensor(room.pages, dtype=torch.int64)
-                    self.engine.pool.written_by[idx] = room.grant_id
+                self.link.committed(self.engine.pool, room.pages, room.grant_id)
                 self.transfer_stats.inc("transfers_committed")
                 self.transfer_stats.observe_latency(time.monotonic() - room.started)
                 self.engine.commit(rid, a.first_token, a.first_logprobs)
@@ -474,18 +446,4 @@ class DecodeService(EngineRole):
                         )
                         peer.conn.close()
                     room.deadline = now + self.timeout_s
-
-
-def _sampling_dict(req: GenerateRequest) -> dict[str, Any]:
-    sp = req.sampling
-    return {
-        "temperature": sp.temperature,
-        "top_p": sp.top_p,
-        "top_k": sp.top_k,
-        "seed": sp.seed,
-        "stop": list(sp.stop),
-        "stop_token_ids": list(sp.stop_token_ids),
-        "ignore_eos": sp.ignore_eos,
-        "logprobs": sp.logprobs,
-    }
 

@@ -11,8 +11,7 @@ import asyncio
 import logging
 import time
 from collections.abc import Iterable
-from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -29,6 +28,7 @@ from kvfence.pd import protocol as p
 from kvfence.pd.ioloop import IOLoop
 from kvfence.pd.pairing import model_fingerprint, node_info, pairing_problem
 from kvfence.pd.stats import TransferStats
+from kvfence.pd.transport.link import RoomSend, page_sender
 from kvfence.pd.transport.tcp import Connection, Listener
 from kvfence.role import EngineRole
 
@@ -45,7 +45,7 @@ class _Room:
     stop_sending: bool = False
     seq: Sequence | None = None
     first_token: int | None = None
-    writing: asyncio.Future | None = None  # an in-flight one-sided write (mooncake)
+    writing: asyncio.Future | None = None  # reads of the room's pages still under way
 
 
 class PrefillService(EngineRole):
@@ -65,9 +65,7 @@ class PrefillService(EngineRole):
         self.host, self.port = host, port
         # What decode workers should dial: the bind address unless it is a wildcard.
         self.advertise_host = "127.0.0.1" if host in ("0.0.0.0", "") else host
-        # Set: pages go by one-sided writes into decode's pool; frames carry only checksums.
-        self.mooncake = _mooncake(backend, self.engine, self.advertise_host)
-        self._remote: dict[Connection, dict] = {}
+        self.link = page_sender(backend, self.engine.pool, self.advertise_host)
         self.pairing = node_info(self.engine, "prefill", model_fingerprint(cfg.model), backend)
         if cfg.unsafe_skip_preflight:
             self.pairing["unsafe_skip_capacity"] = True
@@ -78,9 +76,6 @@ class PrefillService(EngineRole):
         self.loop = self.io.loop
         self._server: Listener | None = None
         self._conns: set[Connection] = set()
-        self._run_bufs: list[bytearray] = []  # gather buffers, reused across rooms
-        # Gathers and checksums of the next run while the loop sends the current one.
-        self._gather = ThreadPoolExecutor(1, thread_name_prefix="kvfence-prefill-kv")
 
     # ---- lifecycle ------------------------------------------------------------------------------
 
@@ -91,10 +86,8 @@ class PrefillService(EngineRole):
 
     def shutdown(self) -> None:
         self.io.stop()
-        self._gather.shutdown(wait=True)
+        self.link.close()
         self.engine.shutdown()
-        if self.mooncake is not None:
-            self.mooncake.close()
 
     async def _listen(self) -> None:
         self._server = await Listener.start(
@@ -122,7 +115,7 @@ class PrefillService(EngineRole):
             "page_size": self.engine.pool.page_size,
             "counters": self.transfer_stats.snapshot(),
             "transfer_marks": self.transfer_stats.marks(),
-            "pairing": {k: v for k, v in self.pairing.items() if k != "mooncake"},
+            "pairing": dict(self.pairing),
         }
 
     # ---- the role the HTTP layer talks to ------------------------------------------------------
@@ -167,7 +160,7 @@ class PrefillService(EngineRole):
         finally:
             conn.close()
             self._conns.discard(conn)
-            self._remote.pop(conn, None)
+            self.link.peer_left(conn)
             for rid, room in list(self.rooms.items()):
                 if room.conn is conn:
                     self._feed(rid, p.ConnectionLost())
@@ -182,8 +175,7 @@ class PrefillService(EngineRole):
             log.error("refusing to pair with decode %s: %s", conn.peer, problem)
             await conn.send(wire.HelloRefused(problem))
             return False
-        if self.mooncake is not None:
-            self._remote[conn] = msg.info["mooncake"]
+        self.link.peer_joined(conn, msg.info)
         server_nonce = auth.new_nonce()
         await conn.send(wire.HelloOk({**self.pairing, "nonce": server_nonce}))
         conn.start_session(str(msg.info.get("nonce", "")), server_nonce)
@@ -215,10 +207,8 @@ class PrefillService(EngineRole):
             return
         verdict: Any
         try:
-            fields = dict(r.sampling)
-            for key in ("stop", "stop_token_ids"):
-                fields[key] = tuple(fields.get(key) or ())
-            sampling = SamplingParams(**{**fields, "max_tokens": r.max_tokens})
+            # max_tokens as decode's admission resolved it (the request's may be None).
+            sampling = replace(SamplingParams.from_dict(r.sampling), max_tokens=r.max_tokens)
             req = GenerateRequest(r.room, r.tenant, r.prompt, sampling)
             verdict = self.engine.submit(req, _ignore, SeqMode.PREFILL_ONLY)
         except (TypeError, ValueError) as e:
@@ -303,85 +293,45 @@ class PrefillService(EngineRole):
             self.transfer_stats.inc("source_integrity_errors")
             self._feed(rid, p.ComputeFailed("kv_integrity_error", "KV source check failed"))
             return
-        bufs: list[bytearray] = []  # gather buffers of this room, two while runs overlap
-        pending: asyncio.Future | None = None  # the next run's gather and checksums
+        pool = self.engine.pool
+        runs = kvio.runs(pool, n_tokens)
+        if self.faults.active("truncate_transfer"):
+            first_count = min(n_tokens, pool.page_size)
+            runs, n_tokens = [(0, 1, first_count)], first_count
+        n_pages = sum(n for _, n, _ in runs)
+
+        def hold(fut: asyncio.Future) -> None:
+            room.writing = fut
+
+        def sent(n: int, count: int) -> None:
+            if self.faults.active("kill_prefill"):
+                self.faults.crash("kill_prefill")
+            self.transfer_stats.inc("pages_sent", n)
+            self.transfer_stats.inc("bytes_sent", n * kvio.payload_size(pool, count))
+
+        job = RoomSend(
+            rid,
+            room.conn,
+            pool,
+            list(room.seq.pages),
+            list(room.reserve.dst_pages),
+            runs,
+            n_tokens,
+            corrupt,
+            cancelled=lambda: room.stop_sending,
+            stopped=lambda: (room.stop_sending and not late) or room.conn.closed,
+            hold=hold,
+            sent=sent,
+        )
         try:
-            pool = self.engine.pool
-            src = list(room.seq.pages)
-            runs = kvio.runs(pool, n_tokens)
-            if self.faults.active("truncate_transfer"):
-                first_count = min(n_tokens, pool.page_size)
-                runs, n_tokens = [(0, 1, first_count)], first_count
-            n_pages = sum(n for _, n, _ in runs)
-            sums: list[tuple[int, int]] = []
-            if self.mooncake is not None:
-                if room.stop_sending:
-                    return
-                # The fence: no frame of this room leaves until its writes have completed.
-                room.writing = asyncio.get_running_loop().run_in_executor(
-                    None,
-                    self.mooncake.write_tokens,
-                    self._remote[room.conn],
-                    src,
-                    list(room.reserve.dst_pages),
-                    n_tokens,
-                )
-                await room.writing
-                # The pages went one-sidedly; frames carry their checksums, hashed in place.
-                all_sums = kvio.pool_checksums(pool, src, n_tokens)
-            # A CPU pool's runs go straight from its pages (no copy); a GPU pool's, or a
-            # corrupted one's (fault injection), are gathered into buffers first.
-            copy = self.mooncake is None and (corrupt or pool.k.is_cuda)
-            size = max(kvio.RUN_BYTES, *(kvio.payload_size(pool, c) for _, _, c in runs))
-            for _ in range(2 if copy else 0):
-                bufs.append(self._run_bufs.pop() if self._run_bufs else bytearray(size))
-            for i, (first, n, count) in enumerate(runs):
-                payload: wire.Payload = b""
-                sending: asyncio.Future | None = None
-                if self.mooncake is None:
-                    # Run i is hashed (and gathered) off the loop while run i - 1 is being
-                    # sent (send() returns once the bytes are in the kernel: the pages or the
-                    # buffer are free again then). room.writing holds the pages until every
-                    # read of them is over, should the room be released meanwhile.
-                    if pending is None:
-                        pending = self._prepare(pool, src, runs[i], bufs, i, corrupt)
-                    room.writing = pending
-                    payload, run_sums = await pending
-                    pending = None
-                    if (room.stop_sending and not late) or room.conn.closed:
-                        return
-                    if i + 1 < len(runs):
-                        pending = self._prepare(pool, src, runs[i + 1], bufs, i + 1, corrupt)
-                    sending = self.loop.create_future()
-                    held = [f for f in (pending, sending) if f is not None]
-                    room.writing = asyncio.gather(*held, return_exceptions=True)
-                else:
-                    if (room.stop_sending and not late) or room.conn.closed:
-                        return
-                    run_sums = all_sums[first : first + n]
-                sums += [(first + i, c) for i, c in enumerate(run_sums)]
-                try:
-                    await room.conn.send(wire.PageRun(rid, first, count, tuple(run_sums)), payload)
-                finally:
-                    if sending is not None:
-                        sending.set_result(None)
-                if self.faults.active("kill_prefill"):
-                    self.faults.crash("kill_prefill")
-                self.transfer_stats.inc("pages_sent", n)
-                self.transfer_stats.inc("bytes_sent", n * kvio.payload_size(pool, count))
+            sums = await self.link.send_room(job)
         except ConnectionError:
             return  # the reader sees the close and feeds ConnectionLost
         except Exception as e:  # a failed one-sided write: abort the room with the reason
             log.error("sending room %s failed: %s", rid, e)
             self._feed(rid, p.TimedOut())
             return
-        finally:
-            if pending is not None and not pending.done():
-                # A gather is still writing into one of them: reuse them once it is over.
-                pending.add_done_callback(lambda _f, b=bufs: self._run_bufs.extend(b))
-            else:
-                self._run_bufs.extend(bufs)
-        if room.stop_sending:
+        if sums is None or room.stop_sending:
             return
         first_lp: dict = {}
         if room.seq.pending_logprobs:
@@ -394,34 +344,6 @@ class PrefillService(EngineRole):
         self.transfer_stats.observe_phase("send", now - started)
         self.transfer_stats.observe_latency(now - room.started)
         self._feed(rid, p.SendComplete(done))
-
-    def _prepare(
-        self,
-        pool: kvio.KVPool,
-        src: list[int],
-        run: tuple[int, int, int],
-        bufs: list[bytearray],
-        i: int,
-        corrupt: bool,
-    ) -> asyncio.Future:
-        """A run's payload and its per-page checksums, on the gather thread (numpy and xxhash
-        release the GIL over whole blocks, so the loop keeps sending): views of the pool's
-        pages, or a copy in bufs[i % 2] when there are buffers."""
-        first, n, count = run
-        pages = src[first : first + n]
-
-        def work() -> tuple[wire.Payload, list[int]]:
-            if not bufs:
-                return kvio.pool_blocks(pool, pages, count), kvio.pool_checksums(
-                    pool, pages, n * count
-                )
-            data = kvio.gather(pool, pages, count, bufs[i % 2])
-            sums = kvio.run_checksums(data)
-            if first == 0 and corrupt:
-                data[0, 0, 0, 0] ^= 0xFF  # after checksumming: the receiver must notice
-            return memoryview(data.numpy()).cast("B"), sums
-
-        return self.loop.run_in_executor(self._gather, work)
 
     def _source_is_sound(self, seq: Sequence, n_tokens: int) -> bool:
         """I2 on the transfer source: every page sent must be owned by the room's grant and
@@ -459,15 +381,6 @@ class PrefillService(EngineRole):
                 if now > room.deadline:
                     log.warning("room %s timed out in %s", rid, room.state.state.value)
                     self._feed(rid, p.TimedOut())
-
-
-def _mooncake(backend: str, engine: Engine, host: str) -> Any:
-    """The Mooncake endpoint with this engine's pool registered, for the mooncake backend."""
-    if backend != "mooncake":
-        return None
-    from kvfence.pd.transport.mooncake import MooncakeEndpoint
-
-    return MooncakeEndpoint(engine.pool, hostname=host)
 
 
 def _ignore(_: RequestOutput) -> None:
