@@ -22,7 +22,7 @@ from kvfence.engine.engine import Engine
 from kvfence.engine.request import GenerateRequest
 from kvfence.engine.sequence import SeqMode, Sequence
 from kvfence.faults import Faults
-from kvfence.pd import auth, kvio, wire
+from kvfence.pd import auth, glue, kvio, wire
 from kvfence.pd import protocol as p
 from kvfence.pd.ioloop import IOLoop
 from kvfence.pd.pairing import model_fingerprint, node_info, pairing_problem
@@ -384,31 +384,20 @@ class DecodeService(EngineRole):
         return p.digest_of(tuple(enumerate(sums)), done.n_tokens) == done.digest
 
     def _feed(self, rid: str, event: Any, reason: str | None = None) -> None:
+        """reason: why the connection was lost, for the client's error message."""
         room = self.rooms.get(rid)
-        if room is None:
-            if isinstance(event, p.AbortArrived):
-                self._send(rid, None, p.AbortAck(rid))
+        fx = _RoomEffects(self, rid, room, reason)
+        state = glue.decode_feed(
+            rid, None if room is None else room.state, event, self.faults.guards(), fx
+        )
+        if room is None or state is None:
             return
-        room.state, actions = p.decode_step(room.state, event, self.faults.guards())
-        if room.state.state in (p.DState.RELEASED, p.DState.COMMITTED):
+        room.state = state
+        if glue.decode_ended(state):
             del self.rooms[rid]
             peer = self.peers.get(room.peer)
             if peer is not None:
                 peer.rooms.discard(rid)
-        for a in actions:
-            if isinstance(a, p.Send):
-                self._send(rid, room.peer, a.message)
-            elif isinstance(a, p.Commit):
-                self.link.committed(self.engine.pool, room.pages, room.grant_id)
-                self.transfer_stats.inc("transfers_committed")
-                self.transfer_stats.observe_latency(time.monotonic() - room.started)
-                self.engine.commit(rid, a.first_token, a.first_logprobs)
-            elif isinstance(a, p.FailClient):
-                self.transfer_stats.inc(f"transfers_failed_{a.code}")
-                message = a.message if reason is None else f"{a.message}: {reason}"
-                self.engine.fail(rid, message, a.code, a.status)
-            elif isinstance(a, p.ReleasePages):
-                self.engine.release(rid)
 
     def _send(self, rid: str, peer_addr: str | None, msg: p.Message) -> None:
         peer = self.peers.get(peer_addr) if peer_addr else None
@@ -425,6 +414,12 @@ class DecodeService(EngineRole):
                 pass
 
         asyncio.ensure_future(go())
+
+    def _committed(self, rid: str, room: _Room, first_token: int, first_logprobs: dict) -> None:
+        self.link.committed(self.engine.pool, room.pages, room.grant_id)
+        self.transfer_stats.inc("transfers_committed")
+        self.transfer_stats.observe_latency(time.monotonic() - room.started)
+        self.engine.commit(rid, first_token, first_logprobs)
 
     async def _expire(self) -> None:
         while True:
@@ -447,3 +442,28 @@ class DecodeService(EngineRole):
                         peer.conn.close()
                     room.deadline = now + self.timeout_s
 
+
+class _RoomEffects:
+    """What decode's glue actions do to one room (glue.DecodeEffects), on the io loop."""
+
+    def __init__(
+        self, svc: DecodeService, rid: str, room: _Room | None, reason: str | None
+    ) -> None:
+        self.svc, self.rid, self.room, self.reason = svc, rid, room, reason
+
+    def send(self, message: p.Message) -> None:
+        # A room decode forgot has no route back: its peer is unknown, the message goes nowhere.
+        self.svc._send(self.rid, None if self.room is None else self.room.peer, message)
+
+    def commit(self, first_token: int, first_logprobs: dict) -> None:
+        assert self.room is not None
+        self.svc._committed(self.rid, self.room, first_token, first_logprobs)
+
+    def fail_client(self, code: str, message: str, status: int) -> None:
+        self.svc.transfer_stats.inc(f"transfers_failed_{code}")
+        if self.reason is not None:
+            message = f"{message}: {self.reason}"
+        self.svc.engine.fail(self.rid, message, code, status)
+
+    def release(self) -> None:
+        self.svc.engine.release(self.rid)

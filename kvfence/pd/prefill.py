@@ -23,7 +23,7 @@ from kvfence.engine.engine import Engine
 from kvfence.engine.request import GenerateRequest, RequestOutput, SamplingParams
 from kvfence.engine.sequence import SeqMode, Sequence
 from kvfence.faults import Faults
-from kvfence.pd import auth, kvio, wire
+from kvfence.pd import auth, glue, kvio, wire
 from kvfence.pd import protocol as p
 from kvfence.pd.ioloop import IOLoop
 from kvfence.pd.pairing import model_fingerprint, node_info, pairing_problem
@@ -224,11 +224,11 @@ class PrefillService(EngineRole):
             event = p.ReserveArrived(False, verdict.code, verdict.message, 400)
         else:
             event = p.ReserveArrived(True)
-        state, actions = p.prefill_open(r.room, event)
+        # Nothing of a room being opened is in flight yet: its sends need no fence.
+        state = glue.prefill_start(r.room, event, _RoomEffects(self, r.room, conn, None))
         if state.state is not p.PState.CLOSED:
             now = time.monotonic()
             self.rooms[r.room] = _Room(state, conn, r, now + self.timeout_s, now)
-        self._execute(r.room, conn, actions)
 
     def _prefilled(self, seq: Sequence) -> None:
         room = self.rooms.get(seq.request_id)
@@ -243,41 +243,17 @@ class PrefillService(EngineRole):
 
     def _feed(self, rid: str, event: Any, conn: Connection | None = None) -> None:
         room = self.rooms.get(rid)
-        if room is None or (conn is not None and room.conn is not conn):
-            if isinstance(event, p.AbortArrived) and conn is not None:
-                # Idempotent: an abort of a room we no longer hold is still acknowledged.
-                asyncio.ensure_future(_safe_send(conn, p.AbortAck(rid)))
+        if room is not None and conn is not None and room.conn is not conn:
+            room = None  # a room of another connection: this peer cannot touch it
+        fx = _RoomEffects(self, rid, conn if room is None else room.conn, room)
+        state = glue.prefill_feed(
+            rid, None if room is None else room.state, event, self.faults.guards(), fx
+        )
+        if room is None or state is None:
             return
-        room.state, actions = p.prefill_step(room.state, event, self.faults.guards())
-        if room.state.state is p.PState.CLOSED:
+        room.state = state
+        if state.state is p.PState.CLOSED:
             del self.rooms[rid]
-        self._execute(rid, room.conn, actions, room)
-
-    def _execute(
-        self, rid: str, conn: Connection, actions: tuple[p.Action, ...], room: _Room | None = None
-    ) -> None:
-        for a in actions:
-            if isinstance(a, p.Send):
-                if isinstance(a.message, p.Abort):
-                    self.transfer_stats.inc("aborts_sent")
-                writing = room.writing if room is not None else None
-                asyncio.ensure_future(_send_after(writing, conn, a.message))
-            elif isinstance(a, p.StartCompute):
-                pass  # the engine already queued it at admission
-            elif isinstance(a, p.CancelCompute):
-                self.engine.abort(rid)
-            elif isinstance(a, p.ReleasePages):
-                if room is not None and room.writing is not None and not room.writing.done():
-                    # A one-sided write may still be reading these pages: free after it.
-                    room.writing.add_done_callback(lambda _f, rid=rid: self.engine.release(rid))
-                else:
-                    self.engine.release(rid)
-            elif isinstance(a, p.StopSending):
-                if room is not None:
-                    room.stop_sending = True
-            elif isinstance(a, p.SendPages):
-                assert room is not None
-                asyncio.ensure_future(self._send_pages(rid, room))
 
     async def _send_pages(self, rid: str, room: _Room) -> None:
         assert room.seq is not None and room.first_token is not None
@@ -382,6 +358,44 @@ class PrefillService(EngineRole):
                     log.warning("room %s timed out in %s", rid, room.state.state.value)
                     self._feed(rid, p.TimedOut())
 
+
+
+class _RoomEffects:
+    """What prefill's glue actions do to one room (glue.PrefillEffects), on the io loop. room is
+    None for a room being opened or one prefill no longer holds."""
+
+    def __init__(
+        self, svc: PrefillService, rid: str, conn: Connection | None, room: _Room | None
+    ) -> None:
+        self.svc, self.rid, self.conn, self.room = svc, rid, conn, room
+
+    def send(self, message: p.Message, fenced: bool) -> None:
+        if self.conn is None:
+            return
+        if isinstance(message, p.Abort):
+            self.svc.transfer_stats.inc("aborts_sent")
+        writing = self.room.writing if fenced and self.room is not None else None
+        asyncio.ensure_future(_send_after(writing, self.conn, message))
+
+    def cancel_compute(self) -> None:
+        self.svc.engine.abort(self.rid)
+
+    def release(self) -> None:
+        engine, rid = self.svc.engine, self.rid
+        writing = None if self.room is None else self.room.writing
+        if writing is not None and not writing.done():
+            # A write (one-sided, or a send from the pages) may still read them: free after it.
+            writing.add_done_callback(lambda _f: engine.release(rid))
+        else:
+            engine.release(rid)
+
+    def stop_sending(self) -> None:
+        if self.room is not None:
+            self.room.stop_sending = True
+
+    def send_pages(self) -> None:
+        assert self.room is not None
+        asyncio.ensure_future(self.svc._send_pages(self.rid, self.room))
 
 def _ignore(_: RequestOutput) -> None:
     """Prefill sequences have no HTTP client; their result travels as pages and DONE."""
