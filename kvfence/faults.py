@@ -21,6 +21,7 @@ from kvfence.guards import ALL_ON, Guards
 GUARD_POINTS = {
     "skip_admission": "admission",  # admit() lets everything in (I1)
     "skip_tag_check": "tag_check",  # runner and transfer-source ownership checks pass all (I2)
+    "skip_dest_check": "dest_check",  # decode writes a transfer's pages whoever owns them (I2)
     "skip_count_check": "count_check",  # decode commits whatever counts DONE reports (I3)
     "skip_checksum": "checksum",  # decode ignores page checksums and the read-back digest (I3)
     "early_release": "deferred_release",  # decode frees an aborted room before the fence (I4)

@@ -9,6 +9,7 @@ GUARDS = frozenset(
     {
         "admission",  # admit() refuses what does not fit (I1)
         "tag_check",  # page ownership checks on every read and transfer source (I2)
+        "dest_check",  # decode writes a transferred page only into its room's grant's pages (I2)
         "count_check",  # decode compares DONE's counts with what it reserved (I3)
         "checksum",  # decode checks page checksums and the read-back digest (I3)
         "deferred_release",  # decode frees an aborted room only after the fence (I4)

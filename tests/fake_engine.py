@@ -48,6 +48,11 @@ class ByteTokenizer:
         text = "<s>" + "".join(f"<{m['role']}>{m['content']}\n" for m in messages)
         return text + ("<assistant>" if add_generation_prompt else "")
 
+    def encode_chat(
+        self, messages: list[dict[str, Any]], add_generation_prompt: bool = True
+    ) -> list[int]:
+        return self.encode(self.apply_chat_template(messages, add_generation_prompt), False)
+
 
 @dataclass
 class _Active:

@@ -129,6 +129,8 @@ CASES = [
     Case("token_id_out_of_vocab_nested", 400, "invalid_token_id", "prompt",
          body=comp(prompt=[[65, 258]])),
     Case("empty_token_prompt", 400, "empty_prompt", "prompt", body=comp(prompt=[])),
+    # an empty string is an empty prompt too, not a lone BOS to continue from (was a 200)
+    Case("empty_string_prompt", 400, "empty_prompt", "prompt", body=comp(prompt="")),
     Case("prompt_too_long", 400, "context_length_exceeded", "prompt", body=comp(prompt="x" * 600)),
     Case("max_tokens_past_context", 400, "context_length_exceeded", "max_tokens",
          body=comp(max_tokens=10_000)),

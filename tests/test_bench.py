@@ -171,3 +171,69 @@ def test_bench_cli_cannot_run_against_nothing(capsys: pytest.CaptureFixture[str]
         == EXIT_CANNOT_RUN
     )
     assert "cannot reach" in capsys.readouterr().out
+
+
+def test_bench_datasets_shape() -> None:
+    from kvfence.tools.bench_datasets import DatasetArgs, make_sessions, shared_prefixes
+
+    keys = ("k1", "k2", "k3")
+    a = DatasetArgs("shared-prefix", 0, 0, 500, 7, False, keys, "per-tenant",
+                    num_groups=4, prompts_per_group=3, system_prompt_len=32, question_len=8)
+    sessions = make_sessions(a)
+    assert len(sessions) == 12 and all(len(s.turns[0]) == 40 for s in sessions)
+    systems = {}
+    for s in sessions:
+        systems.setdefault(tuple(s.turns[0][:32]), set()).add((s.api_key, s.extra["cache_salt"]))
+    # a system prompt per group, each sent by one tenant with that tenant's salt
+    assert len(systems) == 4 and all(len(v) == 1 for v in systems.values())
+    assert len({s.extra["cache_salt"] for s in sessions}) == 3
+    assert len(shared_prefixes(sessions, 32)) == 4
+    one = make_sessions(DatasetArgs("shared-prefix", 0, 0, 500, 7, False, keys,
+                                    num_groups=4, prompts_per_group=3, system_prompt_len=32,
+                                    question_len=8, one_system_prompt=True))
+    assert len(shared_prefixes(one, 32)) == 1 and one[0].extra == {}
+    chat = make_sessions(DatasetArgs("multi-turn", 5, 16, 500, 7, True, keys, num_turns=3))
+    assert [s.api_key for s in chat] == ["k1", "k2", "k3", "k1", "k2"]
+    assert all(len(s.turns) == 3 for s in chat)
+
+
+def test_bench_multi_turn_sends_each_answer_back_per_tenant() -> None:
+    import asyncio
+
+    from fake_engine import BOS, FakeEngine
+    from fake_workers import ServerThread
+
+    from kvfence.server.api import build_app
+    from kvfence.tools.bench import bench, parse_args
+
+    engine = FakeEngine()
+    engine.start()
+    server = ServerThread(build_app(engine, api_keys={"ka": "tenant-a", "kb": "tenant-b"}))
+    server.start()
+    try:
+        args = parse_args([
+            "--base-url", server.url, "--api-key", "ka", "--api-key", "kb",
+            "--dataset", "multi-turn", "--num-prompts", "4", "--num-turns", "3",
+            "--input-len", "6", "--question-len", "3", "--output-len", "4",
+            "--concurrency", "2", "--warmup", "0", "--no-progress",
+        ])
+        code, result = asyncio.run(bench(args))
+    finally:
+        server.stop()
+        engine.shutdown()
+    assert code == 0, result
+    assert result["completed"] == 12 and result["tenants"] == 2
+    sent = [r for r in engine.submitted if r.sampling.max_tokens == 4]  # not bench's probe
+    prompts = [bytes(t for t in r.prompt_token_ids if t != BOS) for r in sent]
+    assert {r.tenant for r in sent} == {"tenant-a", "tenant-b"}
+    firsts = [p for p in prompts if not any(q != p and p.startswith(q) for q in prompts)]
+    assert len(firsts) == 4
+    # every later turn extends an earlier prompt of the same tenant by its answer and a question
+    for r, p in zip(sent, prompts, strict=True):
+        if p in firsts:
+            continue
+        parents = [
+            q for s, q in zip(sent, prompts, strict=True)
+            if q != p and p.startswith(q) and s.tenant == r.tenant
+        ]
+        assert parents, p

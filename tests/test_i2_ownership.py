@@ -10,7 +10,7 @@ from conftest import random_prompts
 from kvfence.engine.llm import LLM
 from kvfence.engine.request import FinishReason, GenerateRequest, RequestOutput, SamplingParams
 from kvfence.faults import Faults
-from kvfence.kv.pool import KVPool, OwnershipError, PoolExhausted
+from kvfence.kv.pool import Grant, KVPool, OwnershipError, PoolExhausted
 
 PARAMS = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
 
@@ -68,7 +68,7 @@ def make_pool(pages: int = 4) -> KVPool:
     )
 
 
-def test_i2_pool_grants_are_exclusive_and_free_bumps_generation() -> None:
+def test_i2_pool_grants_are_exclusive_and_a_freed_entry_never_validates() -> None:
     pool = make_pool()
     g1, g2 = pool.new_grant("a", "r1"), pool.new_grant("b", "r2")
     p1 = pool.allocate(g1, 2)
@@ -78,10 +78,18 @@ def test_i2_pool_grants_are_exclusive_and_free_bumps_generation() -> None:
         pool.allocate(g1, 1)
     with pytest.raises(OwnershipError):
         pool.free(g2, p1)
-    gen_before = pool.generation[p1].clone()
+    pool.mark_written(g1, p1)
+    assert pool.check_source(g1, p1, 2 * pool.page_size)
     pool.free(g1, p1)
-    assert (pool.generation[p1] == gen_before + 1).all()
     assert pool.num_free == 2
+    # The same tenant's next grant gets the same pages back: g1's page table entries, taken
+    # before the free, never validate again (grant ids are never reused: the generation).
+    g3 = pool.new_grant("a", "r1")
+    assert g3.grant_id != g1.grant_id and pool.allocate(g3, 2) == p1
+    pool.mark_written(g3, p1)
+    assert not pool.check_source(g1, p1, 2 * pool.page_size)
+    assert pool.check_destination(g1, p1) == [False, False]
+    assert pool.check_source(g3, p1, 2 * pool.page_size)
 
 
 def test_i2_pool_allocation_is_all_or_nothing() -> None:
@@ -101,7 +109,7 @@ def test_poison_on_free_nans_freed_pages_and_answers_stay_exact(checkpoint_dir) 
     assert [c.token_ids for c in poisoned.generate(prompts, PARAMS)] == want
     assert [c.token_ids for c in poisoned.generate(prompts, PARAMS)] == want  # reused pages
     pool = poisoned.engine.pool
-    used = pool.written_by[1:] != -1  # pages that held data, all free again now
+    used = pool.written_by_for_tests()[1:] != -1  # pages that held data, all free again now
     assert used.any() and torch.isnan(pool.k[:, pool.page_size :]).any()
 
 
@@ -150,3 +158,59 @@ def test_i2_transfer_source_read_is_checked(checkpoint_dir) -> None:
         assert pair.prefill.transfer_stats.get("pages_sent") == 0
     finally:
         pair.close()
+
+
+def test_i2_transfer_destination_check_is_grant_and_tenant() -> None:
+    pool = make_pool()
+    a, b = pool.new_grant("a", "r1"), pool.new_grant("b", "r2")
+    pa, pb = pool.allocate(a, 2), pool.allocate(b, 1)
+    assert pool.check_destination(a, pa) == [True, True]
+    assert pool.check_destination(a, [pa[0], pb[0]]) == [True, False]  # another grant's page
+    forged = Grant(a.grant_id, b.tenant_id, a.request_id)  # a's grant id, another tenant
+    assert pool.check_destination(forged, pa) == [False, False]
+    assert "owners=" in pool.describe_owners(pa + pb)
+
+
+def run_transfer_into_foreign_page(
+    model_dir: str, faults: Faults | None = None
+) -> tuple[bool, int]:
+    """Decode's room is made to name another tenant's page as a destination: (was that page
+    overwritten, pages the write path refused). The request fails closed either way (the commit
+    check catches it later); what differs is whether the foreign page was written at all."""
+    from pd_harness import PDPair, Result
+
+    pair = PDPair(model_dir, faults=faults, kv_pool_tokens=512, context_length=128)
+    pool = pair.decode.engine.pool
+    real = pair.decode.on_reserved
+    victim: list[int] = []
+
+    def steal(seq):  # engine thread: the room's first page becomes another tenant's page
+        victim.extend(pool.allocate(pool.new_grant("other", "victim"), 1))
+        slots = slice(victim[0] * pool.page_size, (victim[0] + 1) * pool.page_size)
+        pool.k[:, slots] = 7.0
+        seq.pages[0] = victim[0]
+        real(seq)
+
+    pair.decode.on_reserved = steal
+    try:
+        _, r = pair.submit(random_prompts([40], 256, seed=5)[0], PARAMS)
+        assert isinstance(r, Result) and r.done.wait(30), "the transfer never finished"
+        assert r.final.finish_reason is FinishReason.ERROR
+        slots = slice(victim[0] * pool.page_size, (victim[0] + 1) * pool.page_size)
+        overwritten = not bool((pool.k[:, slots] == 7.0).all())
+        return overwritten, pair.decode.transfer_stats.get("grant_mismatches")
+    finally:
+        pair.close()
+
+
+def test_i2_transfer_destination_refuses_another_tenants_page(checkpoint_dir) -> None:
+    overwritten, refused = run_transfer_into_foreign_page(str(checkpoint_dir("llama")))
+    assert refused == 1
+    assert not overwritten
+
+
+def test_i2_twin_without_destination_check_the_foreign_page_is_written(checkpoint_dir) -> None:
+    with Faults().injected("skip_dest_check") as faults:
+        overwritten, refused = run_transfer_into_foreign_page(str(checkpoint_dir("llama")), faults)
+    assert refused == 0
+    assert overwritten

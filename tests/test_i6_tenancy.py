@@ -82,3 +82,19 @@ def test_i6_twin_a_header_trusting_server_is_caught(setup) -> None:
     _, engine, _ = setup
     with engine.faults.injected("tenant_from_header"), pytest.raises(AssertionError):
         test_i6_body_header_and_room_cannot_choose_tenant_or_room(setup)
+
+
+def test_i6_two_authorization_headers_are_refused(setup) -> None:
+    # A hop that checks the first header and one that forwards the last would pick different
+    # tenants; the request is refused before anything is queued, in either order.
+    client, engine, seen = setup
+    for pair in (("key-a", "key-b"), ("key-b", "key-a"), ("key-a", "key-a")):
+        seen.clear()
+        r = client.post(
+            "/v1/completions",
+            json={"model": engine.model_name, "prompt": [5, 6, 7], "max_tokens": 2},
+            headers=[("Authorization", f"Bearer {k}") for k in pair],
+        )
+        assert r.status_code == 400, r.text
+        assert r.json()["error"]["code"] == "duplicate_authorization"
+        assert seen == []

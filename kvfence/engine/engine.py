@@ -130,7 +130,6 @@ class Engine:
         self._inbox: queue.SimpleQueue[tuple[str, object]] = queue.SimpleQueue()
         self._wake = threading.Event()
         self._seqs: dict[str, Sequence] = {}
-        self._arrivals = 0
         self._thread: threading.Thread | None = None
         self._stopping = threading.Event()
         self.integrity_failures = 0
@@ -271,9 +270,8 @@ class Engine:
         gen = None
         if req.sampling.seed is not None:
             gen = torch.Generator(device=self.device).manual_seed(req.sampling.seed)
-        self._arrivals += 1
         detok = IncrementalDetokenizer(self.tokenizer)
-        seq = Sequence(admitted, sink, self._arrivals, mode, detok, gen)
+        seq = Sequence(admitted, sink, mode, detok, gen)
         if req.request_id in self._seqs:
             emit(seq, 0, FinishReason.ERROR, "duplicate request id", "duplicate_request_id", 400)
             return
@@ -337,17 +335,13 @@ class Engine:
             self._after_token(seq, tok)
 
     def _fail_integrity(self, seq: Sequence) -> None:
-        pool = self.pool
-        idx = torch.tensor(seq.pages, dtype=torch.int64)
         log.error(
-            "kv ownership check failed: tenant=%s request=%s grant=%s pages=%s "
-            "owners=%s written_by=%s",
+            "kv ownership check failed: tenant=%s request=%s grant=%s pages=%s %s",
             seq.tenant,
             seq.request_id,
             seq.grant.grant_id if seq.grant else None,
             seq.pages,
-            pool.owner_grant[idx].tolist(),
-            pool.written_by[idx].tolist(),
+            self.pool.describe_owners(seq.pages),
         )
         self.integrity_failures += 1
         self._finish(

@@ -12,7 +12,7 @@ import torch
 
 from kvfence.engine.scheduler import ScheduledChunk
 from kvfence.faults import Faults
-from kvfence.kv.pool import KVPool
+from kvfence.kv.pool import NULL_PAGE, KVPool
 from kvfence.model import kernels
 from kvfence.model.attention import AttentionMetadata, NativeDecodeGroup, build_group
 from kvfence.model.llama import CausalLM
@@ -43,6 +43,7 @@ class ModelRunner:
         self.faults = faults if faults is not None else Faults()
         model.fuse_projections()
         self.pool = pool
+        self.kv_caches = pool.layer_caches()  # the model sees these views, never the pool
         self.device = device
         self.sliding_window = model.config.sliding_window
         self.generator = torch.Generator(device=device).manual_seed(seed)
@@ -131,10 +132,11 @@ class ModelRunner:
                         ps,
                         self.sliding_window,
                         self.device,
+                        NULL_PAGE,
                     )
                 )
         meta = AttentionMetadata(positions.to(self.device), slots.to(self.device), groups)
-        hidden = self.model(input_ids.to(self.device), meta, self.pool)
+        hidden = self.model(input_ids.to(self.device), meta, self.kv_caches)
         sampled = [c for c in chunks if c.samples]
         if not sampled:
             return StepResult([], None, rejected)
@@ -150,7 +152,8 @@ class ModelRunner:
     def _page_table(self, chunks: list[ScheduledChunk]) -> torch.Tensor:
         width = max(len(c.seq.pages) for c in chunks)
         return torch.tensor(
-            [c.seq.pages + [0] * (width - len(c.seq.pages)) for c in chunks], dtype=torch.int64
+            [c.seq.pages + [NULL_PAGE] * (width - len(c.seq.pages)) for c in chunks],
+            dtype=torch.int64,
         )
 
     def _mark_written(
@@ -165,7 +168,7 @@ class ModelRunner:
         cols = torch.arange(table.shape[1])[None, :]
         hit = (cols >= (starts // ps)[:, None]) & (cols <= ((starts + lengths - 1) // ps)[:, None])
         grants = torch.tensor([c.seq.grant.grant_id for c in chunks])[:, None].expand_as(table)
-        self.pool.mark_written(table[hit].to(self.device), grants[hit].to(self.device))
+        self.pool.mark_written(grants[hit].to(self.device), table[hit].to(self.device))
 
     def check_ownership(
         self, chunks: list[ScheduledChunk]

@@ -32,7 +32,6 @@ class SeqMode(enum.Enum):
 class Sequence:
     admitted: Admitted
     sink: Callable[[RequestOutput], None]
-    arrival: int  # FIFO order; preempted sequences keep theirs
     mode: SeqMode
     detok: IncrementalDetokenizer
     generator: torch.Generator | None = None

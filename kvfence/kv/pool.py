@@ -1,14 +1,18 @@
-"""KVPool: paged K/V tensors and the ownership side tables (I2, I4). Pages are not zeroed on free.
+"""KVPool: paged K/V tensors and the ownership side tables, and the one home of I2 (with I4's
+free). Pages are not zeroed on free.
 
-A page is free or owned by exactly one Grant. The side tables (owner grant, owner tenant,
-generation) are tensors so a batch's ownership check is one vectorised compare. The generation of
-a page bumps on every free, so a page table entry taken before a free can never validate after it.
+A page is free or owned by exactly one Grant. The side tables (owner grant, owner tenant, the grant
+whose data a page holds) are private tensors, so a batch's ownership check is one vectorised
+compare; every check, every "this page now holds grant g's data" and every owners log line goes
+through the methods here. Grant ids are never reused, so a page table entry taken before a free
+can never validate after it: the grant id is the page's generation.
 """
 
 from __future__ import annotations
 
 import itertools
 from collections import deque
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -20,7 +24,8 @@ NULL_PAGE = 0  # a zeroed page never handed out: padding in gathers points here
 
 @dataclass(frozen=True)
 class Grant:
-    """Ownership of a set of pages: (tenant, request, generation). grant_id is never reused."""
+    """Ownership of a set of pages by one request of one tenant. grant_id is never reused (a
+    64-bit counter), which is what makes a stale page-table entry fail every check."""
 
     grant_id: int
     tenant_id: int
@@ -62,17 +67,21 @@ class KVPool:
         # padding must read finite, owner-less data, so it reads the null page.
         self.k[:, :page_size].zero_()
         self.v[:, :page_size].zero_()
-        self.owner_grant = torch.full((total,), FREE, dtype=torch.int64, device=self.device)
-        self.owner_tenant = torch.full((total,), FREE, dtype=torch.int64, device=self.device)
-        self.owner_grant[NULL_PAGE] = NULL_OWNER
-        self.owner_tenant[NULL_PAGE] = NULL_OWNER
-        self.generation = torch.zeros((total,), dtype=torch.int64, device=self.device)
+        self._owner_grant = torch.full((total,), FREE, dtype=torch.int64, device=self.device)
+        self._owner_tenant = torch.full((total,), FREE, dtype=torch.int64, device=self.device)
+        self._owner_grant[NULL_PAGE] = NULL_OWNER
+        self._owner_tenant[NULL_PAGE] = NULL_OWNER
         # The grant whose data a page holds (set when its K/V are written, never cleared on free):
         # a page that is owned but holds someone else's stale data fails the read check.
-        self.written_by = torch.full((total,), FREE, dtype=torch.int64, device=self.device)
+        self._written_by = torch.full((total,), FREE, dtype=torch.int64, device=self.device)
         self._free: deque[int] = deque(range(1, total))
         self._grant_ids = itertools.count(1)
         self._tenant_ids: dict[str, int] = {}
+
+    def layer_caches(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Each layer's (k, v) cache, [slots, kv_heads, head_dim] views of the pool's storage:
+        what the model reads and writes, without the grants that decide which slots it may."""
+        return [(self.k[i], self.v[i]) for i in range(self.num_layers)]
 
     @property
     def capacity_tokens(self) -> int:
@@ -102,9 +111,9 @@ class KVPool:
         pages = [self._free.popleft() for _ in range(n_pages)]
         if pages:
             idx = torch.tensor(pages, dtype=torch.int64, device=self.device)
-            assert bool((self.owner_grant[idx] == FREE).all()), "allocating an owned page"
-            self.owner_grant[idx] = grant.grant_id
-            self.owner_tenant[idx] = grant.tenant_id
+            assert bool((self._owner_grant[idx] == FREE).all()), "allocating an owned page"
+            self._owner_grant[idx] = grant.grant_id
+            self._owner_tenant[idx] = grant.tenant_id
         return pages
 
     def free(self, grant: Grant, pages: list[int]) -> None:
@@ -112,7 +121,7 @@ class KVPool:
         if not pages:
             return
         idx = torch.tensor(pages, dtype=torch.int64, device=self.device)
-        if not bool((self.owner_grant[idx] == grant.grant_id).all()):
+        if not bool((self._owner_grant[idx] == grant.grant_id).all()):
             raise OwnershipError(f"grant {grant.grant_id} frees pages it does not own")
         self._release(idx)
         self._free.extend(pages)
@@ -120,15 +129,14 @@ class KVPool:
     def free_grant(self, grant: Grant) -> int:
         """Return every page grant owns, found from the side table rather than a page list that
         may be corrupt (the path after an ownership check failed). Returns the page count."""
-        idx = torch.nonzero(self.owner_grant == grant.grant_id).flatten()
+        idx = torch.nonzero(self._owner_grant == grant.grant_id).flatten()
         self._release(idx)
         self._free.extend(idx.tolist())
         return int(idx.numel())
 
     def _release(self, idx: torch.Tensor) -> None:
-        self.owner_grant[idx] = FREE
-        self.owner_tenant[idx] = FREE
-        self.generation[idx] += 1
+        self._owner_grant[idx] = FREE
+        self._owner_tenant[idx] = FREE
         if self.poison_on_free and idx.numel():
             slots = idx[:, None] * self.page_size + torch.arange(self.page_size, device=idx.device)
             self.k[:, slots.flatten()] = float("nan")
@@ -149,13 +157,58 @@ class KVPool:
         must_hold [B, P]: pages the row will read. Returns bool [B], True = fail closed.
         """
         g = grant_ids[:, None]
-        ok = (self.owner_grant[page_ids] == g) & (
-            self.owner_tenant[page_ids] == tenant_ids[:, None]
-        )
+        ok = self._owned(page_ids, g, tenant_ids[:, None])
         if must_hold is not None:
-            ok &= (self.written_by[page_ids] == g) | ~must_hold
+            ok &= (self._written_by[page_ids] == g) | ~must_hold
         return ~(ok | ~valid).all(dim=1)
 
-    def mark_written(self, page_ids: torch.Tensor, grant_ids: torch.Tensor) -> None:
-        """Record that these pages now hold data written under these grants (same shapes)."""
-        self.written_by[page_ids] = grant_ids
+    def check_source(self, grant: Grant, pages: Sequence[int], n_tokens: int) -> bool:
+        """A transfer's source: every page owned by grant and its tenant, and the pages holding
+        its first n_tokens written under it. True = sound."""
+        idx = self._index(pages)[None, :]
+        cols = torch.arange(idx.shape[1], device=self.device)[None, :]
+        bad = self.check_owned(
+            idx,
+            torch.tensor([grant.grant_id], device=self.device),
+            torch.tensor([grant.tenant_id], device=self.device),
+            torch.ones_like(idx, dtype=torch.bool),
+            cols < self.pages_for(n_tokens),
+        )
+        return not bool(bad[0])
+
+    def check_destination(self, grant: Grant, pages: Sequence[int]) -> list[bool]:
+        """A transfer's destination: per page, True where grant and its tenant still own it (a
+        write into any other page must be refused)."""
+        return self._owned(self._index(pages), grant.grant_id, grant.tenant_id).tolist()
+
+    def mark_written(
+        self, grant: Grant | torch.Tensor, pages: Sequence[int] | torch.Tensor
+    ) -> None:
+        """These pages now hold data written under grant: one Grant for all of them, or a tensor
+        of grant ids shaped like pages (a batch's rows, one scatter)."""
+        value = grant.grant_id if isinstance(grant, Grant) else grant
+        self._written_by[self._index(pages)] = value
+
+    def describe_owners(self, pages: Sequence[int] | torch.Tensor) -> str:
+        """The pages' owner grants and the grants whose data they hold, for an I2 failure's log."""
+        idx = self._index(pages)
+        return (
+            f"owners={self._owner_grant[idx].tolist()} "
+            f"written_by={self._written_by[idx].tolist()}"
+        )
+
+    def _owned(
+        self, idx: torch.Tensor, grant_id: torch.Tensor | int, tenant_id: torch.Tensor | int
+    ) -> torch.Tensor:
+        """Per page: owned by this grant AND its tenant (both compared, neither implies the
+        other where a page table or a grant is corrupt)."""
+        return (self._owner_grant[idx] == grant_id) & (self._owner_tenant[idx] == tenant_id)
+
+    def _index(self, pages: Sequence[int] | torch.Tensor) -> torch.Tensor:
+        if isinstance(pages, torch.Tensor):
+            return pages.to(device=self.device, dtype=torch.int64)
+        return torch.tensor(list(pages), dtype=torch.int64, device=self.device)
+
+    def written_by_for_tests(self) -> torch.Tensor:
+        """Test-only: a copy of the written-by table (FREE where a page never held data)."""
+        return self._written_by.clone()

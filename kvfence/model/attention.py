@@ -1,4 +1,5 @@
-"""Paged attention over the KV pool: write new K/V by slot, then attend per group of rows.
+"""Paged attention over one layer's K/V cache: write new K/V by slot, then attend per group of
+rows.
 
 A step's tokens are flat [T]. Sequences are split into groups of similar query length (decode:
 1, prefill: a chunk). A torch group gathers its rows' pages into a padded tensor and runs one
@@ -20,7 +21,7 @@ import torch.nn.functional as F
 class AttentionGroup:
     q_index: torch.Tensor  # [B, Lq] int64 into the flat token dim (padding -> 0)
     q_valid: torch.Tensor  # [B, Lq] bool
-    kv_slots: torch.Tensor  # [B, Lk] int64 into the pool's flat slot dim (padding -> 0)
+    kv_slots: torch.Tensor  # [B, Lk] int64 into the cache's flat slot dim (padding -> null)
     mask: torch.Tensor | None  # [B, 1, Lq, Lk] bool, True = may attend; None: plain causal
     flat_valid_index: torch.Tensor  # [N] q_index[q_valid], precomputed once per step
     valid_rows: torch.Tensor | None = None  # [N] rows of the [B*Lq] queries that are real;
@@ -55,10 +56,11 @@ def build_group(
     page_size: int,
     sliding_window: int | None,
     device: torch.device,
+    null_page: int,
 ) -> AttentionGroup:
     """One padded group. Row i has q_lens[i] queries at flat offset q_starts[i], which are the
-    last q_lens[i] of its ctx_lens[i] context tokens; page_table[i] (CPU, padded with 0) holds
-    that context's pages in order."""
+    last q_lens[i] of its ctx_lens[i] context tokens; page_table[i] (CPU, padded with null_page)
+    holds that context's pages in order. null_page: the cache's zeroed page no request owns."""
     b = len(q_lens)
     lq, lk = max(q_lens), max(ctx_lens)
     q_start = torch.tensor(q_starts, dtype=torch.int64)
@@ -70,9 +72,9 @@ def build_group(
     offsets = torch.arange(page_size, dtype=torch.int64)
     kv_slots = (page_table[:, :, None] * page_size + offsets).reshape(b, -1)[:, :lk]
     k_pos = torch.arange(lk)
-    # Slots past a row's context (its last page's stale tail, row padding) read the null slot 0:
-    # never another request's data, and finite, so masking them out is exact.
-    kv_slots = torch.where(k_pos[None, :] < ctx[:, None], kv_slots, 0)
+    # Slots past a row's context (its last page's stale tail, row padding) read the null page's
+    # first slot: never another request's data, and finite, so masking them out is exact.
+    kv_slots = torch.where(k_pos[None, :] < ctx[:, None], kv_slots, null_page * page_size)
     q_pos = (ctx - q_len)[:, None] + ar_q[None, :]  # absolute position of each query
     mask = (k_pos[None, None, :] <= q_pos[:, :, None]) & (k_pos[None, None, :] < ctx[:, None, None])
     if sliding_window is not None:

@@ -1,18 +1,18 @@
 """The decoder-only transformer for Llama, Mistral, Qwen2 (qkv bias) and Qwen3 (q/k norm).
 
-Module names mirror Hugging Face's so checkpoints load by name. K/V live in the KVPool, never
-in the model; every forward takes the step's AttentionMetadata.
+Module names mirror Hugging Face's so checkpoints load by name. K/V live in the KV pool, never
+in the model: every forward takes the step's AttentionMetadata and each layer's (k, v) cache
+views, and knows nothing of the pool or of pages' owners.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kvfence.kv.pool import KVPool
 from kvfence.model.attention import AttentionMetadata, paged_attention
 from kvfence.model.config import ModelConfig
 from kvfence.model.kernels import FusedEpilogue, PackedGemm
@@ -62,9 +62,8 @@ class RMSNorm(nn.Module):
 
 
 class Attention(nn.Module):
-    def __init__(self, mc: ModelConfig, layer: int) -> None:
+    def __init__(self, mc: ModelConfig) -> None:
         super().__init__()
-        self.layer = layer
         self.num_heads, self.num_kv_heads, self.head_dim = (
             mc.num_heads,
             mc.num_kv_heads,
@@ -100,7 +99,7 @@ class Attention(nn.Module):
         x: torch.Tensor,
         meta: AttentionMetadata,
         rot: Rotation,
-        pool: KVPool,
+        kv_cache: tuple[torch.Tensor, torch.Tensor],
         rope_store: Callable | None = None,
     ) -> torch.Tensor:
         t = x.shape[0]
@@ -109,7 +108,7 @@ class Attention(nn.Module):
             qkv = self.qkv(x, self.qkv_bias)
         else:
             qkv = torch.cat((self.q_proj(x), self.k_proj(x), self.v_proj(x)), dim=-1)
-        k_cache, v_cache = pool.k[self.layer], pool.v[self.layer]
+        k_cache, v_cache = kv_cache
         v = qkv[:, nq + nkv :].view(t, self.num_kv_heads, self.head_dim)
         if rope_store is not None:  # one native pass: q out, rotated k and v into their slots
             q = rope_store(qkv, rot.cos, rot.sin, self.num_heads, k_cache, v_cache,
@@ -149,17 +148,21 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, mc: ModelConfig, layer: int) -> None:
+    def __init__(self, mc: ModelConfig) -> None:
         super().__init__()
-        self.self_attn = Attention(mc, layer)
+        self.self_attn = Attention(mc)
         self.mlp = MLP(mc)
         self.input_layernorm = RMSNorm(mc.hidden_size, mc.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(mc.hidden_size, mc.rms_norm_eps)
 
     def forward(
-        self, x: torch.Tensor, meta: AttentionMetadata, rot: Rotation, pool: KVPool
+        self,
+        x: torch.Tensor,
+        meta: AttentionMetadata,
+        rot: Rotation,
+        kv_cache: tuple[torch.Tensor, torch.Tensor],
     ) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), meta, rot, pool)
+        x = x + self.self_attn(self.input_layernorm(x), meta, rot, kv_cache)
         return x + self.mlp(self.post_attention_layernorm(x))
 
     def forward_fused(
@@ -168,7 +171,7 @@ class DecoderLayer(nn.Module):
         delta: torch.Tensor | None,
         meta: AttentionMetadata,
         rot: Rotation,
-        pool: KVPool,
+        kv_cache: tuple[torch.Tensor, torch.Tensor],
         ep: FusedEpilogue,
         rope_store: Callable | None,
     ) -> torch.Tensor:
@@ -176,7 +179,7 @@ class DecoderLayer(nn.Module):
         updated in place) still owes the previous layer's `delta`; returns this layer's."""
         attn_in, post = self.input_layernorm, self.post_attention_layernorm
         h = ep.add_rms_norm(x, delta, attn_in.weight, attn_in.eps)
-        o = self.self_attn(h, meta, rot, pool, rope_store)
+        o = self.self_attn(h, meta, rot, kv_cache, rope_store)
         h = ep.add_rms_norm(x, o, post.weight, post.eps)
         return self.mlp(h, ep)
 
@@ -185,7 +188,7 @@ class DecoderModel(nn.Module):
     def __init__(self, mc: ModelConfig) -> None:
         super().__init__()
         self.embed_tokens = nn.Embedding(mc.vocab_size, mc.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(mc, i) for i in range(mc.num_layers))
+        self.layers = nn.ModuleList(DecoderLayer(mc) for _ in range(mc.num_layers))
         self.norm = RMSNorm(mc.hidden_size, mc.rms_norm_eps)
 
 
@@ -253,9 +256,13 @@ class CausalLM(nn.Module):
 
     @torch.inference_mode()
     def forward(
-        self, input_ids: torch.Tensor, meta: AttentionMetadata, pool: KVPool
+        self,
+        input_ids: torch.Tensor,
+        meta: AttentionMetadata,
+        kv_caches: Sequence[tuple[torch.Tensor, torch.Tensor]],
     ) -> torch.Tensor:
-        """Hidden states [T, hidden] after the final norm."""
+        """Hidden states [T, hidden] after the final norm. kv_caches[i]: layer i's (k, v) cache,
+        each [slots, kv_heads, head_dim]; this step's K/V are written at meta.slot_mapping."""
         assert self.rope is not None, "init_rope() before forward"
         if self.head is not None and self.config.tie_word_embeddings:
             x = self.head.rows(input_ids)
@@ -264,13 +271,13 @@ class CausalLM(nn.Module):
         rot = self.rope.at(meta.positions)
         ep = self.epilogue
         if ep is None:
-            for layer in self.model.layers:
-                x = layer(x, meta, rot, pool)
+            for layer, kv in zip(self.model.layers, kv_caches, strict=True):
+                x = layer(x, meta, rot, kv)
             return self.model.norm(x)
         # x is this forward's own fresh tensor (an embedding lookup), so it may be updated in place.
         x, delta = x.contiguous(), None
-        for layer in self.model.layers:
-            delta = layer.forward_fused(x, delta, meta, rot, pool, ep, self.rope_store)
+        for layer, kv in zip(self.model.layers, kv_caches, strict=True):
+            delta = layer.forward_fused(x, delta, meta, rot, kv, ep, self.rope_store)
         norm = self.model.norm
         return ep.add_rms_norm(x, delta, norm.weight, norm.eps)
 

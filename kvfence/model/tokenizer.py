@@ -4,6 +4,8 @@ incremental detokenization for streaming."""
 from __future__ import annotations
 
 import json
+import re
+import secrets
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -30,12 +32,25 @@ def _raise(message: str) -> None:
 
 
 class Tokenizer:
-    def __init__(self, model_dir: str | Path) -> None:
+    def __init__(self, model_dir: str | Path, *, special_tokens_in_chat: bool = False) -> None:
+        """special_tokens_in_chat: let control-token text typed in chat message content become
+        control tokens (an operator's opt-in; off, a user cannot forge a turn or an EOS)."""
         model_dir = Path(model_dir)
         path = model_dir / "tokenizer.json"
         if not path.is_file():
             raise UnsupportedModelError(f"{model_dir}: no tokenizer.json")
         self._tok = HFTokenizer.from_file(str(path))
+        # A second instance that reads special-token text as plain text (the tokenizers
+        # library's split-special-tokens mode); a flag flipped on a shared instance would race
+        # between request threads.
+        self._literal = HFTokenizer.from_file(str(path))
+        self._literal.encode_special_tokens = True
+        self.special_tokens_in_chat = special_tokens_in_chat
+        self._specials = sorted(
+            (t.content for t in self._tok.get_added_tokens_decoder().values() if t.special),
+            key=len,
+            reverse=True,
+        )
         cfg_path = model_dir / "tokenizer_config.json"
         cfg: dict[str, Any] = json.loads(cfg_path.read_text()) if cfg_path.is_file() else {}
         self.bos_token = _token_str(cfg.get("bos_token"))
@@ -90,6 +105,63 @@ class Tokenizer:
             )
         except TemplateError as e:
             raise ChatTemplateError(f"chat template failed: {e}") from e
+
+    def encode_chat(
+        self, messages: list[dict[str, Any]], add_generation_prompt: bool = True
+    ) -> list[int]:
+        """Render and encode a conversation. Control-token text inside message content is
+        encoded as plain text unless the operator opted in; the template's own control tokens
+        stay control tokens. Content without such text encodes exactly as the whole render."""
+        if self.special_tokens_in_chat or not any(
+            sp in c for c in _contents(messages) for sp in self._specials
+        ):
+            text = self.apply_chat_template(messages, add_generation_prompt)
+            # The template already wrote BOS and friends: encoding must not add them twice.
+            return self.encode(text, add_special_tokens=False)
+        # Swap each typed control token for a marker no client can guess, render, then encode
+        # the template's text normally and each marker as the literal text it replaced.
+        nonce = secrets.token_hex(8)
+        typed: list[str] = []
+        pattern = re.compile("|".join(re.escape(sp) for sp in self._specials))
+
+        def mark(m: re.Match[str]) -> str:
+            typed.append(m.group(0))
+            return f"\ue000{nonce}:{len(typed) - 1}\ue001"
+
+        masked = [_map_content(msg, lambda c: pattern.sub(mark, c)) for msg in messages]
+        text = self.apply_chat_template(masked, add_generation_prompt)
+        ids: list[int] = []
+        marker = re.compile(f"\ue000{nonce}:(\\d+)\ue001")
+        pos = 0
+        for m in marker.finditer(text):
+            ids += self._tok.encode(text[pos : m.start()], add_special_tokens=False).ids
+            literal = typed[int(m.group(1))]
+            ids += self._literal.encode(literal, add_special_tokens=False).ids
+            pos = m.end()
+        ids += self._tok.encode(text[pos:], add_special_tokens=False).ids
+        return ids
+
+
+def _contents(messages: list[dict[str, Any]]) -> list[str]:
+    out: list[str] = []
+    for msg in messages:
+        _map_content(msg, lambda c: out.append(c) or c)
+    return out
+
+
+def _map_content(msg: dict[str, Any], f: Any) -> dict[str, Any]:
+    """msg with f applied to every piece of text content (a string, or OpenAI's text parts)."""
+    content = msg.get("content")
+    if isinstance(content, str):
+        return {**msg, "content": f(content)}
+    if isinstance(content, list):
+        parts = [
+            {**p, "text": f(p["text"])} if isinstance(p, dict) and isinstance(p.get("text"), str)
+            else p
+            for p in content
+        ]
+        return {**msg, "content": parts}
+    return msg
 
 
 @dataclass

@@ -22,6 +22,7 @@ from kvfence.engine.engine import Engine
 from kvfence.engine.request import GenerateRequest
 from kvfence.engine.sequence import SeqMode, Sequence
 from kvfence.faults import Faults
+from kvfence.kv.pool import Grant
 from kvfence.pd import auth, glue, kvio, wire
 from kvfence.pd import protocol as p
 from kvfence.pd.ioloop import IOLoop
@@ -42,7 +43,7 @@ class _Room:
     state: p.DecodeRoom
     peer: str
     pages: list[int]
-    grant_id: int
+    grant: Grant
     deadline: float
     started: float
 
@@ -145,7 +146,7 @@ class DecodeService(EngineRole):
             dst_pages=tuple(seq.pages),
             grant=seq.grant.grant_id,
         )
-        self.loop.call_soon_threadsafe(self._reserve, reserve, req.peer)
+        self.loop.call_soon_threadsafe(self._reserve, reserve, req.peer, seq.grant)
 
     def on_prefilled(self, seq: Sequence) -> None:  # pragma: no cover - prefill only
         raise AssertionError("a decode engine never prefills for a transfer")
@@ -155,14 +156,14 @@ class DecodeService(EngineRole):
 
     # ---- rooms ----------------------------------------------------------------------------------
 
-    def _reserve(self, r: p.Reserve, peer_addr: str) -> None:
+    def _reserve(self, r: p.Reserve, peer_addr: str, grant: Grant) -> None:
         self.transfer_stats.inc("reserved")
         room = p.DecodeRoom(r.room, len(r.prompt), len(r.dst_pages))
         self.rooms[r.room] = _Room(
             room,
             peer_addr,
             list(r.dst_pages),
-            r.grant,
+            grant,
             time.monotonic() + self.timeout_s,
             time.monotonic(),
         )
@@ -299,7 +300,7 @@ class DecodeService(EngineRole):
         return self.link.apply(
             conn,
             payload,
-            lambda data: self._write_run(run, pages, room.grant_id, data, check),
+            lambda data: self._write_run(run, pages, room.grant, data, check),
             lambda result: self._run_applied(run, *result),
         )
 
@@ -307,7 +308,7 @@ class DecodeService(EngineRole):
         self,
         run: wire.PageRun,
         pages: list[int],
-        grant: int,
+        grant: Grant,
         payload: memoryview | None,
         check: bool,
     ) -> tuple[list[bool], int, int]:
@@ -323,8 +324,11 @@ class DecodeService(EngineRole):
             if check:
                 got = kvio.run_checksums(data)
                 intact = [g == c for g, c in zip(got, run.checksums, strict=True)]
-        # I2 on the write path: every destination page must still belong to this room's grant.
-        owned = (pool.owner_grant[torch.tensor(pages)] == grant).tolist()
+        # I2 on the write path: every destination page must still belong to this room's grant
+        # and tenant.
+        owned = pool.check_destination(grant, pages)
+        if not self.faults.guards().on("dest_check"):
+            owned = [True] * n
         foreign = owned.count(False)
         if foreign:
             intact = [i and o for i, o in zip(intact, owned, strict=True)]
@@ -334,7 +338,7 @@ class DecodeService(EngineRole):
         which = None if len(good) == n else good
         dst = [pages[i] for i in good]
         kvio.scatter(pool, dst, run.n_tokens, data, which)
-        pool.written_by[torch.tensor(dst)] = grant
+        pool.mark_written(grant, dst)
         return intact, foreign, len(good)
 
     def _run_applied(
@@ -416,7 +420,7 @@ class DecodeService(EngineRole):
         asyncio.ensure_future(go())
 
     def _committed(self, rid: str, room: _Room, first_token: int, first_logprobs: dict) -> None:
-        self.link.committed(self.engine.pool, room.pages, room.grant_id)
+        self.link.committed(self.engine.pool, room.pages, room.grant)
         self.transfer_stats.inc("transfers_committed")
         self.transfer_stats.observe_latency(time.monotonic() - room.started)
         self.engine.commit(rid, first_token, first_logprobs)

@@ -14,7 +14,6 @@ from collections.abc import Iterable
 from dataclasses import dataclass, replace
 from typing import Any
 
-import torch
 from prometheus_client.core import Metric
 
 from kvfence.config import EngineConfig
@@ -327,24 +326,13 @@ class PrefillService(EngineRole):
         if not self.faults.guards().on("tag_check") or seq.grant is None:
             return seq.grant is not None
         pool = self.engine.pool
-        pages = torch.tensor(seq.pages, dtype=torch.int64, device=pool.device)[None, :]
-        n_pages = pool.pages_for(n_tokens)
-        cols = torch.arange(pages.shape[1], device=pool.device)[None, :]
-        bad = pool.check_owned(
-            pages,
-            torch.tensor([seq.grant.grant_id], device=pool.device),
-            torch.tensor([seq.grant.tenant_id], device=pool.device),
-            torch.ones_like(pages, dtype=torch.bool),
-            cols < n_pages,
-        )
-        if bool(bad[0]):
+        if not pool.check_source(seq.grant, seq.pages, n_tokens):
             log.error(
-                "transfer source check failed: room=%s tenant=%s pages=%s owners=%s written_by=%s",
+                "transfer source check failed: room=%s tenant=%s pages=%s %s",
                 seq.request_id,
                 seq.tenant,
                 seq.pages,
-                pool.owner_grant[pages[0]].tolist(),
-                pool.written_by[pages[0]].tolist(),
+                pool.describe_owners(seq.pages),
             )
             return False
         return True

@@ -24,7 +24,7 @@ from kvfence.engine.request import FinishReason, GenerateRequest, RequestOutput,
 from kvfence.faults import Faults
 from kvfence.role import RoleService, TokenizerLike
 from kvfence.server.app_state import AppState, Event, Generation
-from kvfence.server.auth import Authenticator, load_api_keys
+from kvfence.server.auth import Authenticator, load_api_keys, single_authorization
 from kvfence.server.errors import (
     INVALID_REQUEST,
     SERVER_ERROR,
@@ -265,7 +265,7 @@ def _record(request: Request) -> RequestRecord:
 
 def _authenticate(state: AppState, request: Request) -> str:
     # I6: the tenant comes from the credential only; body fields and headers never name it.
-    tenant = state.auth.tenant_for(request.headers.get("authorization"))
+    tenant = state.auth.tenant_for(single_authorization(request.headers.getlist("authorization")))
     if not state.faults.guards().on("credential_tenant") and request.headers.get("x-tenant"):
         tenant = request.headers["x-tenant"]  # the bug I6 forbids, for its twin test only
     _record(request).tenant = tenant
@@ -332,20 +332,19 @@ def _request_ids(count: int) -> list[str]:
 
 
 def _encode_prompts(tokenizer: TokenizerLike, prompts: list[str | list[int]]) -> list[list[int]]:
-    return [tokenizer.encode(p) if isinstance(p, str) else p for p in prompts]
+    # An empty string is an empty prompt (admission's 400), not a lone BOS to continue from.
+    return [(tokenizer.encode(p) if p else []) if isinstance(p, str) else p for p in prompts]
 
 
 def _render_chat(tokenizer: TokenizerLike, messages: list[dict[str, Any]]) -> list[int]:
     try:
-        text = tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+        return tokenizer.encode_chat(messages, add_generation_prompt=True)
     except ValueError as e:  # ChatTemplateError: templates refuse some message orders
         raise bad_request(
             f"The chat template rejected these messages: {e}",
             code="invalid_messages",
             param="messages",
         ) from e
-    # The template already wrote BOS and friends; encoding must not add them twice.
-    return tokenizer.encode(text, add_special_tokens=False)
 
 
 def _token_text(engine: RoleService, as_ids: bool | None = False) -> Any:

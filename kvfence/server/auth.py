@@ -81,6 +81,19 @@ class Authenticator:
         return tenant
 
 
+def single_authorization(values: list[str]) -> str | None:
+    """The request's one Authorization header. Two are refused: a hop that checks the first
+    and a hop that forwards the last would disagree on the tenant (I6)."""
+    if len(values) > 1:
+        raise APIError(
+            400,
+            "Send exactly one Authorization header.",
+            code="duplicate_authorization",
+            type=AUTHENTICATION,
+        )
+    return values[0] if values else None
+
+
 def _bearer_token(authorization: str | None) -> str | None:
     if not authorization:
         return None

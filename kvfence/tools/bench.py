@@ -1,5 +1,6 @@
 """`kvfence bench serve`: an HTTP load generator for any OpenAI-compatible server (like vLLM's
-`vllm bench serve` and SGLang's bench_serving): throughput, TTFT, ITL, TPOT, end-to-end latency."""
+`vllm bench serve` and SGLang's bench_serving): throughput, TTFT, ITL, TPOT, end-to-end latency,
+prefix-cache hits; random, shared-prefix and multi-turn workloads over one or more tenants."""
 
 from __future__ import annotations
 
@@ -15,6 +16,15 @@ from typing import Any
 
 import httpx
 
+from kvfence.tools.bench_datasets import (
+    DATASETS,
+    DatasetArgs,
+    Prompt,
+    Session,
+    make_sessions,
+    shared_prefixes,
+)
+
 EXIT_OK, EXIT_FAILED, EXIT_CANNOT_RUN = 0, 1, 2
 PERCENTILES = (50, 90, 99)
 
@@ -22,7 +32,9 @@ PERCENTILES = (50, 90, 99)
 @dataclass
 class RequestRecord:
     index: int
-    prompt_len: int
+    prompt_len: int  # the server's usage.prompt_tokens when it sends usage, else an estimate
+    turn: int = 0
+    cached_tokens: int | None = None  # usage.prompt_tokens_details.cached_tokens, if reported
     ok: bool = False
     status: int | None = None
     error: str | None = None
@@ -31,16 +43,17 @@ class RequestRecord:
     latency: float | None = None  # seconds to the end of the stream
     output_tokens: int = 0  # from usage when the server sends it, else output chunks
     itl: list[float] = field(default_factory=list)  # gaps between output chunks after the first
+    answer: str = ""  # the streamed text, which a multi-turn session appends to its next prompt
 
 
 @dataclass(frozen=True)
 class Workload:
     base_url: str
     model: str
-    prompts: list[list[int]] | list[str]
+    sessions: list[Session]
     output_len: int
     ignore_eos: bool
-    api_key: str | None
+    api_key: str | None  # for discovery and the probe; each session carries its own
     concurrency: int | None
     request_rate: float
     seed: int
@@ -82,19 +95,15 @@ def _client(timeout_s: float, limit: int) -> httpx.AsyncClient:
 def make_prompts(
     n: int, input_len: int, vocab: int, seed: int, as_text: bool
 ) -> list[list[int]] | list[str]:
-    """Random token ids (ids 0..9 avoided: specials live there in most vocabularies), or random
-    lowercase words of about one token each for servers that take text only."""
-    rng = random.Random(seed)
-    if as_text:
-        letters = "abcdefghijklmnopqrstuvwxyz"
-        return [
-            " ".join("".join(rng.choices(letters, k=3)) for _ in range(input_len)) for _ in range(n)
-        ]
-    return [[rng.randrange(10, vocab) for _ in range(input_len)] for _ in range(n)]
+    sessions = make_sessions(DatasetArgs("random", n, input_len, vocab, seed, as_text))
+    return [s.turns[0] for s in sessions]  # type: ignore[return-value]
 
 
-def body(w: Workload, prompt: list[int] | str, max_tokens: int, ignore_eos: bool) -> dict:
+def body(
+    w: Workload, prompt: Prompt, max_tokens: int, ignore_eos: bool, extra: dict | None = None
+) -> dict:
     b: dict[str, Any] = {
+        **(extra or {}),
         "model": w.model,
         "prompt": prompt,
         "max_tokens": max_tokens,
@@ -108,18 +117,25 @@ def body(w: Workload, prompt: list[int] | str, max_tokens: int, ignore_eos: bool
 
 
 async def one_request(
-    client: httpx.AsyncClient, w: Workload, index: int, prompt: list[int] | str
+    client: httpx.AsyncClient,
+    w: Workload,
+    index: int,
+    prompt: Prompt,
+    session: Session | None = None,
+    turn: int = 0,
 ) -> RequestRecord:
     plen = len(prompt) if isinstance(prompt, list) else len(prompt.split())
-    rec = RequestRecord(index, plen)
+    rec = RequestRecord(index, plen, turn)
+    api_key = session.api_key if session is not None else w.api_key
+    extra = session.extra if session is not None else None
     url = w.base_url.rstrip("/") + "/v1/completions"
     rec.start = time.perf_counter()
     last = rec.start
     chunks = 0
     usage_tokens: int | None = None
     try:
-        b = body(w, prompt, w.output_len, w.ignore_eos)
-        async with client.stream("POST", url, json=b, headers=_headers(w.api_key)) as r:
+        b = body(w, prompt, w.output_len, w.ignore_eos, extra)
+        async with client.stream("POST", url, json=b, headers=_headers(api_key)) as r:
             rec.status = r.status_code
             if r.status_code != 200:
                 rec.error = (await r.aread()).decode(errors="replace")[:300]
@@ -135,10 +151,16 @@ async def one_request(
                     rec.error = json.dumps(obj["error"])[:300]
                     return rec
                 if obj.get("usage"):
-                    usage_tokens = obj["usage"].get("completion_tokens", usage_tokens)
+                    usage = obj["usage"]
+                    usage_tokens = usage.get("completion_tokens", usage_tokens)
+                    rec.prompt_len = usage.get("prompt_tokens") or rec.prompt_len
+                    details = usage.get("prompt_tokens_details") or {}
+                    if details.get("cached_tokens") is not None:
+                        rec.cached_tokens = int(details["cached_tokens"])
                 choices = obj.get("choices") or []
                 if not any(c.get("text") for c in choices):
                     continue
+                rec.answer += "".join(c.get("text") or "" for c in choices)
                 now = time.perf_counter()
                 if rec.ttft is None:
                     rec.ttft = now - rec.start
@@ -181,25 +203,32 @@ class Progress:
 
 
 async def run_workload(w: Workload, progress: bool = True) -> tuple[list[RequestRecord], float]:
-    """All prompts, by a fixed number in flight or by Poisson arrivals; returns (records, wall)."""
-    n = len(w.prompts)
+    """All sessions, by a fixed number in flight or by Poisson arrivals; a session's turns go out
+    one after another (a slot is held for the whole conversation). Returns (records, wall)."""
+    n = len(w.sessions)
     limit = w.concurrency or n
     sem = asyncio.Semaphore(limit)
-    bar = Progress(n, progress)
+    bar = Progress(sum(len(s.turns) for s in w.sessions), progress)
     rng = random.Random(w.seed)
     records: list[RequestRecord] = []
     async with _client(w.timeout_s, limit) as client:
 
-        async def task(i: int, p: list[int] | str) -> None:
+        async def task(i: int, s: Session) -> None:
             async with sem:
-                rec = await one_request(client, w, i, p)
-            records.append(rec)
-            bar.update(rec)
+                prompt: Prompt = s.turns[0]
+                for t in range(len(s.turns)):
+                    rec = await one_request(client, w, i * 1000 + t, prompt, s, t)
+                    records.append(rec)
+                    bar.update(rec)
+                    if not rec.ok or t + 1 == len(s.turns):
+                        break
+                    # the conversation so far, its answer, the next question
+                    prompt = f"{prompt}{rec.answer} {s.turns[t + 1]}"
 
         t0 = time.perf_counter()
         tasks = []
-        for i, p in enumerate(w.prompts):
-            tasks.append(asyncio.create_task(task(i, p)))
+        for i, s in enumerate(w.sessions):
+            tasks.append(asyncio.create_task(task(i, s)))
             if math.isfinite(w.request_rate) and w.request_rate > 0 and i < n - 1:
                 await asyncio.sleep(rng.expovariate(w.request_rate))
         await asyncio.gather(*tasks)
@@ -211,6 +240,7 @@ async def run_workload(w: Workload, progress: bool = True) -> tuple[list[Request
 def metrics(records: list[RequestRecord], wall: float) -> dict[str, Any]:
     ok = [r for r in records if r.ok]
     in_tok = sum(r.prompt_len for r in ok)
+    reported = [r for r in ok if r.cached_tokens is not None]
     out_tok = sum(r.output_tokens for r in ok)
     tpot = [
         (r.latency - r.ttft) / (r.output_tokens - 1)
@@ -232,6 +262,14 @@ def metrics(records: list[RequestRecord], wall: float) -> dict[str, Any]:
         "itl_ms": summarize([x * ms for r in ok for x in r.itl]),
         "tpot_ms": summarize([x * ms for x in tpot]),
         "e2e_latency_ms": summarize([r.latency * ms for r in ok if r.latency is not None]),
+        # share of prompt tokens the server says it served from its prefix cache (None: it
+        # does not report usage.prompt_tokens_details)
+        "cached_token_share": (
+            sum(r.cached_tokens or 0 for r in reported)
+            / max(1, sum(r.prompt_len for r in reported))
+            if reported
+            else None
+        ),
     }
 
 
@@ -289,7 +327,41 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", default=None, help="write results here")
-    p.add_argument("--api-key", default=None)
+    p.add_argument(
+        "--api-key",
+        action="append",
+        default=None,
+        help="repeat for several tenants: sessions (shared-prefix: groups) go round-robin",
+    )
+    p.add_argument("--dataset", choices=DATASETS, default="random")
+    p.add_argument(
+        "--cache-salt",
+        choices=("none", "per-tenant", "shared"),
+        default="none",
+        help="send vLLM's request field cache_salt: one per API key, or one for everybody",
+    )
+    g = p.add_argument_group("shared-prefix (SGLang's generated-shared-prefix)")
+    g.add_argument("--num-groups", type=int, default=8)
+    g.add_argument("--prompts-per-group", type=int, default=8)
+    g.add_argument("--system-prompt-len", type=int, default=1024)
+    g.add_argument("--question-len", type=int, default=128, help="also multi-turn's questions")
+    g.add_argument(
+        "--one-system-prompt",
+        action="store_true",
+        help="every group shares one (public) system prompt",
+    )
+    g.add_argument(
+        "--write-shared-prefixes",
+        default=None,
+        help="write the system prompts here (JSON list) for a server's --shared-prefix-file",
+    )
+    p.add_argument("--num-turns", type=int, default=4, help="multi-turn: turns per chat")
+    p.add_argument(
+        "--text-words",
+        choices=("letters", "ids"),
+        default="letters",
+        help="text prompts: random 3-letter words, or w<id> words (a word-level tokenizer)",
+    )
     p.add_argument("--model", default=None, help="default: the first of GET /v1/models")
     p.add_argument(
         "--prompt-format",
@@ -303,7 +375,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--timeout", type=float, default=600.0, help="seconds per request")
     p.add_argument("--no-progress", action="store_true")
     a = p.parse_args(argv)
-    for name in ("num_prompts", "input_len", "output_len"):
+    for name in ("num_prompts", "input_len", "output_len", "num_groups", "prompts_per_group",
+                 "system_prompt_len", "question_len", "num_turns"):
         if getattr(a, name) < 1:
             p.error(f"--{name.replace('_', '-')} must be >= 1")
     if a.concurrency is not None and a.concurrency < 1:
@@ -312,8 +385,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
 
 
 async def bench(a: argparse.Namespace) -> tuple[int, dict[str, Any]]:
+    keys: tuple[str | None, ...] = tuple(a.api_key) if a.api_key else (None,)
     try:
-        model, _ = await discover(a.base_url, a.api_key, a.model, a.timeout)
+        model, _ = await discover(a.base_url, keys[0], a.model, a.timeout)
     except (httpx.HTTPError, RuntimeError, ValueError, OSError) as e:
         return EXIT_CANNOT_RUN, {"error": f"cannot reach {a.base_url}: {e}"}
     base = Workload(
@@ -322,7 +396,7 @@ async def bench(a: argparse.Namespace) -> tuple[int, dict[str, Any]]:
         [],
         a.output_len,
         not a.no_ignore_eos,
-        a.api_key,
+        keys[0],
         a.concurrency,
         a.request_rate,
         a.seed,
@@ -335,17 +409,37 @@ async def bench(a: argparse.Namespace) -> tuple[int, dict[str, Any]]:
         return EXIT_CANNOT_RUN, {"error": f"probe request failed: {err}"}
     if a.prompt_format != "auto":
         use_ids = a.prompt_format == "ids"
+    if a.dataset == "multi-turn":
+        use_ids = False  # each answer's text is appended to the next turn's prompt
     ignore_eos = ignore_eos and not a.no_ignore_eos
-    prompts = make_prompts(a.num_prompts, a.input_len, a.vocab_size, a.seed, as_text=not use_ids)
-    w = Workload(**{**asdict(base), "prompts": prompts, "ignore_eos": ignore_eos})
+
+    def dataset(name: str, n: int, seed: int) -> DatasetArgs:
+        return DatasetArgs(
+            name, n, a.input_len, a.vocab_size, seed, not use_ids, keys, a.cache_salt,
+            a.num_groups, a.prompts_per_group, a.system_prompt_len, a.question_len,
+            a.one_system_prompt, a.num_turns, a.text_words,
+        )
+
+    try:
+        sessions = make_sessions(dataset(a.dataset, a.num_prompts, a.seed))
+    except ValueError as e:
+        return EXIT_CANNOT_RUN, {"error": str(e)}
+    if a.write_shared_prefixes:
+        with open(a.write_shared_prefixes, "w") as f:
+            json.dump(shared_prefixes(sessions, a.system_prompt_len), f)
+    w = Workload(**{**asdict(base), "sessions": sessions, "ignore_eos": ignore_eos})
     if a.warmup:
-        warm = make_prompts(a.warmup, a.input_len, a.vocab_size, a.seed + 2, as_text=not use_ids)
-        await run_workload(Workload(**{**asdict(w), "prompts": warm}), progress=False)
+        # Random prompts: the warm-up must not prime the cache for the measured workload.
+        warm = make_sessions(dataset("random", a.warmup, a.seed + 2))
+        await run_workload(Workload(**{**asdict(w), "sessions": warm}), progress=False)
     records, wall = await run_workload(w, progress=not a.no_progress)
     result = {
         "base_url": a.base_url,
         "model": model,
-        "num_prompts": a.num_prompts,
+        "dataset": a.dataset,
+        "tenants": len(keys),
+        "cache_salt": a.cache_salt,
+        "num_prompts": len(records),
         "input_len": a.input_len,
         "output_len": a.output_len,
         "concurrency": a.concurrency,
@@ -370,6 +464,9 @@ def report(r: dict[str, Any]) -> str:
         f"{'request throughput (req/s)':<28}{r['request_throughput']:.3f}",
         f"{'output tokens/s':<28}{r['output_throughput']:.1f}",
         f"{'total tokens/s':<28}{r['total_token_throughput']:.1f}",
+        f"{'cached prompt tokens':<28}"
+        + ("not reported" if r.get("cached_token_share") is None
+           else f"{100 * r['cached_token_share']:.1f}%"),
         f"{'(ms)':<16}{'mean':>10}{'p50':>10}{'p90':>10}{'p99':>10}",
     ]
     for key in ("ttft_ms", "itl_ms", "tpot_ms", "e2e_latency_ms"):

@@ -13,7 +13,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
-from kvfence.kv.pool import KVPool
+from kvfence.kv.pool import Grant, KVPool
 from kvfence.pd.transport.tcp import Connection
 
 BACKENDS = ("tcp", "mooncake")
@@ -89,7 +89,7 @@ class PageReceiver(ABC):
         (the caller awaits it before any later control frame of the connection is handled)."""
 
     @abstractmethod
-    def committed(self, pool: KVPool, pages: list[int], grant: int) -> None:
+    def committed(self, pool: KVPool, pages: list[int], grant: Grant) -> None:
         """A room's transfer was verified and committed."""
 
     @abstractmethod

@@ -10,9 +10,7 @@ import asyncio
 from collections.abc import Callable
 from typing import Any, TypeVar
 
-import torch
-
-from kvfence.kv.pool import KVPool
+from kvfence.kv.pool import Grant, KVPool
 from kvfence.pd import kvio, wire
 from kvfence.pd.transport.link import PageReceiver, PageSender, RoomSend
 from kvfence.pd.transport.mooncake import MooncakeEndpoint
@@ -87,10 +85,9 @@ class MooncakeReceiver(PageReceiver):
         applied(write(None))
         return None
 
-    def committed(self, pool: KVPool, pages: list[int], grant: int) -> None:
+    def committed(self, pool: KVPool, pages: list[int], grant: Grant) -> None:
         # One-sided writes left no trace; the verified digest vouches for the pages.
-        idx = torch.tensor(pages, dtype=torch.int64, device=pool.device)
-        pool.mark_written(idx, torch.full_like(idx, grant))
+        pool.mark_written(grant, pages)
 
     def close(self) -> None:
         self.endpoint.close()

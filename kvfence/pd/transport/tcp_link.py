@@ -14,7 +14,7 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
 
-from kvfence.kv.pool import KVPool
+from kvfence.kv.pool import Grant, KVPool
 from kvfence.pd import kvio, wire
 from kvfence.pd.transport.link import PageReceiver, PageSender, RoomSend
 from kvfence.pd.transport.tcp import Connection
@@ -139,7 +139,7 @@ class TcpReceiver(PageReceiver):
 
         return asyncio.ensure_future(finish())
 
-    def committed(self, pool: KVPool, pages: list[int], grant: int) -> None:
+    def committed(self, pool: KVPool, pages: list[int], grant: Grant) -> None:
         pass  # every page was written here, under the grant check, and marked written then
 
     def close(self) -> None:
