@@ -115,3 +115,29 @@ def test_no_server_module_arms_a_fault_point() -> None:
     ]
     assert [str(p) for p in arming] == ["kvfence/faults.py"], arming
     assert set(GUARD_POINTS) <= POINTS
+
+
+def test_kill_point_calls_the_harness_crash_action_and_the_room_fails_closed(
+    checkpoint_dir,
+) -> None:
+    """kill_prefill never ends a process by itself: it calls the crash action its entry set (the
+    CLI's child entry: SIGKILL); a harness's action records it, and the point then raises, so
+    the room fails closed (I5) and both pools return to baseline."""
+    from pd_harness import PDPair, Result
+
+    from kvfence.engine.request import FinishReason, SamplingParams
+
+    crashed: list[str] = []
+    faults = Faults(crash=crashed.append)
+    model = str(checkpoint_dir("llama"))
+    pair = PDPair(model, faults=faults, kv_pool_tokens=512, context_length=128)
+    try:
+        with faults.injected("kill_prefill"):
+            _, r = pair.submit([5] * 40, SamplingParams(max_tokens=2, temperature=0.0))
+            assert isinstance(r, Result) and r.done.wait(60), "the request never ended"
+        assert crashed == ["kill_prefill"]
+        assert r.final is not None and r.final.finish_reason is FinishReason.ERROR
+        assert r.token_ids == []
+        assert pair.wait_idle(), pair.pages_used()
+    finally:
+        pair.close()
