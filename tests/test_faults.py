@@ -106,8 +106,9 @@ def test_nothing_an_http_request_carries_arms_a_fault_point() -> None:
         engine.shutdown()
 
 
-def test_no_server_module_arms_a_fault_point() -> None:
-    """Arming is the harness's (tests) or the child entry's (cli.py, from the environment)."""
+def test_only_the_faults_module_arms_fault_points() -> None:
+    """In kvfence only Faults arms (from_env, for the CLI's child entry); the HTTP layer, the
+    services and the engine only read points. Tests arm the rest."""
     arming = [
         path.relative_to(REPO)
         for path in (REPO / "kvfence").rglob("*.py")
