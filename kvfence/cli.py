@@ -10,13 +10,8 @@ import sys
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
-from kvfence.config import (
-    DTYPES,
-    KERNEL_BACKENDS,
-    KV_CACHE_DTYPES,
-    ConfigError,
-    EngineConfig,
-)
+from kvfence.args import ENGINE_OPTIONS, PD_OPTIONS, SERVER_OPTIONS, add_options
+from kvfence.config import ConfigError, EngineConfig
 from kvfence.faults import Faults
 
 if TYPE_CHECKING:
@@ -25,99 +20,9 @@ if TYPE_CHECKING:
 EXIT_CAPACITY = 2
 
 
-def add_engine_args(p: argparse.ArgumentParser) -> None:
-    d = EngineConfig(model="")
-    p.add_argument(
-        "--model", "--model-path", dest="model", required=True, help="local HF model dir"
-    )
-    p.add_argument("--served-model-name", default=None)
-    p.add_argument("--device", default=d.device, help="cpu | cuda[:N]")
-    p.add_argument("--dtype", default=d.dtype, choices=DTYPES)
-    p.add_argument("--kv-cache-dtype", default=d.kv_cache_dtype, choices=KV_CACHE_DTYPES)
-    p.add_argument("--context-length", type=int, default=None)
-    p.add_argument("--page-size", type=int, default=d.page_size)
-    p.add_argument("--kv-pool-tokens", type=int, default=None)
-    p.add_argument("--mem-fraction-static", type=float, default=d.mem_fraction_static)
-    p.add_argument("--chunked-prefill-size", type=int, default=d.chunked_prefill_size)
-    p.add_argument(
-        "--decode-step-prefill-budget",
-        type=int,
-        default=None,
-        help="prefill tokens per step while requests decode (default: --chunked-prefill-size); "
-        "lower trades throughput for a shorter decode stall (p99 ITL)",
-    )
-    p.add_argument(
-        "--attention-backend",
-        default=d.attention_backend,
-        choices=KERNEL_BACKENDS,
-        help="decode attention: native CPU kernel reading pages in place, or torch gather+SDPA",
-    )
-    p.add_argument(
-        "--linear-backend",
-        default=d.linear_backend,
-        choices=KERNEL_BACKENDS,
-        help="projection matmuls: native packed float32 CPU kernel, or torch (MKL / cuBLAS)",
-    )
-    p.add_argument("--max-running-requests", type=int, default=d.max_running_requests)
-    p.add_argument(
-        "--threads",
-        type=int,
-        default=d.threads,
-        help="CPU threads for the kernels (default: every core; `kvfence up` gives each worker "
-        "its share of the cores)",
-    )
-    p.add_argument("--seed", type=int, default=d.seed)
-    p.add_argument("--unsafe-skip-preflight", action="store_true", help=argparse.SUPPRESS)
-    p.add_argument(
-        "--kv-poison-on-free",
-        action="store_true",
-        help="debug: fill freed KV pages with NaN so any stale read shows up",
-    )
-
-
-def engine_config(args: argparse.Namespace) -> EngineConfig:
-    return EngineConfig(
-        model=args.model,
-        served_model_name=args.served_model_name,
-        device=args.device,
-        dtype=args.dtype,
-        kv_cache_dtype=args.kv_cache_dtype,
-        context_length=args.context_length,
-        page_size=args.page_size,
-        kv_pool_tokens=args.kv_pool_tokens,
-        mem_fraction_static=args.mem_fraction_static,
-        chunked_prefill_size=args.chunked_prefill_size,
-        decode_step_prefill_budget=args.decode_step_prefill_budget,
-        attention_backend=args.attention_backend,
-        linear_backend=args.linear_backend,
-        max_running_requests=args.max_running_requests,
-        threads=args.threads,
-        seed=args.seed,
-        unsafe_skip_preflight=args.unsafe_skip_preflight,
-        kv_poison_on_free=args.kv_poison_on_free,
-    )
-
-
-def add_pd_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--disaggregation-mode", default="null", choices=("null", "prefill", "decode"))
-    p.add_argument("--disaggregation-bootstrap-port", type=int, default=8998)
-    p.add_argument("--disaggregation-transfer-backend", default="tcp", choices=("tcp", "mooncake"))
-    p.add_argument(
-        "--cluster-secret-file",
-        default=None,
-        help="secret shared by all PD workers (or KVFENCE_CLUSTER_SECRET); authenticates transfers",
-    )
-    p.add_argument(
-        "--disaggregation-timeout",
-        type=float,
-        default=30.0,
-        help="seconds a KV transfer may take before it is aborted",
-    )
-
-
 def role_service(args: argparse.Namespace, faults: Faults) -> RoleService:
     """The role the HTTP layer serves: unified, or a PD role, each on its own engine."""
-    cfg = engine_config(args)
+    cfg = EngineConfig.from_args(args)
     if args.disaggregation_mode == "null":
         from kvfence.engine.engine import Engine
         from kvfence.role import UnifiedService
@@ -172,16 +77,14 @@ def cmd_serve(args: argparse.Namespace) -> int:
     return 0
 
 
-def main(argv: Sequence[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
+    """The `kvfence` parser; `serve` takes the engine, listener and PD options of kvfence.args."""
     parser = argparse.ArgumentParser(prog="kvfence", description=__doc__)
     sub = parser.add_subparsers(dest="cmd", required=True)
     s = sub.add_parser("serve", help="run an OpenAI-compatible server (unified prefill+decode)")
-    add_engine_args(s)
-    s.add_argument("--host", default="127.0.0.1")
-    s.add_argument("--port", type=int, default=8000)
-    s.add_argument("--api-key-file", default=None, help="lines of `key tenant`; enables auth")
-    s.add_argument("--log-level", default="info")
-    add_pd_args(s)
+    add_options(s, ENGINE_OPTIONS)
+    add_options(s, SERVER_OPTIONS)
+    add_options(s, PD_OPTIONS)
     sub.add_parser(
         "preflight", help="check a node's KV pool against its context length", add_help=False
     )
@@ -195,6 +98,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         "leakcheck", help="check any OpenAI endpoint's answers for other requests' KV",
         add_help=False,
     )
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
     argv = list(sys.argv[1:] if argv is None else argv)
     # These load their own modules only when asked, so `serve` stays light.
     if argv[:1] == ["preflight"]:

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import argparse
+from dataclasses import dataclass, fields
 
 from kvfence import env
 
@@ -85,6 +86,7 @@ class EngineConfig:
         if self.max_running_requests < 1:
             raise ConfigError(f"--max-running-requests {self.max_running_requests}: must be >= 1")
 
-    @property
-    def effective_kv_cache_dtype(self) -> str:
-        return self.dtype if self.kv_cache_dtype == "auto" else self.kv_cache_dtype
+    @classmethod
+    def from_args(cls, args: argparse.Namespace) -> EngineConfig:
+        """From flags parsed with kvfence.args.ENGINE_OPTIONS (one option per field)."""
+        return cls(**{f.name: getattr(args, f.name) for f in fields(cls)})

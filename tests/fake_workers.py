@@ -101,6 +101,15 @@ def make_app(
         fake.requests.append({"path": "/v1/models", "headers": dict(request.headers)})
         return JSONResponse({"object": "list", "data": [{"id": fake.model, "worker": name}]})
 
+    @app.get("/v1/models/{model_id:path}")
+    async def model(request: Request, model_id: str) -> JSONResponse:
+        fake.requests.append({"path": request.url.path, "headers": dict(request.headers)})
+        if model_id != fake.model:
+            err = {"message": "The model does not exist.", "type": "invalid_request_error",
+                   "param": "model", "code": "model_not_found"}
+            return JSONResponse({"error": err}, status_code=404)
+        return JSONResponse({"id": model_id, "object": "model", "worker": name})
+
     async def generate(request: Request) -> Response:
         raw = await request.body()
         fake.requests.append(

@@ -97,6 +97,8 @@ class FakeServer:
 
 
 def run_fake(server: FakeServer, requests: int = 80, **kw: Any) -> dict[str, Any]:
+    # The timing probe (default with two tenants) has its own tests against a caching fake.
+    kw.setdefault("skip_probes", ("timing",))
     settings = Settings(
         base_url="http://fake:8000/v1", tenants=TENANTS, requests=requests, seed=3, **kw
     )
@@ -145,7 +147,8 @@ def test_fake_server_without_admission_is_a_wrong_status() -> None:
 def test_no_context_length_is_exit_2_unless_given() -> None:
     report = run_fake(FakeServer(ctx_field=False))
     assert report["exit_code"] == EXIT_CANNOT_RUN and "--context-length" in report["reason"]
-    report = run_fake(FakeServer(ctx_field=False), requests=30, context_length=512)
+    # 60, not 30: one pass over every case needs ~45 requests, and fewer is INCOMPLETE now.
+    report = run_fake(FakeServer(ctx_field=False), requests=60, context_length=512)
     assert report["exit_code"] == EXIT_CLEAN and report["target"]["context_length_source"] == "flag"
 
 
@@ -243,6 +246,9 @@ class Up(LocalCluster):
 def leakcheck_main(url: str, tmp: Path, *extra: str) -> tuple[int, dict[str, Any]]:
     report = tmp / "report.json"
     args = ["--base-url", url, "--report", str(report), "--seed", "5", "--no-progress"]
+    # Until kvfence has a prefix cache the timing probe can only say "no caching detected";
+    # its kvfence runs follow the prefix-cache issue.
+    args += ["--skip-probe", "timing"]
     for key in KEYS:
         args += ["--api-key", key]
     code = leakcheck.main([*args, *extra])

@@ -24,7 +24,6 @@ from kvfence.kv.sizing import (
     plan_for_engine,
     plan_pool,
     require_fits,
-    weight_bytes,
 )
 from kvfence.model.config import ModelConfig
 from kvfence.tools.preflight import main
@@ -154,6 +153,14 @@ def test_pool_of_exactly_one_context_fits_one_page_less_does_not() -> None:
     # 527 tokens would hold 512, but rounding to 16-token pages is what the allocator can give.
     assert not plan_pool(tiny_mc(), kv_pool_tokens=511, **common).fits
     assert plan_pool(tiny_mc(), kv_pool_tokens=527, **common).pool_tokens == 512
+
+
+def weight_bytes(
+    mc: ModelConfig, dtype: str, tp_size: int = 1, model_dir: Path | None = None
+) -> int:
+    """Weight bytes per rank, as the plan counts them."""
+    plan = plan_pool(mc, dtype=dtype, tp_size=tp_size, model_dir=model_dir, device_memory_bytes=GIB)
+    return plan.model_bytes
 
 
 def test_weight_bytes_from_safetensors_headers(tmp_path: Path) -> None:

@@ -1,10 +1,9 @@
-"""The PD router against fake workers: forwarding, room/prefill headers, auth, health, pairing,
+"""The PD router against fake workers: forwarding, the prefill header, auth, health, pairing,
 error and stream pass-through (I5), and hang-ups reaching the decode."""
 
 from __future__ import annotations
 
 import json
-import re
 import time
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -16,12 +15,11 @@ from fake_workers import FakeState, ServerThread, free_port, make_app, stop_all
 from kvfence.server import router as router_mod
 from kvfence.server.router import (
     Role,
-    RouterSettings,
     RouterState,
     WorkerPool,
-    _SSECutter,
     build_router_app,
 )
+from kvfence.server.router.relay import _SSECutter
 
 KEY = "sk-tenant-a"
 
@@ -83,7 +81,7 @@ def sse_events(text: str) -> list[str]:
 # ---- forwarding --------------------------------------------------------------------------------
 
 
-def test_forwards_body_and_auth_unchanged_and_sets_room_and_prefill(pair) -> None:
+def test_forwards_body_and_auth_unchanged_and_sets_prefill(pair) -> None:
     url, prefill, decode, _ = pair
     raw = b'{ "prompt":  "hi",\n "model": "m", "max_tokens": 3 }'
     r = httpx.post(url + "/v1/completions", content=raw, timeout=5, headers={
@@ -100,7 +98,7 @@ def test_forwards_body_and_auth_unchanged_and_sets_room_and_prefill(pair) -> Non
     assert seen["body"] == raw
     h = seen["headers"]
     assert h["authorization"] == "Bearer whatever-the-client-sent"
-    assert re.fullmatch(r"[0-9a-f]{32}", h["x-kvfence-room"]) and h["x-kvfence-room"] != "0" * 32
+    assert "x-kvfence-room" not in h  # decode mints the room; a client's never travels on
     assert h["x-kvfence-prefill"] == f"127.0.0.1:{prefill.bootstrap_port}"
     assert "x-kvfence-tenant" not in h
 
@@ -111,25 +109,6 @@ def test_chat_route_is_forwarded_to_the_same_path(pair) -> None:
     r = httpx.post(url + "/v1/chat/completions", json=body, timeout=5)
     assert r.status_code == 200
     assert decode.requests[0]["path"] == "/v1/chat/completions"
-
-
-def test_rooms_are_unique_and_released(pair) -> None:
-    url, _, decode, state = pair
-    for _ in range(5):
-        assert post(url, {"prompt": "x"}).status_code == 200
-    rooms = {req["headers"]["x-kvfence-room"] for req in decode.requests}
-    assert len(rooms) == 5
-    wait_for(lambda: state.rooms == set())  # released just after the last byte
-
-
-def test_i8_room_collision_is_regenerated(monkeypatch: pytest.MonkeyPatch) -> None:
-    state = RouterState(["http://a:1"], ["http://b:2"], None, RouterSettings())
-    tokens = iter(["aa" * 16, "aa" * 16, "bb" * 16])
-    monkeypatch.setattr(router_mod.secrets, "token_hex", lambda n: next(tokens))
-    assert state.new_room() == "aa" * 16
-    assert state.new_room() == "bb" * 16  # the live duplicate was skipped
-    state.release_room("aa" * 16)
-    assert state.rooms == {"bb" * 16}
 
 
 def test_models_are_proxied_from_a_decode(pair) -> None:
@@ -343,7 +322,7 @@ def test_client_hangup_mid_stream_closes_the_decode_connection(pair) -> None:
                       timeout=5) as r:
         next(r.iter_raw())
     wait_for(lambda: decode.disconnects == ["hang"])
-    wait_for(lambda: state.decode.workers[0].in_flight == 0 and not state.rooms)
+    wait_for(lambda: state.decode.workers[0].in_flight == 0)
 
 
 def test_client_hangup_before_the_first_byte_closes_the_decode_connection(pair) -> None:
@@ -416,3 +395,52 @@ def test_official_client_sees_answers_streams_and_errors(pair) -> None:
     assert bad.value.code == "context_length_exceeded"
     with pytest.raises(openai.APIError, match="stopped before the answer was complete"):
         list(client.completions.create(model="m", prompt="die", stream=True))
+
+
+# ---- the router relays only its own routes ------------------------------------------------------
+
+
+TRAVERSALS = (
+    "/v1/models/%2e%2e/%2e%2e/pd/info",
+    "/v1/models/%2E%2E/%2E%2E/metrics",
+    "/v1/models/..%2f..%2fpd%2finfo",
+    "/v1/models/%2e%2e%2f%2e%2e%2fhealth",
+    "/v1/models/fake-model/%2e%2e/%2e%2e/%2e%2e/pd/info",
+)
+
+
+def test_a_model_id_is_never_a_path_to_a_workers_internal_route(cluster: Cluster) -> None:
+    # The attack: the decoded path was relayed, so a tenant read decode's /pd/info (room ids and
+    # their timings) and /metrics (per-tenant counters) through the public router.
+    p_url, _ = cluster.worker("prefill")
+    d_url, decode = cluster.worker("decode")
+    url, _ = cluster.router([p_url], [d_url], api_keys={KEY: "tenant-a"})
+    auth = {"Authorization": f"Bearer {KEY}"}
+    for path in TRAVERSALS:
+        r = httpx.get(url + path, headers=auth, timeout=5)
+        assert r.status_code == 404, (path, r.text)
+        assert r.json()["error"]["code"] == "model_not_found", path
+        assert "bootstrap" not in r.text and "role" not in r.text, path
+    assert decode.requests == []
+    # A real id, including an HF-style org/name, reaches the worker's model route as itself.
+    r = httpx.get(f"{url}/v1/models/fake-model", headers=auth, timeout=5)
+    assert r.status_code == 200 and r.json()["id"] == "fake-model", r.text
+    r = httpx.get(f"{url}/v1/models/org/model-1.5_b", headers=auth, timeout=5)
+    assert r.status_code == 404, r.text  # the worker's own answer: it serves another model
+    assert [q["path"] for q in decode.requests] == [
+        "/v1/models/fake-model", "/v1/models/org/model-1.5_b"
+    ]
+
+
+def test_i6_two_authorization_headers_are_refused_at_the_router(cluster: Cluster) -> None:
+    # The router checked the first header and forwarded the last: tenant B's key reached decode
+    # behind tenant A's check. Now neither hop accepts two.
+    p_url, _ = cluster.worker("prefill")
+    d_url, decode = cluster.worker("decode")
+    url, _ = cluster.router([p_url], [d_url], api_keys={KEY: "tenant-a", "sk-b": "tenant-b"})
+    two = [("Authorization", f"Bearer {KEY}"), ("Authorization", "Bearer sk-b")]
+    r = httpx.post(url + "/v1/completions", json={"model": "fake-model", "prompt": "x"},
+                   headers=two, timeout=5)
+    assert r.status_code == 400 and r.json()["error"]["code"] == "duplicate_authorization"
+    assert httpx.get(url + "/v1/models", headers=two, timeout=5).status_code == 400
+    assert decode.requests == []

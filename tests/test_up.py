@@ -21,7 +21,7 @@ import pytest
 from conftest import TINY_MODEL
 from fake_workers import EXIT_ROLE_ENV, UNHEALTHY_ROLE_ENV, free_port
 
-from kvfence.cli import add_engine_args
+from kvfence.args import ENGINE_OPTIONS, add_options
 from kvfence.tools.up import (
     add_up_args,
     router_command,
@@ -52,7 +52,7 @@ def test_worker_args_carry_every_engine_flag_given_and_the_role(tmp_path: Path) 
     flags = worker_args(args, "prefill")
     # What a worker parses back is what `up` was given: no engine flag is lost on the way.
     serve = argparse.ArgumentParser()
-    add_engine_args(serve)
+    add_options(serve, ENGINE_OPTIONS)
     for extra in ("--api-key-file", "--log-level", "--disaggregation-mode",
                   "--disaggregation-transfer-backend"):
         serve.add_argument(extra)

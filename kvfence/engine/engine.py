@@ -79,7 +79,6 @@ class Engine:
         self.faults = faults if faults is not None else Faults()
         self.hooks = hooks
         self.model_config = ModelConfig.from_dir(cfg.model)
-        self.context_length = cfg.context_length or self.model_config.max_position_embeddings
         self.model_name = cfg.served_model_name or Path(cfg.model).resolve().name
         self.device = torch.device(cfg.device)
         if cfg.threads is not None:
@@ -91,6 +90,8 @@ class Engine:
             log.warning("UNSAFE: preflight skipped: %s", self.plan.problem())
         else:
             require_fits(self.plan)  # I7: refuse to start rather than silently lower the limit
+        # The plan resolved the flags' defaults (context length, KV dtype); nothing re-derives them.
+        self.context_length = self.plan.context_length
         self.tokenizer = Tokenizer(cfg.model)
         self.model = load_model(cfg.model, cfg.dtype, self.device)
         self.model.init_rope(self.context_length, self.device)
@@ -100,7 +101,7 @@ class Engine:
             page_size=cfg.page_size,
             num_kv_heads=self.model_config.num_kv_heads,
             head_dim=self.model_config.head_dim,
-            dtype=TORCH_DTYPES[cfg.effective_kv_cache_dtype],
+            dtype=TORCH_DTYPES[self.plan.kv_cache_dtype],
             device=self.device,
             poison_on_free=cfg.kv_poison_on_free,
         )

@@ -1,6 +1,8 @@
 """How many tokens a node's KV pool holds, whether one full-context request fits.
 
-Pure arithmetic over ModelConfig and flag values; the engine and `kvfence preflight` share it.
+Pure arithmetic over a model's shape (ModelShape: the numbers of a config.json, which
+kvfence.model.config.ModelConfig provides) and flag values; the engine and `kvfence preflight`
+share it.
 """
 
 from __future__ import annotations
@@ -11,10 +13,9 @@ import os
 import struct
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 from kvfence.config import EngineConfig
-from kvfence.model.config import ModelConfig
 
 ROLES = ("unified", "prefill", "decode")
 
@@ -46,6 +47,31 @@ _SAFETENSORS_FLOAT = {"F64", "F32", "F16", "BF16", "F8_E4M3", "F8_E5M2"}
 _MAX_HEADER = 100 * 1024 * 1024  # the safetensors format's own limit
 
 
+class ModelShape(Protocol):
+    """The model numbers sizing reads. A Protocol, so kv/ needs nothing from model/."""
+
+    @property
+    def architecture(self) -> str: ...
+    @property
+    def num_layers(self) -> int: ...
+    @property
+    def num_heads(self) -> int: ...
+    @property
+    def num_kv_heads(self) -> int: ...
+    @property
+    def head_dim(self) -> int: ...
+    @property
+    def hidden_size(self) -> int: ...
+    @property
+    def intermediate_size(self) -> int: ...
+    @property
+    def vocab_size(self) -> int: ...
+    @property
+    def max_position_embeddings(self) -> int: ...
+    @property
+    def num_params(self) -> int: ...
+
+
 def dtype_bytes(name: str) -> int:
     """Bytes per element of a dtype name (torch-style, with common aliases; fp8 counts as 1)."""
     key = name.removeprefix("torch.").lower()
@@ -56,15 +82,16 @@ def dtype_bytes(name: str) -> int:
 
 
 def resolve_kv_dtype(dtype: str, kv_cache_dtype: str) -> str:
-    """The KV dtype actually stored: "auto" means the model dtype (as EngineConfig does)."""
+    """The KV dtype actually stored: "auto" means the model dtype. Resolved here only; the
+    engine stores what its plan says."""
     return dtype if kv_cache_dtype == "auto" else kv_cache_dtype
 
 
-def kv_heads_per_rank(mc: ModelConfig, tp_size: int = 1) -> int:
+def kv_heads_per_rank(mc: ModelShape, tp_size: int = 1) -> int:
     return math.ceil(mc.num_kv_heads / tp_size)
 
 
-def kv_bytes_per_token(mc: ModelConfig, kv_dtype: str, tp_size: int = 1) -> int:
+def kv_bytes_per_token(mc: ModelShape, kv_dtype: str, tp_size: int = 1) -> int:
     """Bytes one token's K and V take on one rank, over all layers.
 
     2 (K and V) * layers * ceil(kv_heads / tp) * head_dim * dtype bytes. KV heads split across
@@ -126,19 +153,12 @@ def checkpoint_weight_bytes(model_dir: str | Path, dtype: str) -> int | None:
     return total
 
 
-def weight_bytes(
-    mc: ModelConfig, dtype: str, tp_size: int = 1, model_dir: str | Path | None = None
-) -> int:
-    """Weight bytes on one rank: the checkpoint's headers when there are any, else mc.num_params.
-
-    Divided evenly by tp_size; the replicated norms are too small to matter.
-    """
-    return _weight_bytes(mc, dtype, tp_size, model_dir)[0]
-
-
 def _weight_bytes(
-    mc: ModelConfig, dtype: str, tp_size: int, model_dir: str | Path | None
+    mc: ModelShape, dtype: str, tp_size: int, model_dir: str | Path | None
 ) -> tuple[int, str]:
+    """Weight bytes on one rank and where they came from: the checkpoint's headers when there
+    are any, else mc.num_params. Divided evenly by tp_size; replicated norms are too small to
+    matter."""
     total = checkpoint_weight_bytes(model_dir, dtype) if model_dir is not None else None
     source = "safetensors"
     if total is None:
@@ -147,7 +167,7 @@ def _weight_bytes(
 
 
 def activation_reserve_bytes(
-    mc: ModelConfig,
+    mc: ModelShape,
     dtype: str,
     tp_size: int = 1,
     chunked_prefill_size: int = 512,
@@ -291,7 +311,7 @@ class CapacityError(Exception):
 
 
 def plan_pool(
-    mc: ModelConfig,
+    mc: ModelShape,
     *,
     dtype: str,
     kv_cache_dtype: str = "auto",
@@ -376,7 +396,7 @@ def require_fits(plan: PoolPlan) -> PoolPlan:
 
 def plan_for_engine(
     cfg: EngineConfig,
-    mc: ModelConfig,
+    mc: ModelShape,
     *,
     tp_size: int = 1,
     role: str = "unified",

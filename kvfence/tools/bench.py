@@ -16,6 +16,7 @@ from typing import Any
 
 import httpx
 
+from kvfence.sse import aiter_events
 from kvfence.tools.bench_datasets import (
     DATASETS,
     DatasetArgs,
@@ -140,13 +141,10 @@ async def one_request(
             if r.status_code != 200:
                 rec.error = (await r.aread()).decode(errors="replace")[:300]
                 return rec
-            async for line in r.aiter_lines():
-                if not line.startswith("data:"):
-                    continue
-                data = line[5:].strip()
-                if data == "[DONE]":
+            async for event in aiter_events(r.aiter_bytes()):
+                if event.done:
                     break
-                obj = json.loads(data)
+                obj = event.json()
                 if obj.get("error"):
                     rec.error = json.dumps(obj["error"])[:300]
                     return rec

@@ -26,6 +26,7 @@ from pathlib import Path
 import httpx
 
 from kvfence import env
+from kvfence.sse import iter_events
 from kvfence.tools.canary import CanaryRegistry, build_prompt
 from kvfence.tools.cluster import LocalCluster
 
@@ -117,13 +118,11 @@ def one_request(
                     tally.add(f"http_{status}")
                     return
                 chunks, finished = 0, False
-                for line in r.iter_lines():
-                    if not line.startswith("data: "):
-                        continue
-                    if line == "data: [DONE]":
+                for event in iter_events(r.iter_bytes()):
+                    if event.done:
                         finished = True
                         break
-                    obj = json.loads(line[6:])
+                    obj = event.json()
                     if "error" in obj:
                         tally.add(f"stream_error_{obj['error'].get('code')}")
                         return

@@ -6,14 +6,14 @@ Exit 0 when one full-context request fits, 2 when the pool is too small, 1 on ba
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import sys
 from collections.abc import Sequence
 from pathlib import Path
 from typing import NoReturn
 
-from kvfence.config import DTYPES, EngineConfig
+from kvfence.args import DEVICE, SIZING_OPTIONS, add_options
+from kvfence.config import DTYPES
 from kvfence.kv.sizing import ROLES, PoolPlan, device_memory_bytes, plan_pool
 from kvfence.model.config import ModelConfig, UnsupportedModelError
 
@@ -23,8 +23,6 @@ EXIT_TOO_SMALL = 2
 
 # fp8 is accepted for planning other deployments; the engine itself stores only the DTYPES.
 KV_CACHE_DTYPES = ("auto", *DTYPES, "fp8_e4m3", "fp8_e5m2")
-
-_ENGINE_DEFAULTS = {f.name: f.default for f in dataclasses.fields(EngineConfig)}
 
 
 class BadInput(Exception):
@@ -42,28 +40,23 @@ def build_parser() -> argparse.ArgumentParser:
         prog="kvfence preflight",
         description="Check that a node's KV pool holds one full-context request before serving.",
     )
-    p.add_argument("--model", required=True, metavar="DIR", help="Hugging Face model directory")
-    p.add_argument("--context-length", type=int, help="default: max_position_embeddings")
-    p.add_argument("--page-size", type=int, default=_ENGINE_DEFAULTS["page_size"])
-    p.add_argument("--kv-pool-tokens", type=int, help="explicit pool size; wins over memory")
-    p.add_argument(
-        "--mem-fraction-static", type=float, default=_ENGINE_DEFAULTS["mem_fraction_static"]
+    # Exactly the flags that size a pool in `serve` (kvfence.args), adapted where planning
+    # differs: the dtype defaults to config.json's, fp8 KV can be planned for other engines, and
+    # --device is one of two ways to say how much memory there is.
+    add_options(
+        p,
+        [o for o in SIZING_OPTIONS if o is not DEVICE],
+        dtype={"default": None, "help": "default: config.json torch_dtype, or float32"},
+        kv_cache_dtype={"choices": KV_CACHE_DTYPES},
     )
-    p.add_argument("--dtype", choices=DTYPES, help="default: config.json torch_dtype, or float32")
-    p.add_argument("--kv-cache-dtype", choices=KV_CACHE_DTYPES, default="auto")
     where = p.add_mutually_exclusive_group()
-    where.add_argument("--device", help="measure this machine: cpu (MemTotal) or cuda[:N]")
+    # No default here, or argparse could not tell a given --device from none (the group's check).
+    DEVICE.add(where, default=None, help="measure this machine: cpu (MemTotal) or cuda[:N]")
     where.add_argument(
         "--device-memory-gib", type=float, metavar="G", help="plan for a device of G GiB"
     )
     p.add_argument("--tp-size", type=int, default=1)
     p.add_argument("--role", choices=ROLES, default="unified")
-    p.add_argument(
-        "--chunked-prefill-size", type=int, default=_ENGINE_DEFAULTS["chunked_prefill_size"]
-    )
-    p.add_argument(
-        "--max-running-requests", type=int, default=_ENGINE_DEFAULTS["max_running_requests"]
-    )
     p.add_argument("--json", action="store_true", help="print the plan as one JSON object")
     return p
 
@@ -87,7 +80,7 @@ def run_preflight(args: argparse.Namespace) -> tuple[PoolPlan, int]:
         mem = int(args.device_memory_gib * 2**30)
     else:
         try:
-            mem = device_memory_bytes(args.device or _ENGINE_DEFAULTS["device"])
+            mem = device_memory_bytes(args.device or DEVICE.default)
         except (RuntimeError, ValueError) as e:
             raise BadInput(str(e)) from e
     try:
@@ -150,7 +143,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except SystemExit as e:  # --help
         return int(e.code or 0)
     memory_from = (
-        "--device-memory-gib" if args.device_memory_gib is not None else args.device or "cpu"
+        "--device-memory-gib"
+        if args.device_memory_gib is not None
+        else args.device or DEVICE.default
     )
     if args.json:
         print(json.dumps({**plan.to_dict(), "memory_from": memory_from, "exit_code": code}))

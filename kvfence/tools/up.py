@@ -22,12 +22,24 @@ from typing import IO
 
 import httpx
 
-from kvfence.cli import add_engine_args
+from kvfence.args import (
+    API_KEY_FILE,
+    BOOTSTRAP_PORT,
+    DISAGGREGATION_MODE,
+    ENGINE_OPTIONS,
+    HOST,
+    KV_POOL_TOKENS,
+    LOG_LEVEL,
+    PORT,
+    SERVER_OPTIONS,
+    TRANSFER_OPTIONS,
+    add_options,
+    command_line,
+)
 from kvfence.env import cluster_secret
 from kvfence.pd import auth
 
 BUNDLED_MODEL = Path(__file__).resolve().parents[2] / "models" / "kvfence-tiny"
-TRANSFER_BACKENDS = ("tcp", "mooncake")
 DEFAULT_STARTUP_TIMEOUT_S = 300.0
 DEFAULT_SHUTDOWN_GRACE_S = 10.0
 TAIL_LINES = 40
@@ -64,34 +76,37 @@ def _free_ports(host: str, n: int) -> list[int]:
 
 
 def add_up_args(p: argparse.ArgumentParser) -> None:
-    add_engine_args(p)
-    for action in p._actions:
-        if action.dest == "model":  # the demo runs the bundled model unless told otherwise
-            action.required = False
-            action.default = str(BUNDLED_MODEL)
-            action.help = f"local HF model dir (default: the bundled {BUNDLED_MODEL.name})"
+    # The workers' own options (kvfence.args), so `up` takes every flag `serve` does.
+    add_options(
+        p,
+        ENGINE_OPTIONS,
+        model={
+            # The demo runs the bundled model unless told otherwise.
+            "required": False,
+            "default": str(BUNDLED_MODEL),
+            "help": f"local HF model dir (default: the bundled {BUNDLED_MODEL.name})",
+        },
+    )
     p.add_argument("--prefill", type=int, default=1, metavar="N", help="prefill workers")
     p.add_argument("--decode", type=int, default=1, metavar="M", help="decode workers")
-    p.add_argument("--host", default="127.0.0.1", help="the router's address (clients use it)")
-    p.add_argument("--port", type=int, default=8000, help="the router's port")
+    add_options(
+        p,
+        SERVER_OPTIONS,
+        host={"help": "the router's address (clients use it)"},
+        port={"help": "the router's port"},
+        api_key_file={"help": "lines of `key tenant`; given to the router and every worker"},
+    )
     p.add_argument(
         "--worker-host",
         default="127.0.0.1",
         help="address the workers bind (HTTP and bootstrap); keep it private",
     )
-    p.add_argument(
-        "--api-key-file",
-        default=None,
-        help="lines of `key tenant`; given to the router and every worker",
-    )
-    p.add_argument("--log-level", default="info")
-    p.add_argument("--disaggregation-transfer-backend", default="tcp", choices=TRANSFER_BACKENDS)
-    p.add_argument("--disaggregation-timeout", type=float, default=None,
-                   help="seconds a KV transfer may take before it is aborted (workers' default 30)")
-    p.add_argument(
-        "--cluster-secret-file",
-        default=None,
-        help="secret the workers share (default: KVFENCE_CLUSTER_SECRET, else a new one)",
+    add_options(
+        p,
+        TRANSFER_OPTIONS,
+        cluster_secret_file={
+            "help": "secret the workers share (default: KVFENCE_CLUSTER_SECRET, else a new one)"
+        },
     )
     p.add_argument(
         "--prefill-kv-pool-tokens",
@@ -122,41 +137,17 @@ def add_up_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--router-cmd-prefix", default=None, help=argparse.SUPPRESS)
 
 
-def _engine_flags() -> list[argparse.Action]:
-    probe = argparse.ArgumentParser(add_help=False)
-    add_engine_args(probe)
-    return [a for a in probe._actions if a.option_strings]
-
-
 def worker_args(args: argparse.Namespace, role: str) -> list[str]:
-    """Every flag a worker of `role` gets besides its ports: the one place to add a new one
-    (e.g. a cluster secret file). Engine flags come from `add_engine_args`, so none is missed."""
-    out: list[str] = []
-    for action in _engine_flags():
-        value = getattr(args, action.dest, None)
-        if value is None or (value == action.default and not action.required):
-            continue  # the worker's own default is the same one
-        flag = action.option_strings[0]
-        if action.nargs == 0:
-            out.append(flag)
-        else:
-            out += [flag, str(value)]
+    """Every flag a worker of `role` gets besides its ports, written from the same option specs
+    the worker parses (kvfence.args), so none is missed; a value at its default is left out."""
     role_pool = getattr(args, f"{role}_kv_pool_tokens", None)
+    # A per-role pool (prefill and decode nodes often differ) replaces the shared one.
+    engine = [o for o in ENGINE_OPTIONS if role_pool is None or o is not KV_POOL_TOKENS]
+    out = command_line(args, engine)
     if role_pool is not None:
-        # A per-role pool (prefill and decode nodes often differ) replaces the shared one.
-        if "--kv-pool-tokens" in out:
-            i = out.index("--kv-pool-tokens")
-            del out[i : i + 2]
-        out += ["--kv-pool-tokens", str(role_pool)]
-    if args.api_key_file:
-        out += ["--api-key-file", args.api_key_file]
-    if getattr(args, "disaggregation_timeout", None) is not None:
-        out += ["--disaggregation-timeout", str(args.disaggregation_timeout)]
-    if getattr(args, "cluster_secret_file", None):
-        out += ["--cluster-secret-file", args.cluster_secret_file]
-    out += ["--log-level", args.log_level]
-    out += ["--disaggregation-mode", role]
-    out += ["--disaggregation-transfer-backend", args.disaggregation_transfer_backend]
+        out += KV_POOL_TOKENS.argv(role_pool)
+    out += command_line(args, (API_KEY_FILE, LOG_LEVEL, *TRANSFER_OPTIONS))
+    out += DISAGGREGATION_MODE.argv(role)
     return out
 
 
@@ -168,9 +159,9 @@ def worker_command(
     args: argparse.Namespace, role: str, port: int, bootstrap_port: int | None = None
 ) -> list[str]:
     cmd = _prefix(args.worker_cmd_prefix, [sys.executable, "-m", "kvfence.cli", "serve"])
-    cmd += ["--host", args.worker_host, "--port", str(port)]
+    cmd += HOST.argv(args.worker_host) + PORT.argv(port)
     if bootstrap_port is not None:
-        cmd += ["--disaggregation-bootstrap-port", str(bootstrap_port)]
+        cmd += BOOTSTRAP_PORT.argv(bootstrap_port)
     return cmd + worker_args(args, role)
 
 
@@ -179,10 +170,8 @@ def router_command(
 ) -> list[str]:
     cmd = _prefix(args.router_cmd_prefix, [sys.executable, "-m", "kvfence.cli", "router"])
     cmd += ["--prefill", *prefill_urls, "--decode", *decode_urls]
-    cmd += ["--host", args.host, "--port", str(args.port), "--log-level", args.log_level]
-    if args.api_key_file:
-        cmd += ["--api-key-file", args.api_key_file]
-    return cmd
+    cmd += HOST.argv(args.host) + PORT.argv(args.port)
+    return cmd + command_line(args, (API_KEY_FILE, LOG_LEVEL))
 
 
 # ---- processes ---------------------------------------------------------------------------------

@@ -1,0 +1,214 @@
+"""Every command-line option of a node, defined once. `kvfence serve`, `preflight`, `up` and the
+router add these specs to their parsers; `up` writes its workers' command lines from them too.
+Engine defaults are read from `EngineConfig`, so a default lives only on its field."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+from kvfence.config import DTYPES, KERNEL_BACKENDS, KV_CACHE_DTYPES, EngineConfig
+
+
+class Parser(Protocol):
+    """An argparse parser or one of its groups."""
+
+    def add_argument(self, *names: str, **kw: Any) -> Any: ...
+
+
+@dataclass(frozen=True)
+class Option:
+    """One flag: its spellings (the first is canonical), where it lands, and how it parses."""
+
+    names: tuple[str, ...]
+    dest: str
+    type: Callable[[str], Any] | None = None
+    default: Any = None
+    choices: tuple[str, ...] | None = None
+    help: str | None = None
+    switch: bool = False  # a store_true flag: present or not, no value
+    required: bool = False
+    metavar: str | None = None
+
+    @property
+    def flag(self) -> str:
+        return self.names[0]
+
+    def add(self, parser: Parser, **changes: Any) -> None:
+        """Add to `parser` (or a group of it); `changes` adapt one command's view of the flag
+        (a help text, a default that command resolves differently), never its name."""
+        if {"names", "dest"} & changes.keys():
+            raise ValueError(f"{self.flag}: a command may not rename an option")
+        o = dataclasses.replace(self, **changes) if changes else self
+        kw: dict[str, Any] = {"dest": o.dest, "default": o.default, "help": o.help}
+        if o.switch:
+            kw["action"] = "store_true"
+        else:
+            kw.update(type=o.type, choices=o.choices, required=o.required, metavar=o.metavar)
+        parser.add_argument(*o.names, **kw)
+
+    def argv(self, value: Any) -> list[str]:
+        """This option with `value` as a child process's command line spells it."""
+        if self.switch:
+            return [self.flag] if value else []
+        return [self.flag, str(value)]
+
+
+def add_options(
+    parser: Parser,
+    options: Iterable[Option],
+    **changes: Mapping[str, Any],
+) -> None:
+    """Add each option; `changes[dest]` adapts that one (see `Option.add`)."""
+    options = tuple(options)
+    unknown = set(changes) - {o.dest for o in options}
+    if unknown:
+        raise ValueError(f"no such option to change: {', '.join(sorted(unknown))}")
+    for o in options:
+        o.add(parser, **changes.get(o.dest, {}))
+
+
+def command_line(args: argparse.Namespace, options: Iterable[Option]) -> list[str]:
+    """The flags of `options` whose parsed value differs from the default (required ones always):
+    a child given these parses back the same values, and its own defaults are the same ones."""
+    out: list[str] = []
+    for o in options:
+        value = getattr(args, o.dest, None)
+        if value is None or (value == o.default and not o.required):
+            continue
+        out += o.argv(value)
+    return out
+
+
+_DEFAULTS = {f.name: f.default for f in dataclasses.fields(EngineConfig)}
+
+
+def _engine(names: str | tuple[str, ...], dest: str, **kw: Any) -> Option:
+    spellings = (names,) if isinstance(names, str) else names
+    return Option(spellings, dest, default=_DEFAULTS[dest], **kw)
+
+
+# ---- the engine: one field of EngineConfig each (tests check the two stay in step) -----------
+
+MODEL = Option(
+    ("--model", "--model-path"),
+    "model",
+    required=True,
+    metavar="DIR",
+    help="local Hugging Face model directory",
+)
+SERVED_MODEL_NAME = _engine("--served-model-name", "served_model_name")
+DEVICE = _engine("--device", "device", help="cpu | cuda[:N]")
+DTYPE = _engine("--dtype", "dtype", choices=DTYPES)
+KV_CACHE_DTYPE = _engine("--kv-cache-dtype", "kv_cache_dtype", choices=KV_CACHE_DTYPES)
+CONTEXT_LENGTH = _engine(
+    "--context-length", "context_length", type=int, help="default: max_position_embeddings"
+)
+PAGE_SIZE = _engine("--page-size", "page_size", type=int)
+KV_POOL_TOKENS = _engine(
+    "--kv-pool-tokens",
+    "kv_pool_tokens",
+    type=int,
+    help="explicit pool size in tokens; wins over --mem-fraction-static",
+)
+MEM_FRACTION_STATIC = _engine("--mem-fraction-static", "mem_fraction_static", type=float)
+CHUNKED_PREFILL_SIZE = _engine("--chunked-prefill-size", "chunked_prefill_size", type=int)
+DECODE_STEP_PREFILL_BUDGET = _engine(
+    "--decode-step-prefill-budget",
+    "decode_step_prefill_budget",
+    type=int,
+    help="prefill tokens per step while requests decode (default: --chunked-prefill-size); "
+    "lower trades throughput for a shorter decode stall (p99 ITL)",
+)
+ATTENTION_BACKEND = _engine(
+    "--attention-backend",
+    "attention_backend",
+    choices=KERNEL_BACKENDS,
+    help="decode attention: native CPU kernel reading pages in place, or torch gather+SDPA",
+)
+LINEAR_BACKEND = _engine(
+    "--linear-backend",
+    "linear_backend",
+    choices=KERNEL_BACKENDS,
+    help="projection matmuls: native packed float32 CPU kernel, or torch (MKL / cuBLAS)",
+)
+MAX_RUNNING_REQUESTS = _engine("--max-running-requests", "max_running_requests", type=int)
+THREADS = _engine(
+    "--threads",
+    "threads",
+    type=int,
+    help="CPU threads for the kernels (default: every core; `kvfence up` gives each worker "
+    "its share of the cores)",
+)
+SEED = _engine("--seed", "seed", type=int)
+UNSAFE_SKIP_PREFLIGHT = _engine(
+    "--unsafe-skip-preflight", "unsafe_skip_preflight", switch=True, help=argparse.SUPPRESS
+)
+KV_POISON_ON_FREE = _engine(
+    "--kv-poison-on-free",
+    "kv_poison_on_free",
+    switch=True,
+    help="debug: fill freed KV pages with NaN so any stale read shows up",
+)
+
+ENGINE_OPTIONS: tuple[Option, ...] = (
+    MODEL, SERVED_MODEL_NAME, DEVICE, DTYPE, KV_CACHE_DTYPE, CONTEXT_LENGTH, PAGE_SIZE,
+    KV_POOL_TOKENS, MEM_FRACTION_STATIC, CHUNKED_PREFILL_SIZE, DECODE_STEP_PREFILL_BUDGET,
+    ATTENTION_BACKEND, LINEAR_BACKEND, MAX_RUNNING_REQUESTS, THREADS, SEED,
+    UNSAFE_SKIP_PREFLIGHT, KV_POISON_ON_FREE,
+)  # fmt: skip
+# What sizes a node's pool (kv/sizing.plan_for_engine reads these fields): `kvfence preflight`
+# takes exactly these, so it plans what `serve` would build.
+SIZING_OPTIONS: tuple[Option, ...] = (
+    MODEL, CONTEXT_LENGTH, PAGE_SIZE, KV_POOL_TOKENS, MEM_FRACTION_STATIC, DTYPE, KV_CACHE_DTYPE,
+    DEVICE, CHUNKED_PREFILL_SIZE, MAX_RUNNING_REQUESTS,
+)  # fmt: skip
+
+# ---- an HTTP listener (serve, router, up) -------------------------------------------------------
+
+HOST = Option(("--host",), "host", default="127.0.0.1")
+PORT = Option(("--port",), "port", type=int, default=8000)
+API_KEY_FILE = Option(
+    ("--api-key-file",), "api_key_file", help="lines of `key tenant`; enables auth"
+)
+LOG_LEVEL = Option(("--log-level",), "log_level", default="info")
+SERVER_OPTIONS: tuple[Option, ...] = (HOST, PORT, API_KEY_FILE, LOG_LEVEL)
+
+# ---- a PD worker (serve; up forwards TRANSFER_OPTIONS to every worker) --------------------------
+
+DISAGGREGATION_MODE = Option(
+    ("--disaggregation-mode",),
+    "disaggregation_mode",
+    default="null",
+    choices=("null", "prefill", "decode"),
+)
+BOOTSTRAP_PORT = Option(
+    ("--disaggregation-bootstrap-port",), "disaggregation_bootstrap_port", type=int, default=8998
+)
+TRANSFER_BACKEND = Option(
+    ("--disaggregation-transfer-backend",),
+    "disaggregation_transfer_backend",
+    default="tcp",
+    choices=("tcp", "mooncake"),
+)
+CLUSTER_SECRET_FILE = Option(
+    ("--cluster-secret-file",),
+    "cluster_secret_file",
+    help="secret shared by all PD workers (or KVFENCE_CLUSTER_SECRET); authenticates transfers",
+)
+DISAGGREGATION_TIMEOUT = Option(
+    ("--disaggregation-timeout",),
+    "disaggregation_timeout",
+    type=float,
+    default=30.0,
+    help="seconds a KV transfer may take before it is aborted",
+)
+TRANSFER_OPTIONS: tuple[Option, ...] = (
+    TRANSFER_BACKEND,
+    CLUSTER_SECRET_FILE,
+    DISAGGREGATION_TIMEOUT,
+)
+PD_OPTIONS: tuple[Option, ...] = (DISAGGREGATION_MODE, BOOTSTRAP_PORT, *TRANSFER_OPTIONS)

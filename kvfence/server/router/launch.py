@@ -1,0 +1,70 @@
+"""`kvfence router`: parse the flags, build the app, listen, and print one ready line."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from collections.abc import Sequence
+
+import uvicorn
+
+from kvfence.server.auth import ApiKeyFileError, load_api_keys
+from kvfence.server.httpio import ReadyServer
+from kvfence.server.router.app import build_router_app
+from kvfence.server.router.args import DEFAULT_GRACEFUL_SHUTDOWN_S, add_router_args
+from kvfence.server.router.state import RouterState
+
+
+def run_router(args: argparse.Namespace) -> int:
+    try:
+        api_keys = load_api_keys(args.api_key_file) if args.api_key_file else None
+        app = build_router_app(
+            args.prefill,
+            args.decode,
+            api_keys=api_keys,
+            health_interval=args.health_interval,
+            health_timeout=args.health_timeout,
+            request_timeout=args.request_timeout,
+            connect_timeout=args.connect_timeout,
+        )
+    except (ApiKeyFileError, ValueError) as e:
+        print(f"kvfence router: {e}", file=sys.stderr)
+        return 1
+    state: RouterState = app.state.router
+    # One line per health poll per worker would drown the request log.
+    for noisy in ("httpx", "httpcore"):
+        logging.getLogger(noisy).setLevel(max(logging.WARNING, logging.getLogger().level))
+
+    def ready(port: int) -> str:
+        return (
+            f"kvfence router ready: http://{args.host}:{port} "
+            f"({len(args.prefill)} prefill, {len(args.decode)} decode; healthy now "
+            f"{state.prefill.healthy_count()} prefill, {state.decode.healthy_count()} decode)"
+        )
+
+    config = uvicorn.Config(
+        app,
+        host=args.host,
+        port=args.port,
+        log_level=args.log_level,
+        access_log=False,
+        # Closing what is still open after the grace is safe: a closed upstream connection is
+        # how a decode learns to abort its transfer with acknowledgement.
+        timeout_graceful_shutdown=DEFAULT_GRACEFUL_SHUTDOWN_S,
+    )
+    server = ReadyServer(config, ready)
+    server.run()
+    return 0 if server.started else 1
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="kvfence router", description="OpenAI entry point for prefill/decode workers"
+    )
+    add_router_args(parser)
+    args = parser.parse_args(argv)
+    logging.basicConfig(
+        level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
+    return run_router(args)

@@ -1,0 +1,380 @@
+"""The relay: sends one client request to a decode (with its paired prefill's address) and passes
+the answer back byte for byte; a stream is cut only at event boundaries, and an answer that ends
+early ends in an error event, never in a bare end that reads as complete (I5)."""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from dataclasses import dataclass, field
+
+import anyio
+import httpx
+from fastapi import Request
+from fastapi.responses import Response
+from starlette.types import Message, Receive, Scope, Send
+
+from kvfence.server.errors import SERVER_ERROR, APIError
+from kvfence.server.router.state import RouterState, no_workers
+from kvfence.server.router.workers import Worker
+
+logger = logging.getLogger("kvfence.router")
+
+HEADER_PREFILL = "X-Kvfence-Prefill"
+
+# An allowlist, not a denylist: only what an OpenAI client legitimately sends travels on, so no
+# spelling of an X-Kvfence-* header (or anything else a worker might trust) gets through.
+_FORWARDED_REQUEST_HEADERS = frozenset(
+    {
+        "authorization",
+        "content-type",
+        "accept",
+        "user-agent",
+        "x-request-id",
+        "openai-organization",
+        "openai-project",
+    }
+)
+# Bodies are re-framed by our server (length or chunking) and decoded by httpx.
+_DROPPED_RESPONSE_HEADERS = frozenset(
+    {
+        "connection",
+        "keep-alive",
+        "proxy-authenticate",
+        "proxy-authorization",
+        "te",
+        "trailer",
+        "trailers",
+        "transfer-encoding",
+        "upgrade",
+        "content-length",
+        "content-encoding",
+        "date",
+        "server",
+    }
+)
+_SSE_SEPARATORS = (b"\r\n\r\n", b"\n\n", b"\r\r")
+
+
+def _unreachable() -> APIError:
+    return _upstream_error(502, "Could not connect to a decode worker.", "upstream_unreachable")
+
+
+def _upstream_error(status: int, message: str, code: str) -> APIError:
+    return APIError(status, message, code=code, type=SERVER_ERROR)
+
+
+class _SSECutter:
+    """Passes an event stream on at event boundaries, so a cut upstream never leaves half an event
+    in front of our error event, and remembers whether the stream ended the way OpenAI's do."""
+
+    def __init__(self) -> None:
+        self._buf = b""
+        self.last_data: bytes | None = None
+
+    def feed(self, chunk: bytes) -> bytes:
+        self._buf += chunk
+        cut = 0
+        for sep in _SSE_SEPARATORS:
+            i = self._buf.rfind(sep)
+            if i >= 0:
+                cut = max(cut, i + len(sep))
+        ready, self._buf = self._buf[:cut], self._buf[cut:]
+        if ready:
+            self._note(ready)
+        return ready
+
+    def _note(self, ready: bytes) -> None:
+        text = ready.replace(b"\r\n", b"\n").replace(b"\r", b"\n")
+        for event in text.split(b"\n\n"):
+            lines = event.split(b"\n")
+            data = [ln[5:].removeprefix(b" ") for ln in lines if ln.startswith(b"data:")]
+            if data:
+                self.last_data = b"\n".join(data)
+
+    @property
+    def ended_cleanly(self) -> bool:
+        """True when the last event was [DONE] or the worker's own error event."""
+        if self._buf.strip() or self.last_data is None:
+            return False
+        if self.last_data.strip() == b"[DONE]":
+            return True
+        try:
+            obj = json.loads(self.last_data)
+        except ValueError:
+            return False
+        return isinstance(obj, dict) and "error" in obj
+
+
+def _sse_error(err: APIError) -> bytes:
+    return b"data: " + json.dumps(err.body(), separators=(",", ":")).encode() + b"\n\n"
+
+
+def request_headers(request: Request) -> dict[str, str]:
+    headers = {k: v for k, v in request.headers.items() if k.lower() in _FORWARDED_REQUEST_HEADERS}
+    # Plain bytes from the worker keep event boundaries visible to _SSECutter.
+    headers["accept-encoding"] = "identity"
+    return headers
+
+
+def _response_headers(r: httpx.Response) -> list[tuple[bytes, bytes]]:
+    return [
+        (k.lower().encode("latin-1"), v.encode("latin-1"))
+        for k, v in r.headers.multi_items()
+        if k.lower() not in _DROPPED_RESPONSE_HEADERS
+    ]
+
+
+@dataclass
+class _Progress:
+    status: int | None = None  # what we sent the client, once we have
+    sse: bool = False
+    done: bool = False
+    client_gone: bool = False
+    decode: Worker | None = None
+    prefill: Worker | None = None
+    extra: list[str] = field(default_factory=list)
+
+
+class Relay(Response):
+    """Sends one client request to a decode and relays its answer. Returned by a route, it runs as
+    the ASGI response, where it can watch the client: a hang-up cancels the relay, and the relay's
+    cleanup closes the upstream connection, which is how the decode learns to abort its transfer."""
+
+    def __init__(
+        self,
+        state: RouterState,
+        method: str,
+        path: str,
+        body: bytes,
+        headers: dict[str, str],
+        *,
+        paired: bool,
+        route: str | None = None,
+    ) -> None:
+        super().__init__()
+        self._state = state
+        self._method = method
+        self._path = path
+        self._route = route or path  # the metric label: bounded, unlike paths with model ids
+        self._body = body
+        self._headers = headers
+        self._paired = paired
+        self._p = _Progress()
+        self._held: list[Worker] = []
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        start = time.monotonic()
+        p = self._p
+        try:
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(self._watch_client, receive, tg.cancel_scope)
+                await self._run(send)
+                tg.cancel_scope.cancel()
+        finally:
+            status = p.status if p.status is not None else 499  # nginx: client closed request
+            self._state.metrics.requests.labels(path=self._route, status=str(status)).inc()
+            logger.info(
+                "%s %s status=%d decode=%s prefill=%s client_gone=%s%s duration_s=%.4f",
+                self._method,
+                self._path,
+                status,
+                p.decode.name if p.decode else "-",
+                p.prefill.name if p.prefill else "-",
+                p.client_gone,
+                "".join(" " + e for e in p.extra),
+                time.monotonic() - start,
+            )
+
+    async def _watch_client(self, receive: Receive, cancel: anyio.CancelScope) -> None:
+        while True:
+            message = await receive()
+            # After our last byte the server reports a disconnect too; that one is no hang-up.
+            if message["type"] == "http.disconnect":
+                if not self._p.done:
+                    self._p.client_gone = True
+                    cancel.cancel()
+                return
+
+    async def _run(self, send: Send) -> None:
+        p = self._p
+        with anyio.move_on_after(self._state.settings.request_timeout) as deadline:
+            try:
+                await self._attempts(send)
+            except Exception:  # a bug here must still end the request with an error
+                logger.exception("router relay failed on %s", self._path)
+                p.extra.append("error=internal")
+                await self._fail(send, _upstream_error(500, "Internal router error.", "internal"))
+        if deadline.cancelled_caught:
+            p.extra.append("error=timeout")
+            msg = f"The request did not finish within {self._state.settings.request_timeout:g} s."
+            await self._fail(send, _upstream_error(504, msg, "upstream_timeout"))
+
+    async def _attempts(self, send: Send) -> None:
+        st, p = self._state, self._p
+        tried: list[Worker] = []
+        for attempt in range(2):
+            decode = st.decode.pick(exclude=tried)
+            prefill = st.prefill.pick(partner=decode) if self._paired and decode else None
+            if decode is None or (self._paired and prefill is None):
+                await self._send_error(send, _unreachable() if tried else no_workers())
+                return
+            p.decode, p.prefill = decode, prefill
+            headers = dict(self._headers)
+            if prefill is not None:
+                headers[HEADER_PREFILL] = prefill.bootstrap or ""
+            self._hold(prefill, decode)
+            try:
+                if await self._exchange(send, decode, headers):
+                    return
+                # Nothing reached that decode: safe to send the same request elsewhere, once.
+                tried.append(decode)
+                if attempt == 0:
+                    st.metrics.retries.inc()
+                    p.extra.append(f"retried_from={decode.name}")
+            finally:
+                self._release()
+        await self._send_error(send, _unreachable())
+
+    def _hold(self, *workers: Worker | None) -> None:
+        # The prefill is counted busy for the whole answer: the router cannot see when the
+        # decode is done with it, and over-counting only spreads load a little more.
+        self._held = [w for w in workers if w is not None]
+        for w in self._held:
+            w.in_flight += 1
+
+    def _release(self) -> None:
+        """Idempotent; called as soon as the upstream is finished, before our last byte, so a
+        client's next request already sees the load it left behind."""
+        for w in self._held:
+            w.in_flight -= 1
+        self._held = []
+
+    async def _exchange(self, send: Send, decode: Worker, headers: dict[str, str]) -> bool:
+        """False only when the connection failed before any byte left (the caller may retry)."""
+        st = self._state
+        request = st.proxy.build_request(
+            self._method, decode.url + self._path, content=self._body or None, headers=headers
+        )
+        try:
+            upstream = await st.proxy.send(request, stream=True)
+        except (httpx.ConnectError, httpx.ConnectTimeout) as e:
+            st.metrics.upstream_errors.labels(worker=decode.url, kind="connect").inc()
+            st.mark_down(decode, f"connect failed: {type(e).__name__}: {e}")
+            return False
+        except httpx.HTTPError as e:
+            st.metrics.upstream_errors.labels(worker=decode.url, kind=_kind(e)).inc()
+            self._p.extra.append(f"upstream_error={_kind(e)}")
+            await self._send_error(
+                send,
+                _upstream_error(
+                    502,
+                    f"The decode worker failed before answering ({type(e).__name__}).",
+                    "upstream_failed",
+                ),
+            )
+            return True
+        try:
+            await self._relay(send, decode, upstream)
+        finally:
+            # Shielded: on a client hang-up this runs inside a cancelled scope, and the close is
+            # the whole point (it is what tells the decode to abort).
+            with anyio.CancelScope(shield=True):
+                await upstream.aclose()
+        return True
+
+    async def _relay(self, send: Send, decode: Worker, upstream: httpx.Response) -> None:
+        st, p = self._state, self._p
+        headers = _response_headers(upstream)
+        if not upstream.headers.get("content-type", "").startswith("text/event-stream"):
+            try:
+                body = await upstream.aread()
+            except httpx.HTTPError as e:
+                # Nothing sent yet: the client gets a real error status, never a cut 200.
+                st.metrics.upstream_errors.labels(worker=decode.url, kind=_kind(e)).inc()
+                p.extra.append(f"upstream_error={_kind(e)}")
+                await self._send_error(
+                    send,
+                    _upstream_error(
+                        502, "The decode worker failed while answering.", "upstream_failed"
+                    ),
+                )
+                return
+            self._release()
+            await self._whole(send, upstream.status_code, headers, body)
+            return
+        p.sse = True
+        await self._start(send, upstream.status_code, headers)
+        cutter = _SSECutter()
+        try:
+            async for chunk in upstream.aiter_bytes():
+                ready = cutter.feed(chunk)
+                if ready:
+                    await self._body_part(send, ready, more=True)
+        except httpx.HTTPError as e:
+            st.metrics.upstream_errors.labels(worker=decode.url, kind=_kind(e)).inc()
+            p.extra.append(f"upstream_error={_kind(e)}")
+        self._release()
+        # I5: a cut answer ends in an error event, never a bare end that reads as complete.
+        tail = (
+            b""
+            if cutter.ended_cleanly
+            else _sse_error(
+                _upstream_error(
+                    502,
+                    "The decode worker stopped before the answer was complete.",
+                    "upstream_failed",
+                )
+            )
+        )
+        await self._end_stream(send, tail)
+
+    async def _start(self, send: Send, status: int, headers: list[tuple[bytes, bytes]]) -> None:
+        self._p.status = status
+        await send({"type": "http.response.start", "status": status, "headers": headers})
+
+    async def _body_part(self, send: Send, body: bytes, *, more: bool) -> None:
+        message: Message = {"type": "http.response.body", "body": body, "more_body": more}
+        if not more:
+            self._p.done = True
+        await send(message)
+
+    async def _whole(
+        self, send: Send, status: int, headers: list[tuple[bytes, bytes]], body: bytes
+    ) -> None:
+        # Shielded so a deadline cannot fall between status and body; a send to a client that
+        # has gone returns at once, so this cannot hang.
+        with anyio.CancelScope(shield=True):
+            await self._start(send, status, [*headers, (b"content-length", b"%d" % len(body))])
+            await self._body_part(send, body, more=False)
+
+    async def _end_stream(self, send: Send, tail: bytes) -> None:
+        with anyio.CancelScope(shield=True):
+            if tail:
+                await self._body_part(send, tail, more=True)
+            await self._body_part(send, b"", more=False)
+
+    async def _send_error(self, send: Send, err: APIError) -> None:
+        body = json.dumps(err.body()).encode()
+        await self._whole(send, err.status, [(b"content-type", b"application/json")], body)
+
+    async def _fail(self, send: Send, err: APIError) -> None:
+        """An error whatever has been sent already: a status if we can, else an SSE event."""
+        p = self._p
+        if p.done:
+            return
+        if p.status is None:
+            await self._send_error(send, err)
+        elif p.sse:
+            await self._end_stream(send, _sse_error(err))
+
+
+def _kind(e: httpx.HTTPError) -> str:
+    if isinstance(e, httpx.TimeoutException):
+        return "timeout"
+    if isinstance(e, httpx.RemoteProtocolError):
+        return "protocol"
+    if isinstance(e, httpx.TransportError):
+        return "transport"
+    return "http"

@@ -1,0 +1,127 @@
+"""One flag source (kvfence/args.py): `serve`, `preflight` and `up` take the same engine options,
+`up` hands every one to its workers unchanged, and preflight plans the pool `serve` would build."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+from typing import Any
+
+import pytest
+from conftest import TINY_MODEL
+
+from kvfence.args import (
+    ENGINE_OPTIONS,
+    PD_OPTIONS,
+    SERVER_OPTIONS,
+    SIZING_OPTIONS,
+    Option,
+    add_options,
+)
+from kvfence.cli import build_parser as build_cli_parser
+from kvfence.config import EngineConfig
+from kvfence.kv.sizing import plan_for_engine
+from kvfence.model.config import ModelConfig
+from kvfence.tools.preflight import build_parser as build_preflight_parser
+from kvfence.tools.preflight import main as preflight_main
+from kvfence.tools.up import add_up_args, worker_args
+
+GIB = 2**30
+
+
+def sample(o: Option) -> tuple[list[str], Any]:
+    """A command line giving `o` a value other than its default, and the value it parses to."""
+    if o.switch:
+        return [o.flag], True
+    if o.choices:
+        value: Any = next(c for c in o.choices if c != o.default)
+    elif o.type is int:
+        value = (o.default or 0) + 3
+    elif o.type is float:
+        value = 0.25 if o.default != 0.25 else 0.5
+    else:
+        value = f"x-{o.dest}"
+    return [o.flag, str(value)], value
+
+
+def serve(argv: list[str]) -> argparse.Namespace:
+    return build_cli_parser().parse_args(["serve", *argv])
+
+
+def up(argv: list[str]) -> argparse.Namespace:
+    p = argparse.ArgumentParser()
+    add_up_args(p)
+    return p.parse_args(argv)
+
+
+def preflight(argv: list[str]) -> argparse.Namespace:
+    return build_preflight_parser().parse_args(argv)
+
+
+def test_every_engine_config_field_has_exactly_one_option_with_its_default() -> None:
+    fields = {f.name: f for f in dataclasses.fields(EngineConfig)}
+    dests = [o.dest for o in ENGINE_OPTIONS]
+    assert sorted(dests) == sorted(fields)  # no field without a flag, no flag twice
+    for o in ENGINE_OPTIONS:
+        if o.dest != "model":  # required: it has no default
+            assert o.default == fields[o.dest].default, o.flag
+    names = [n for o in (*ENGINE_OPTIONS, *SERVER_OPTIONS, *PD_OPTIONS) for n in o.names]
+    assert len(names) == len(set(names))
+    assert set(SIZING_OPTIONS) <= set(ENGINE_OPTIONS)
+
+
+@pytest.mark.parametrize("option", ENGINE_OPTIONS, ids=lambda o: o.flag)
+def test_serve_preflight_and_up_accept_the_same_engine_flag(option: Option) -> None:
+    model = ["--model", str(TINY_MODEL)] if option.dest != "model" else []
+    parsers = [("serve", serve), ("up", up)]
+    if option in SIZING_OPTIONS:
+        parsers.append(("preflight", preflight))
+    for spelling in option.names:
+        argv, value = sample(option)
+        argv[0] = spelling
+        for name, parse in parsers:
+            got = getattr(parse([*model, *argv]), option.dest)
+            assert got == value, f"{name} {spelling}: {got!r} != {value!r}"
+
+
+def test_up_forwards_every_engine_flag_and_serve_parses_back_the_same_values() -> None:
+    argv: list[str] = []
+    given: dict[str, Any] = {}
+    for o in ENGINE_OPTIONS:
+        flags, given[o.dest] = sample(o)
+        argv += flags
+    argv += ["--disaggregation-timeout", "7.5", "--api-key-file", "keys.txt"]
+    back = serve(worker_args(up(argv), "decode"))
+    assert {d: getattr(back, d) for d in given} == given
+    assert back.disaggregation_mode == "decode"
+    assert (back.disaggregation_timeout, back.api_key_file) == (7.5, "keys.txt")
+
+
+def test_up_leaves_defaults_to_the_worker_so_both_resolve_them_the_same() -> None:
+    ns = up(["--model", str(TINY_MODEL)])
+    flags = worker_args(ns, "prefill")
+    assert flags == ["--model", str(TINY_MODEL), "--disaggregation-mode", "prefill"]
+    assert EngineConfig.from_args(serve(flags)) == EngineConfig(model=str(TINY_MODEL))
+
+
+def test_a_command_may_adapt_an_option_but_not_rename_or_invent_one() -> None:
+    with pytest.raises(ValueError, match="page_size"):
+        add_options(argparse.ArgumentParser(), SERVER_OPTIONS, page_size={"default": 1})
+    with pytest.raises(ValueError, match="rename"):
+        add_options(argparse.ArgumentParser(), SERVER_OPTIONS, host={"names": ("--bind",)})
+
+
+def test_preflight_plans_the_pool_serve_would_build(capsys: pytest.CaptureFixture[str]) -> None:
+    argv = [
+        "--model", str(TINY_MODEL), "--dtype", "float32", "--kv-cache-dtype", "bfloat16",
+        "--context-length", "1024", "--page-size", "32", "--mem-fraction-static", "0.25",
+        "--chunked-prefill-size", "128", "--max-running-requests", "4",
+    ]  # fmt: skip
+    cfg = EngineConfig.from_args(serve(argv))
+    engine_plan = plan_for_engine(cfg, ModelConfig.from_dir(TINY_MODEL), device_memory=GIB)
+    assert preflight_main([*argv, "--device-memory-gib", "1", "--json"]) == 0
+    planned = json.loads(capsys.readouterr().out)
+    for key in ("pool_tokens", "context_length", "kv_cache_dtype", "page_size", "model_bytes",
+                "activation_reserve_bytes", "kv_bytes_per_token"):  # fmt: skip
+        assert planned[key] == getattr(engine_plan, key), key
