@@ -12,7 +12,6 @@ import threading
 from types import FrameType
 from typing import Any, TypeVar
 
-import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel, ValidationError
@@ -30,7 +29,7 @@ from kvfence.server.errors import (
     install_handlers,
 )
 from kvfence.server.generate import generate, record
-from kvfence.server.httpio import ReadyServer, read_body
+from kvfence.server.httpio import ReadyServer, read_body, server_config
 from kvfence.server.metrics import RequestRecorder, ServerMetrics
 from kvfence.server.schemas import (
     COMPLETIONS_DEFAULT_MAX_TOKENS,
@@ -198,7 +197,7 @@ def serve(
             level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
         )
     app = build_app(engine, api_keys=api_keys, max_body_bytes=max_body_bytes, faults=faults)
-    config = uvicorn.Config(app, host=host, port=port, log_level=log_level, access_log=False)
+    config = server_config(app, host=host, port=port, log_level=log_level)
     # uvicorn drains connections on SIGINT/SIGTERM, then re-raises the signal; SIGTERM's default
     # action would kill us before the engine shuts down, so both arrive as KeyboardInterrupt.
     on_main = threading.current_thread() is threading.main_thread()

@@ -1,16 +1,70 @@
-"""HTTP plumbing shared by an engine node's server and the router: a uvicorn server that prints one
-ready line once it listens, and a request-body reader bounded by a byte limit."""
+"""HTTP plumbing shared by an engine node's server and the router: the uvicorn config (with a
+deadline for a request's headers), a server that prints one ready line once it listens, and a
+request-body reader bounded by a byte limit."""
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Callable
 from typing import Any
 
+import h11
 import uvicorn
 from fastapi import Request
 from starlette.requests import ClientDisconnect
+from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from kvfence.server.errors import APIError, bad_request
+
+# A client gets this long to send a request's headers, from the connection's first byte or from
+# the first byte of its next request on a kept-alive connection. uvicorn has no such deadline: a
+# client dripping one header byte at a time held a connection forever (slowloris).
+HEADER_TIMEOUT_S = 10.0
+
+
+class _HeaderDeadline(H11Protocol):
+    """uvicorn's h11 protocol plus a deadline for the request line and headers."""
+
+    header_timeout: float | None = HEADER_TIMEOUT_S
+
+    def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
+        self._header_timer: asyncio.TimerHandle | None = None
+        super().connection_made(transport)
+        self._arm()
+
+    def data_received(self, data: bytes) -> None:
+        super().data_received(data)
+        if self.conn.their_state is h11.IDLE:
+            self._arm()  # a request has started and its headers are not complete yet
+        else:
+            self._disarm()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._disarm()
+        super().connection_lost(exc)
+
+    def _arm(self) -> None:
+        if self.header_timeout is not None and self._header_timer is None:
+            self._header_timer = self.loop.call_later(self.header_timeout, self._expired)
+
+    def _disarm(self) -> None:
+        if self._header_timer is not None:
+            self._header_timer.cancel()
+            self._header_timer = None
+
+    def _expired(self) -> None:
+        self._header_timer = None
+        if self.conn.their_state is h11.IDLE and not self.transport.is_closing():
+            self.transport.close()
+
+
+def server_config(
+    app: Any, *, header_timeout: float | None = HEADER_TIMEOUT_S, **kwargs: Any
+) -> uvicorn.Config:
+    """uvicorn's config for kvfence's servers (h11 with the header deadline); kwargs as
+    uvicorn.Config's. header_timeout=None turns the deadline off (tests' twin only)."""
+    protocol = type("HeaderDeadline", (_HeaderDeadline,), {"header_timeout": header_timeout})
+    return uvicorn.Config(app, http=protocol, access_log=False, **kwargs)
 
 
 class ReadyServer(uvicorn.Server):
@@ -64,4 +118,4 @@ async def read_body(request: Request, limit: int) -> bytes:
     return b"".join(chunks)
 
 
-__all__ = ["ReadyServer", "read_body"]
+__all__ = ["HEADER_TIMEOUT_S", "ReadyServer", "read_body", "server_config"]

@@ -7,10 +7,8 @@ import logging
 import sys
 from collections.abc import Sequence
 
-import uvicorn
-
 from kvfence.server.auth import ApiKeyFileError, load_api_keys
-from kvfence.server.httpio import ReadyServer
+from kvfence.server.httpio import ReadyServer, server_config
 from kvfence.server.router.app import build_router_app
 from kvfence.server.router.args import DEFAULT_GRACEFUL_SHUTDOWN_S, add_router_args
 from kvfence.server.router.state import RouterState
@@ -43,12 +41,11 @@ def run_router(args: argparse.Namespace) -> int:
             f"{state.prefill.healthy_count()} prefill, {state.decode.healthy_count()} decode)"
         )
 
-    config = uvicorn.Config(
+    config = server_config(
         app,
         host=args.host,
         port=args.port,
         log_level=args.log_level,
-        access_log=False,
         # Closing what is still open after the grace is safe: a closed upstream connection is
         # how a decode learns to abort its transfer with acknowledgement.
         timeout_graceful_shutdown=DEFAULT_GRACEFUL_SHUTDOWN_S,
