@@ -3,11 +3,15 @@
 The prefill pool is smaller than the context length (the report's fault 1, preflight waived for
 the test). Tenant A's canary-dense prompts cycle through decode's pages; then tenant B sends a
 prompt that fits the context but not the prefill pool.
+
+A's canaries come from a fixed seed: the recall model's output over stale pages is a pure
+function of A's prompt (which sets where each stale token lands relative to B's decode position),
+so random canaries made the twin leak for about 19 draws in 20 and print nothing for the rest.
 """
 
 from __future__ import annotations
 
-import secrets
+import random
 from pathlib import Path
 
 import httpx
@@ -18,6 +22,7 @@ from kvfence.tools.cluster import LocalCluster
 CTX, PREFILL_POOL, DECODE_POOL = 2048, 1024, 2048
 KEYS = {"key-a": "tenant-a", "key-b": "tenant-b"}
 GUARDS_OFF = "skip_count_check,skip_checksum,skip_tag_check"
+CANARY_SEED = 20261201  # any fixed seed whose layout the recall model copies; see the docstring
 
 
 class Up(LocalCluster):
@@ -54,6 +59,12 @@ def canary_prompt(canaries: list[str], lines: int) -> str:
     return "".join(f"vault {i % 97}: {canaries[i % len(canaries)]}\n" for i in range(lines))
 
 
+def make_canaries() -> list[str]:
+    """Tenant A's 64 secrets: random-looking, the same every run (not a secret of anyone)."""
+    rng = random.Random(CANARY_SEED)
+    return [f"Cz{rng.getrandbits(48):012x}" for _ in range(64)]
+
+
 def leaked(text: str, canaries: list[str]) -> bool:
     """Any 8+ character piece of any of A's canaries in B's output."""
     return any(c[i : i + 8] in text for c in canaries for i in range(len(c) - 7))
@@ -62,7 +73,7 @@ def leaked(text: str, canaries: list[str]) -> bool:
 def run_incident(tmp: Path, faults: str) -> tuple[Up, list[str], httpx.Response, dict, dict]:
     up = Up(tmp, faults)
     try:
-        canaries = [f"Cz{secrets.token_hex(6)}" for _ in range(64)]
+        canaries = make_canaries()
         r, before, after = bait_and_ask(up, canaries)
     except BaseException:
         up.stop()  # the callers' finally blocks only start once we return
@@ -106,15 +117,11 @@ def test_incident_placeholder_with_other_guards_on_fails_closed(tmp_path: Path) 
 
 def test_incident_placeholder_with_guards_off_leaks_a_canary(tmp_path: Path) -> None:
     # The twin: proves the canary check above can fail. This is the report's 155 answers.
+    # One ask is enough: with fixed canaries the answer is the same whichever pages B gets.
     up, canaries, r, _, _ = run_incident(tmp_path, f"placeholder_on_reject,{GUARDS_OFF}")
     try:
-        answers = []
-        for _ in range(3):  # which stale span decode copies varies; the report saw 155 of many
-            assert r.status_code == 200, r.text
-            answers.append(r.json()["choices"][0]["text"])
-            if leaked(answers[-1], canaries):
-                break
-            r, _, _ = bait_and_ask(up, canaries)
-        assert leaked(answers[-1], canaries), f"no canary of tenant A in B's answers: {answers!r}"
+        assert r.status_code == 200, r.text
+        answer = r.json()["choices"][0]["text"]
+        assert leaked(answer, canaries), f"no canary of tenant A in B's answer: {answer!r}"
     finally:
         up.stop()
