@@ -15,6 +15,7 @@ from fastapi import Request
 from fastapi.responses import Response
 from starlette.types import Message, Receive, Scope, Send
 
+from kvfence import sse
 from kvfence.server.errors import SERVER_ERROR, APIError
 from kvfence.server.router.state import RouterState, no_workers
 from kvfence.server.router.workers import Worker
@@ -95,7 +96,7 @@ class _SSECutter:
 
 
 def _sse_error(err: APIError) -> bytes:
-    return b"data: " + json.dumps(err.body(), separators=(",", ":")).encode() + b"\n\n"
+    return sse.encode(err.body())
 
 
 def request_headers(request: Request) -> dict[str, str]:
