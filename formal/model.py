@@ -2,8 +2,9 @@
 connection between them and a fault-injecting environment, driving kvfence.pd.protocol's own
 state machines (decode_step, prefill_open, prefill_step) and the real admission rule (admit).
 
-Only the runtime's glue (what decode.py, prefill.py and engine.py do with each action) is
-written here; every per-room decision is the protocol module's. Invariants I1-I5 and liveness
+The glue that turns actions into effects is the runtime's own too (kvfence.pd.glue); what is
+written here is what each effect does to the world (the engine's commit / fail / release rules,
+the receiver's writes, prefill's sending), see formal/README.md. Invariants I1-I5 and liveness
 are predicates over the world, checked by the explorer in every reachable state.
 """
 
@@ -16,6 +17,7 @@ from dataclasses import dataclass, field, replace
 from kvfence.engine import admission
 from kvfence.engine.admission import AdmissionLimits, Admitted
 from kvfence.engine.request import GenerateRequest, SamplingParams
+from kvfence.pd import glue
 from kvfence.pd import protocol as p
 
 # The step functions the explorer drives: the very objects the runtime calls, never a copy.
@@ -23,6 +25,10 @@ decode_step = p.decode_step
 prefill_open = p.prefill_open
 prefill_step = p.prefill_step
 admit = admission.admit
+# The runtime's glue around them (which effect each action has), also the runtime's own.
+decode_feed = glue.decode_feed
+prefill_start = glue.prefill_start
+prefill_feed = glue.prefill_feed
 
 FAULTS = (
     "drop",  # a control message or tcp page frame vanishes (the connection stays up)
@@ -221,27 +227,10 @@ class Model:
     # ---- decode glue: decode.py _feed and the engine's commit / fail / release --------------
 
     def _decode_feed(self, w: World, r: int, event: object) -> World:
-        room = w.reqs[r].droom
-        if room is None or room.state in (p.DState.RELEASED, p.DState.COMMITTED):
-            if isinstance(event, p.AbortArrived):  # decode.py acks aborts of rooms it forgot
-                w = replace(w, d2p=(*w.d2p, ("ABORT_ACK", r, False)))
-            return w
-        room, actions = decode_step(room, event, self.guards)  # type: ignore[arg-type]
-        w = self._set(w, r, droom=room)
-        for a in actions:
-            if isinstance(a, p.Send):
-                w = replace(w, d2p=(*w.d2p, _to_msg(r, a.message, fenced=False)))
-            elif isinstance(a, p.Commit):
-                w = self._engine_commit(w, r, event)
-            elif isinstance(a, p.FailClient):
-                if w.reqs[r].stage is not Stage.DONE:
-                    w = self._tell(w, r, ("err", a.code, a.status))
-            elif isinstance(a, p.ReleasePages):
-                if w.reqs[r].stage is Stage.HANDOFF:
-                    w = self._free_decode(w, r)
-                    w = self._tell(w, r, ("err", "aborted", 499))
-                    w = self._set(w, r, stage=Stage.DONE)
-        return w
+        """decode.py _feed: the runtime's own glue (decode_feed), with effects on the world."""
+        fx = _DecodeWorld(self, w, r, event)
+        room = decode_feed(f"r{r}", w.reqs[r].droom, event, self.guards, fx)
+        return self._set(fx.w, r, droom=room)
 
     def _engine_commit(self, w: World, r: int, event: object) -> World:
         req = w.reqs[r]
@@ -313,7 +302,9 @@ class Model:
             event, n_tokens = p.ReserveArrived(True), 1  # the incident: swap in a placeholder
         else:
             event = p.ReserveArrived(False, verdict.code, verdict.message, 400)
-        room, actions = prefill_open(f"r{r}", event)
+        fx = _PrefillWorld(self, w, r)
+        room = prefill_start(f"r{r}", event, fx)
+        w = fx.w
         if room.state is not p.PState.CLOSED:
             w = self._set(
                 w,
@@ -328,30 +319,13 @@ class Model:
                 stop=False,
                 writing=False,
             )
-        return self._prefill_actions(w, r, actions, fenced=room.state is not p.PState.CLOSED)
+        return w
 
     def _prefill_feed(self, w: World, r: int, event: object) -> World:
-        room = w.reqs[r].proom
-        if room is None or room.state is p.PState.CLOSED:
-            if isinstance(event, p.AbortArrived):  # prefill.py: _safe_send, no write fence
-                w = replace(w, p2d=(*w.p2d, ("ABORT_ACK", r, False)))
-            return w
-        room, actions = prefill_step(room, event, self.guards)  # type: ignore[arg-type]
-        w = self._set(w, r, proom=room)
-        return self._prefill_actions(w, r, actions, fenced=True)
-
-    def _prefill_actions(self, w: World, r: int, actions: tuple, fenced: bool) -> World:
-        for a in actions:
-            if isinstance(a, p.Send):
-                w = replace(w, p2d=(*w.p2d, _to_msg(r, a.message, fenced)))
-            elif isinstance(a, p.CancelCompute | p.ReleasePages):
-                if self.mooncake and any(m[1] == r for m in w.rdma):
-                    w = self._set(w, r, release_pending=True)  # prefill.py: after the write
-                else:
-                    w = self._free_prefill(w, r)
-            elif isinstance(a, p.StopSending):
-                w = self._set(w, r, stop=True)
-        return w
+        """prefill.py _feed: the runtime's own glue (prefill_feed), with effects on the world."""
+        fx = _PrefillWorld(self, w, r)
+        room = prefill_feed(f"r{r}", w.reqs[r].proom, event, self.guards, fx)
+        return self._set(fx.w, r, proom=room)
 
     def _prefill_compute(self, w: World, r: int) -> World | None:
         req = w.reqs[r]
@@ -788,6 +762,62 @@ class Model:
     def lost_nothing(self, w: World) -> bool:
         return not (w.spent & LOSSY)
 
+
+
+class _DecodeWorld:
+    """glue.DecodeEffects on the model's world: what decode.py's effects do, as the world sees
+    them (the engine's commit / fail / release rules; sends go on the decode -> prefill
+    channel). w is the world as the effects so far left it."""
+
+    def __init__(self, model: Model, w: World, r: int, event: object) -> None:
+        self.model, self.w, self.r, self.event = model, w, r, event
+
+    def send(self, message: p.Message) -> None:
+        self.w = replace(self.w, d2p=(*self.w.d2p, _to_msg(self.r, message, fenced=False)))
+
+    def commit(self, first_token: int, first_logprobs: dict) -> None:
+        self.w = self.model._engine_commit(self.w, self.r, self.event)
+
+    def fail_client(self, code: str, message: str, status: int) -> None:
+        if self.w.reqs[self.r].stage is not Stage.DONE:
+            self.w = self.model._tell(self.w, self.r, ("err", code, status))
+
+    def release(self) -> None:
+        m, r = self.model, self.r
+        if self.w.reqs[r].stage is Stage.HANDOFF:  # engine.py: release ends a HANDOFF seq
+            w = m._free_decode(self.w, r)
+            w = m._tell(w, r, ("err", "aborted", 499))
+            self.w = m._set(w, r, stage=Stage.DONE)
+
+
+class _PrefillWorld:
+    """glue.PrefillEffects on the model's world: sends go on the prefill -> decode channel
+    (fenced ones wait for the room's one-sided writes, see _deliverable); a compute cancelled
+    or a room released frees its prefill pages, after its one-sided writes (mooncake). The
+    sending itself is the model's own moves (_sending_moves), enabled while the room is
+    SENDING and not stopped."""
+
+    def __init__(self, model: Model, w: World, r: int) -> None:
+        self.model, self.w, self.r = model, w, r
+
+    def send(self, message: p.Message, fenced: bool) -> None:
+        self.w = replace(self.w, p2d=(*self.w.p2d, _to_msg(self.r, message, fenced)))
+
+    def cancel_compute(self) -> None:
+        self.release()  # the engine frees what the compute wrote, as a release does
+
+    def release(self) -> None:
+        m, r = self.model, self.r
+        if m.mooncake and any(x[1] == r for x in self.w.rdma):
+            self.w = m._set(self.w, r, release_pending=True)  # prefill.py: after the write
+        else:
+            self.w = m._free_prefill(self.w, r)
+
+    def stop_sending(self) -> None:
+        self.w = self.model._set(self.w, self.r, stop=True)
+
+    def send_pages(self) -> None:
+        pass  # the model's sending moves start once the room is SENDING
 
 def _to_msg(r: int, m: p.Message, fenced: bool) -> Msg:
     if isinstance(m, p.Done):

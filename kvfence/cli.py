@@ -5,55 +5,69 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import signal
 import sys
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING
 
 from kvfence.args import ENGINE_OPTIONS, PD_OPTIONS, SERVER_OPTIONS, add_options
 from kvfence.config import ConfigError, EngineConfig
+from kvfence.faults import Faults
+
+if TYPE_CHECKING:
+    from kvfence.role import RoleService
 
 EXIT_CAPACITY = 2
 
 
-def role_service(engine: Any, args: argparse.Namespace) -> Any:
-    """The object the HTTP layer serves: the engine itself, or its PD role wrapping it."""
+def role_service(args: argparse.Namespace, faults: Faults) -> RoleService:
+    """The role the HTTP layer serves: unified, or a PD role, each on its own engine."""
+    cfg = EngineConfig.from_args(args)
     if args.disaggregation_mode == "null":
-        return engine
+        from kvfence.engine.engine import Engine
+        from kvfence.role import UnifiedService
+
+        return UnifiedService(Engine(cfg, faults))
     from kvfence.pd.auth import load_cluster_secret
-    from kvfence.pd.pairing import model_fingerprint, node_info
 
     secret = load_cluster_secret(args.cluster_secret_file)
     backend = args.disaggregation_transfer_backend
-    mooncake = None
-    if backend == "mooncake":
-        from kvfence.pd.transport.mooncake import MooncakeEndpoint
-
-        host = "127.0.0.1" if args.host in ("0.0.0.0", "") else args.host
-        mooncake = MooncakeEndpoint(engine.pool, hostname=host)
-    info = node_info(engine, args.disaggregation_mode, model_fingerprint(args.model), backend)
-    if args.unsafe_skip_preflight:
-        info["unsafe_skip_capacity"] = True
     timeout = args.disaggregation_timeout
     if args.disaggregation_mode == "prefill":
         from kvfence.pd.prefill import PrefillService
 
         port = args.disaggregation_bootstrap_port
-        return PrefillService(
-            engine, info, args.host, port, timeout, mooncake=mooncake, secret=secret
-        )
+        return PrefillService(cfg, args.host, port, timeout, backend, secret, faults)
     from kvfence.pd.decode import DecodeService
 
-    return DecodeService(engine, info, timeout, mooncake=mooncake, secret=secret)
+    host = "127.0.0.1" if args.host in ("0.0.0.0", "") else args.host
+    return DecodeService(cfg, timeout, backend, secret, faults, host)
+
+
+def _crash(point: str) -> None:
+    """A kill_* fault point fired in this test child: die as abruptly as a real crash would
+    (SIGKILL: no cleanup, no exit handlers), which is what the peer must survive."""
+    os.kill(os.getpid(), signal.SIGKILL)
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
-    from kvfence.engine.engine import CapacityError, Engine
+    from kvfence.engine.engine import CapacityError
     from kvfence.model.config import UnsupportedModelError
     from kvfence.server.api import serve
 
     try:
-        service = role_service(Engine(EngineConfig.from_args(args)), args)
-        serve(service, args.host, args.port, args.api_key_file, log_level=args.log_level)
+        # This process's fault points: none unless a test harness started it with
+        # KVFENCE_FAULTS (and fault injection on); a kill_* point then ends the process.
+        faults = Faults.from_env(crash=_crash)
+        service = role_service(args, faults)
+        serve(
+            service,
+            args.host,
+            args.port,
+            args.api_key_file,
+            log_level=args.log_level,
+            faults=faults,
+        )
     except CapacityError as e:
         print(f"kvfence: refusing to start: {e}", file=sys.stderr)
         return EXIT_CAPACITY
@@ -120,10 +134,6 @@ def main(argv: Sequence[str] | None = None) -> int:
         level=getattr(args, "log_level", "info").upper(),
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
     )
-    if os.environ.get("KVFENCE_FAULTS"):
-        from kvfence import faults
-
-        faults.arm_from_env()  # refuses unless KVFENCE_FAULT_INJECTION=1 too
     if args.cmd == "serve":
         return cmd_serve(args)
     parser.error(f"unknown command {args.cmd}")

@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import argparse
-import os
 from dataclasses import dataclass, fields
+
+from kvfence import env
 
 DTYPES = ("float32", "bfloat16", "float16")
 KV_CACHE_DTYPES = ("auto", "float32", "bfloat16", "float16")
@@ -83,8 +84,8 @@ class EngineConfig:
                 raise ConfigError(f"{flag} native: the native kernel is CPU-only")
         if self.chunked_prefill_size < 1:
             raise ConfigError(f"--chunked-prefill-size {self.chunked_prefill_size}: must be >= 1")
-        if self.unsafe_skip_preflight and os.environ.get("KVFENCE_FAULT_INJECTION") != "1":
-            raise ConfigError("--unsafe-skip-preflight is for tests: set KVFENCE_FAULT_INJECTION=1")
+        if self.unsafe_skip_preflight and not env.fault_injection():
+            raise ConfigError(f"--unsafe-skip-preflight is for tests: set {env.FAULT_INJECTION}=1")
         if self.threads is not None and self.threads < 1:
             raise ConfigError(f"--threads {self.threads}: must be >= 1")
         if self.prefix_cache_ttl is not None and not self.prefix_cache_ttl > 0:

@@ -1,80 +1,136 @@
-"""Named fault points that switch a guard off, for the tests that prove each guard matters.
+"""Named fault points that switch a guard off or misbehave on purpose, for the tests that prove
+each guard matters.
 
-A point fires only when the process was started with KVFENCE_FAULT_INJECTION=1 AND a harness
-armed it in-process; nothing reachable from HTTP can arm one.
+A `Faults` object is made once per process (or per engine in a test) and handed to the code that
+has fault points; nothing here is global. A point can be armed only while the process runs with
+KVFENCE_FAULT_INJECTION=1, by a harness in-process or by a child's entry from KVFENCE_FAULTS;
+nothing an HTTP request carries reaches `arm`.
 """
 
 from __future__ import annotations
 
-import os
 import random
-from collections.abc import Iterator
+import secrets
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
-ENV = "KVFENCE_FAULT_INJECTION"
-POINTS = frozenset(
+from kvfence import env
+from kvfence.guards import ALL_ON, Guards
+
+# Points that switch one guard off (the twins), and that guard.
+GUARD_POINTS = {
+    "skip_admission": "admission",  # admit() lets everything in (I1)
+    "skip_tag_check": "tag_check",  # runner and transfer-source ownership checks pass all (I2)
+    "skip_dest_check": "dest_check",  # decode writes a transfer's pages whoever owns them (I2)
+    "skip_count_check": "count_check",  # decode commits whatever counts DONE reports (I3)
+    "skip_checksum": "checksum",  # decode ignores page checksums and the read-back digest (I3)
+    "early_release": "deferred_release",  # decode frees an aborted room before the fence (I4)
+    "drop_abort_ack": "abort_ack",  # prefill never acknowledges an ABORT (I4, liveness)
+    "skip_mac": "mac",  # transfer connections accept frames whatever their MAC and sequence (I8)
+    "skip_pairing_check": "pairing_check",  # prefill and decode pair whatever they exchanged (I7)
+    "tenant_from_header": "credential_tenant",  # the HTTP layer believes an X-Tenant header (I6)
+    # Prefix-cache keys and the sealed-page read check leave the namespace out (I2, I6).
+    "prefix_cache_ignore_namespace": "prefix_namespace",
+    # A cached page is reused on a key match alone, its stored tokens not compared (I2).
+    "prefix_cache_skip_token_compare": "prefix_token_compare",
+}
+# Points that make a component misbehave.
+ACTION_POINTS = frozenset(
     {
-        "skip_admission",  # admit() lets everything in (I1)
-        "skip_tag_check",  # the runner's page-ownership check passes everything (I2)
-        "skip_dest_check",  # decode writes a transfer's pages whatever grant/tenant owns them (I2)
         "corrupt_page",  # prefill flips a byte of a page after checksumming it (I3)
         "truncate_transfer",  # prefill sends only the first page, and a DONE that agrees (I3)
-        "stall_transfer",  # prefill waits STALL_S before sending pages: a window for kills/aborts
-        "placeholder_on_reject",  # the incident: prefill swaps a request it rejected for a 1-token
-        #                           placeholder that continues through compute and transfer (I1)
-        "skip_count_check",  # decode commits whatever counts DONE reports (I3)
-        "skip_checksum",  # decode ignores page checksums and the read-back digest (I3)
-        "early_release",  # decode frees a room's pages on abort without waiting for the fence (I4)
-        "drop_abort_ack",  # prefill never acknowledges an ABORT (I4, liveness)
+        "stall_transfer",  # prefill waits stall_s before sending pages: a window for kills/aborts
+        "placeholder_on_reject",  # the incident: prefill swaps a request it rejected for a
+        #                           1-token placeholder that continues through compute and transfer
         "late_write",  # prefill keeps sending a room's pages after it acknowledged the abort (I4)
-        "kill_prefill",  # the prefill process dies right after sending a room's first page
-        "kill_decode",  # the decode process dies right after applying a room's first page
+        "kill_prefill",  # the prefill process crashes right after sending a room's first page
+        "kill_decode",  # the decode process crashes right after applying a room's first page
         "client_disconnect",  # decode's client goes away right after its RESERVE was sent
-        "skip_mac",  # transfer connections accept frames whatever their MAC and sequence (I8)
-        "tenant_from_header",  # the HTTP layer believes an X-Tenant header (I6)
-        "skip_pairing_check",  # prefill and decode pair whatever facts they exchanged (I7)
-        "prefix_cache_ignore_namespace",  # prefix-cache keys and checks drop the namespace (I2)
-        "prefix_cache_skip_token_compare",  # a key match alone reuses a cached page (I2)
         "write_sealed_page",  # the scheduler points a request's new tokens at a sealed page (I2)
     }
 )
-STALL_S = float(os.environ.get("KVFENCE_STALL_S", "3.0"))
-# Chaos: env-armed points fire at each check with this probability instead of always.
-_RATE = float(os.environ.get("KVFENCE_FAULT_RATE", "1.0"))
-
-_armed: set[str] = set()
-_random = random.Random()
+POINTS = frozenset(GUARD_POINTS) | ACTION_POINTS
 
 
-def active(point: str) -> bool:
-    if not _armed or point not in _armed:
-        return False
-    return _RATE >= 1.0 or _random.random() < _RATE
+class FaultsDisabled(RuntimeError):
+    """Arming was attempted in a process not started with KVFENCE_FAULT_INJECTION=1."""
 
 
-def arm(point: str) -> None:
-    if os.environ.get(ENV) != "1":
-        raise RuntimeError(f"fault injection is disabled; set {ENV}=1 in a test harness")
-    if point not in POINTS:
-        raise ValueError(f"unknown fault point {point!r}")
-    _armed.add(point)
+class SimulatedCrash(RuntimeError):
+    """A kill_* point fired in a process whose entry set no crash action."""
 
 
-def disarm(point: str) -> None:
-    _armed.discard(point)
+class Faults:
+    """The fault points armed in this process, with the rate and seeded draw they fire at.
 
+    `crash` is what a kill_* point does: only a child process's entry (the CLI) passes one that
+    ends the process; by default the point raises SimulatedCrash."""
 
-def arm_from_env() -> None:
-    """Arm the points named in KVFENCE_FAULTS (comma-separated) for a test's child process."""
-    for name in os.environ.get("KVFENCE_FAULTS", "").split(","):
-        if name:
-            arm(name)
+    def __init__(
+        self,
+        rate: float = 1.0,
+        seed: int | None = None,
+        stall_s: float = 3.0,
+        crash: Callable[[str], None] | None = None,
+    ) -> None:
+        self.rate = rate
+        self.seed = secrets.randbits(32) if seed is None else seed
+        self.stall_s = stall_s
+        self._random = random.Random(self.seed)
+        self._crash = crash
+        self._armed: set[str] = set()
 
+    @classmethod
+    def from_env(cls, crash: Callable[[str], None] | None = None) -> Faults:
+        """A child process's faults: KVFENCE_FAULTS armed (refused unless fault injection is
+        on), fired at KVFENCE_FAULT_RATE with KVFENCE_FAULT_SEED."""
+        faults = cls(env.fault_rate(), env.fault_seed(), env.stall_s(), crash)
+        for name in env.faults():
+            faults.arm(name)
+        return faults
 
-@contextmanager
-def injected(point: str) -> Iterator[None]:
-    arm(point)
-    try:
-        yield
-    finally:
-        disarm(point)
+    @property
+    def armed(self) -> frozenset[str]:
+        return frozenset(self._armed)
+
+    def arm(self, point: str) -> None:
+        if not env.fault_injection():
+            raise FaultsDisabled(
+                f"fault injection is disabled; set {env.FAULT_INJECTION}=1 in a test harness"
+            )
+        if point not in POINTS:
+            raise ValueError(f"unknown fault point {point!r}")
+        self._armed.add(point)
+
+    def disarm(self, point: str) -> None:
+        self._armed.discard(point)
+
+    @contextmanager
+    def injected(self, *points: str) -> Iterator[Faults]:
+        for point in points:
+            self.arm(point)
+        try:
+            yield self
+        finally:
+            for point in points:
+                self.disarm(point)
+
+    def active(self, point: str) -> bool:
+        """Whether an action point fires now (each check is one draw at the rate)."""
+        if point not in self._armed:
+            return False
+        return self.rate >= 1.0 or self._random.random() < self.rate
+
+    def guards(self) -> Guards:
+        """The guards that are on for this check: every one, less those an armed point turns
+        off (each a draw at the rate). The one place fault points become Guards."""
+        if not self._armed:
+            return ALL_ON
+        off = {guard for point, guard in GUARD_POINTS.items() if self.active(point)}
+        return Guards(frozenset(off)) if off else ALL_ON
+
+    def crash(self, point: str) -> None:
+        """A kill_* point fired: the process dies (as its entry arranged) or this raises."""
+        if self._crash is not None:
+            self._crash(point)
+        raise SimulatedCrash(f"fault point {point} fired")

@@ -1,4 +1,5 @@
-"""A tiny deterministic stand-in for kvfence.engine.Engine, for testing the HTTP layer only.
+"""A tiny deterministic stand-in for a unified role (kvfence.role.RoleService over an Engine), for
+testing the HTTP layer only.
 
 It runs the real admission (kvfence.engine.admission.admit), calls sinks from its own thread like
 the real engine, and "generates" by echoing the prompt's byte tokens. It records what it was
@@ -9,9 +10,11 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
+
+from prometheus_client.core import Metric
 
 from kvfence.engine.admission import AdmissionLimits, Admitted, Rejected, admit
 from kvfence.engine.engine import EngineStats
@@ -83,7 +86,7 @@ class FakeEngine:
         self._thread: threading.Thread | None = None
         self.abort_event = threading.Event()
 
-    # -- the Engine interface ------------------------------------------------------------------
+    # -- the RoleService interface -------------------------------------------------------------
 
     def start(self) -> None:
         self._thread = threading.Thread(target=self._loop, name="fake-engine", daemon=True)
@@ -123,6 +126,18 @@ class FakeEngine:
                 a.aborted = True
             self._cond.notify_all()
         self.abort_event.set()
+
+    def info(self) -> dict[str, Any]:
+        return {
+            "role": "unified",
+            "bootstrap_host": None,
+            "bootstrap_port": None,
+            "model": self.model_name,
+            "context_length": self.context_length,
+        }
+
+    def metrics(self) -> Iterable[Metric]:
+        return ()
 
     def stats(self) -> EngineStats:
         with self._cond:

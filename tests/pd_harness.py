@@ -8,12 +8,10 @@ from dataclasses import dataclass, field
 
 from kvfence.config import EngineConfig
 from kvfence.engine.admission import Rejected
-from kvfence.engine.engine import Engine
 from kvfence.engine.request import FinishReason, GenerateRequest, RequestOutput, SamplingParams
+from kvfence.faults import Faults
 from kvfence.pd.decode import DecodeService
-from kvfence.pd.pairing import model_fingerprint, node_info
 from kvfence.pd.prefill import PrefillService
-from kvfence.pd.protocol import ALL_ON, Guards
 
 SECRET = b"pd-harness-cluster-secret-0123456789"
 
@@ -27,31 +25,26 @@ class Result:
 
 
 class PDPair:
+    """faults: the one object both roles share, as one process would (tests arm points on it)."""
+
     def __init__(
         self,
         model: str,
         timeout_s: float = 10.0,
-        guards: Guards = ALL_ON,
+        faults: Faults | None = None,
         backend: str = "tcp",
         decode_model: str | None = None,
         decode_kwargs: dict | None = None,
         **engine_kwargs,
     ) -> None:
         decode_model = decode_model or model
-        pe = Engine(EngineConfig(model=model, **engine_kwargs))
-        de = Engine(EngineConfig(model=decode_model, **{**engine_kwargs, **(decode_kwargs or {})}))
-        pm = dm = None
-        if backend == "mooncake":
-            from kvfence.pd.transport.mooncake import MooncakeEndpoint
-
-            pm, dm = MooncakeEndpoint(pe.pool), MooncakeEndpoint(de.pool)
-        self.endpoints = [e for e in (pm, dm) if e is not None]
-        p_info = node_info(pe, "prefill", model_fingerprint(model), backend)
+        self.faults = faults if faults is not None else Faults()
+        pcfg = EngineConfig(model=model, **engine_kwargs)
+        dcfg = EngineConfig(model=decode_model, **{**engine_kwargs, **(decode_kwargs or {})})
         self.prefill = PrefillService(
-            pe, p_info, "127.0.0.1", 0, timeout_s, mooncake=pm, secret=SECRET
+            pcfg, "127.0.0.1", 0, timeout_s, backend, SECRET, self.faults
         )
-        d_info = node_info(de, "decode", model_fingerprint(decode_model), backend)
-        self.decode = DecodeService(de, d_info, timeout_s, guards, mooncake=dm, secret=SECRET)
+        self.decode = DecodeService(dcfg, timeout_s, backend, SECRET, self.faults)
         self.prefill.start()
         self.decode.start()
         self.peer = f"127.0.0.1:{self.prefill.port}"
@@ -101,8 +94,6 @@ class PDPair:
     def close(self) -> None:
         self.decode.shutdown()
         self.prefill.shutdown()
-        for e in self.endpoints:
-            e.close()
 
 
 def finished_ok(r: Result) -> bool:

@@ -20,6 +20,7 @@ from fake_engine import BOS, EOS, ByteTokenizer, FakeEngine
 from fastapi import FastAPI
 from fastapi.testclient import TestClient
 
+from kvfence.role import UnifiedService
 from kvfence.server import auth as auth_mod
 from kvfence.server.api import build_app
 from kvfence.server.auth import ApiKeyFileError, Authenticator, load_api_keys, parse_api_keys
@@ -651,7 +652,7 @@ def real_engine(checkpoint_dir: Any) -> Iterator[Any]:
 
 @pytest.fixture(scope="module")
 def real_live(real_engine: Any) -> Iterator[LiveServer]:
-    with LiveServer(build_app(real_engine, api_keys=KEYS)) as server:
+    with LiveServer(build_app(UnifiedService(real_engine), api_keys=KEYS)) as server:
         yield server
 
 

@@ -11,7 +11,7 @@ from formal import model as fm
 from formal.configs import config_for
 from formal.explorer import Result, explore
 from kvfence.engine import admission
-from kvfence.pd import protocol
+from kvfence.pd import glue, protocol
 from kvfence.tools.check_protocol import main
 
 FIXED = frozenset(fm.FINDINGS)
@@ -34,6 +34,10 @@ def test_formal_drives_the_runtime_functions_not_copies() -> None:
     assert fm.prefill_open is protocol.prefill_open
     assert fm.admit is admission.admit
     assert fm.p is protocol
+    # ... and the runtime's glue around them: pd/decode.py and pd/prefill.py call these too.
+    assert fm.decode_feed is glue.decode_feed
+    assert fm.prefill_start is glue.prefill_start
+    assert fm.prefill_feed is glue.prefill_feed
 
 
 def test_small_configuration_all_invariants_hold() -> None:

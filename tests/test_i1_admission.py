@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import pytest
 
-from kvfence import faults
 from kvfence.engine.admission import AdmissionLimits, Admitted, Rejected, admit
 from kvfence.engine.engine import Engine
 from kvfence.engine.llm import LLM
@@ -78,7 +77,7 @@ def test_i1_over_length_rejected_before_any_allocation(engine: Engine) -> None:
 
 
 def test_i1_twin_skip_admission_is_caught(engine: Engine) -> None:
-    with faults.injected("skip_admission"):
+    with engine.faults.injected("skip_admission"):
         for r in over_length(engine):
             engine.submit(r, lambda o: None)
         with pytest.raises(AssertionError):

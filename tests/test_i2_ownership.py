@@ -7,17 +7,17 @@ import pytest
 import torch
 from conftest import random_prompts
 
-from kvfence import faults
 from kvfence.engine.llm import LLM
 from kvfence.engine.request import FinishReason, GenerateRequest, RequestOutput, SamplingParams
+from kvfence.faults import Faults
 from kvfence.kv.pool import Grant, KVPool, OwnershipError, PoolExhausted
 
 PARAMS = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
 
 
-def run_with_stolen_page(model_dir: str) -> dict[str, RequestOutput]:
+def run_with_stolen_page(model_dir: str, faults: Faults | None) -> dict[str, RequestOutput]:
     """Tenant b's page table is made to point at tenant a's first page mid-flight."""
-    engine = LLM(model_dir, kv_pool_tokens=512, context_length=128).engine
+    engine = LLM(model_dir, faults, kv_pool_tokens=512, context_length=128).engine
     a, b = random_prompts([40, 40], vocab=256, seed=4)
     final: dict[str, RequestOutput] = {}
 
@@ -37,18 +37,23 @@ def run_with_stolen_page(model_dir: str) -> dict[str, RequestOutput]:
     return final
 
 
-def test_i2_foreign_page_fails_request_closed(checkpoint_dir) -> None:
-    final = run_with_stolen_page(str(checkpoint_dir("llama")))
+def check_foreign_page_fails_closed(model_dir: str, faults: Faults | None = None) -> None:
+    final = run_with_stolen_page(model_dir, faults)
     assert final["b"].finish_reason is FinishReason.ERROR
     assert final["b"].error_code == "kv_integrity_error"
     assert final["a"].finish_reason is FinishReason.LENGTH
     assert final["a"].completion_tokens == 8
 
 
+def test_i2_foreign_page_fails_request_closed(checkpoint_dir) -> None:
+    check_foreign_page_fails_closed(str(checkpoint_dir("llama")))
+
+
 def test_i2_twin_without_tag_check_the_breach_goes_unnoticed(checkpoint_dir) -> None:
     # Without the check, b decodes over a's page and finishes with a normal-looking answer.
+    faults = Faults()
     with faults.injected("skip_tag_check"), pytest.raises(AssertionError):
-        test_i2_foreign_page_fails_request_closed(checkpoint_dir)
+        check_foreign_page_fails_closed(str(checkpoint_dir("llama")), faults)
 
 
 def make_pool(pages: int = 4) -> KVPool:
@@ -128,7 +133,7 @@ def test_poison_twin_a_stale_read_shows_as_nan_garbage(checkpoint_dir) -> None:
     engine.step()
     seq = engine.scheduler.running[0]
     seq.pages[0] = next(p for p in range(1, engine.pool.num_pages + 1) if p not in seq.pages)
-    with faults.injected("skip_tag_check"):
+    with engine.faults.injected("skip_tag_check"):
         while not (outs and outs[-1].finished):
             engine.step()
     got = [t for o in outs for t in o.new_token_ids]
@@ -172,13 +177,15 @@ def test_i2_transfer_destination_check_is_grant_and_tenant() -> None:
     assert "owners=" in pool.describe_owners(pa + pb)
 
 
-def run_transfer_into_foreign_page(model_dir: str) -> tuple[bool, int]:
+def run_transfer_into_foreign_page(
+    model_dir: str, faults: Faults | None = None
+) -> tuple[bool, int]:
     """Decode's room is made to name another tenant's page as a destination: (was that page
     overwritten, pages the write path refused). The request fails closed either way (the commit
     check catches it later); what differs is whether the foreign page was written at all."""
     from pd_harness import PDPair, Result
 
-    pair = PDPair(model_dir, kv_pool_tokens=512, context_length=128)
+    pair = PDPair(model_dir, faults=faults, kv_pool_tokens=512, context_length=128)
     pool = pair.decode.engine.pool
     real = pair.decode.on_reserved
     victim: list[int] = []
@@ -209,7 +216,7 @@ def test_i2_transfer_destination_refuses_another_tenants_page(checkpoint_dir) ->
 
 
 def test_i2_twin_without_destination_check_the_foreign_page_is_written(checkpoint_dir) -> None:
-    with faults.injected("skip_dest_check"):
-        overwritten, refused = run_transfer_into_foreign_page(str(checkpoint_dir("llama")))
+    with Faults().injected("skip_dest_check") as faults:
+        overwritten, refused = run_transfer_into_foreign_page(str(checkpoint_dir("llama")), faults)
     assert refused == 0
     assert overwritten

@@ -4,16 +4,16 @@ closing its connection. Either way the pools return to baseline and later answer
 
 from __future__ import annotations
 
-import contextlib
+from contextlib import AbstractContextManager
 
 import pytest
 from conftest import random_prompts
 from pd_harness import PDPair, Result, finished_ok
 from procs import wait_until
 
-from kvfence import faults
 from kvfence.engine.llm import LLM
 from kvfence.engine.request import FinishReason, SamplingParams
+from kvfence.faults import Faults
 
 GREEDY = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
 LONG = random_prompts([60], 256, seed=41)[0]  # 4 pages
@@ -25,26 +25,25 @@ def model_dir(checkpoint_dir) -> str:
     return str(checkpoint_dir("llama"))
 
 
-@contextlib.contextmanager
-def armed(*names: str):
-    """Faults stay armed for the whole test: the prefill acts on them after the client left."""
-    with contextlib.ExitStack() as stack:
-        for name in names:
-            stack.enter_context(faults.injected(name))
-        yield
+def armed(*names: str) -> AbstractContextManager[Faults]:
+    """The pair's faults, armed until the block ends (the prefill acts on them after the client
+    left); the pair outlives the block to show it recovers."""
+    return Faults().injected(*names)
 
 
-def run(model_dir: str, timeout_s: float = 10.0) -> tuple[PDPair, Result, list[int]]:
+def run(
+    model_dir: str, faults: Faults, timeout_s: float = 10.0
+) -> tuple[PDPair, Result, list[int]]:
     want = LLM(model_dir, kv_pool_tokens=512, context_length=128).generate([CHECK], GREEDY)
-    pair = PDPair(model_dir, timeout_s=timeout_s, kv_pool_tokens=512, context_length=128)
+    pair = PDPair(model_dir, timeout_s, faults, kv_pool_tokens=512, context_length=128)
     _, r = pair.submit(LONG, GREEDY)
     assert isinstance(r, Result) and r.done.wait(30)
     return pair, r, want
 
 
 def test_i4_late_writes_after_an_abort_are_refused(model_dir: str) -> None:
-    with armed("client_disconnect", "stall_transfer", "late_write"):
-        pair, r, want = run(model_dir)
+    with armed("client_disconnect", "stall_transfer", "late_write") as faults:
+        pair, r, want = run(model_dir, faults)
         try:
             assert r.final.finish_reason is FinishReason.ABORT
             assert pair.wait_idle(), pair.pages_used()
@@ -67,8 +66,8 @@ def test_i4_late_writes_after_an_abort_are_refused(model_dir: str) -> None:
 
 
 def test_i4_missing_abort_ack_is_fenced_by_closing_the_connection(model_dir: str) -> None:
-    with armed("client_disconnect", "stall_transfer", "drop_abort_ack"):
-        pair, r, want = run(model_dir, timeout_s=1.0)
+    with armed("client_disconnect", "stall_transfer", "drop_abort_ack") as faults:
+        pair, r, want = run(model_dir, faults, timeout_s=1.0)
         idle = pair.wait_idle(timeout=10)
     try:
         assert r.final.finish_reason is FinishReason.ABORT
@@ -82,8 +81,8 @@ def test_i4_missing_abort_ack_is_fenced_by_closing_the_connection(model_dir: str
 def test_i4_twin_without_the_fence_pages_stay_held(model_dir: str) -> None:
     """The fence-by-close is what frees a room whose ack never comes: without the timeout
     (here: a timeout longer than the test waits) the pages stay held, which the check sees."""
-    with armed("client_disconnect", "stall_transfer", "drop_abort_ack"):
-        pair, r, _ = run(model_dir, timeout_s=60.0)
+    with armed("client_disconnect", "stall_transfer", "drop_abort_ack") as faults:
+        pair, r, _ = run(model_dir, faults, timeout_s=60.0)
         idle = pair.wait_idle(timeout=4)
     try:
         assert r.final.finish_reason is FinishReason.ABORT

@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 from fastapi.testclient import TestClient
 
-from kvfence import faults
 from kvfence.engine.llm import LLM
+from kvfence.role import UnifiedService
 from kvfence.server.api import build_app
 
 KEYS = {"key-a": "tenant-a", "key-b": "tenant-b"}
@@ -25,7 +25,8 @@ def setup(checkpoint_dir):
 
     engine.submit = spy
     engine.start()
-    yield TestClient(build_app(engine, api_keys=KEYS)), engine, seen
+    app = build_app(UnifiedService(engine), api_keys=KEYS, faults=engine.faults)
+    yield TestClient(app), engine, seen
     engine.shutdown()
 
 
@@ -78,7 +79,8 @@ def test_i6_every_grant_carries_the_credential_tenant(setup) -> None:
 
 
 def test_i6_twin_a_header_trusting_server_is_caught(setup) -> None:
-    with faults.injected("tenant_from_header"), pytest.raises(AssertionError):
+    _, engine, _ = setup
+    with engine.faults.injected("tenant_from_header"), pytest.raises(AssertionError):
         test_i6_body_header_and_room_cannot_choose_tenant_or_room(setup)
 
 

@@ -5,13 +5,12 @@ and a model fingerprint at bootstrap; any mismatch refuses the pair, in both log
 from __future__ import annotations
 
 import httpx
-import pytest
 from conftest import hf_greedy, random_prompts
 from pd_harness import PDPair, Result
 from procs import Proc, free_port, serve, wait_until
 
-from kvfence import faults
 from kvfence.engine.request import FinishReason, SamplingParams
+from kvfence.faults import Faults
 
 GREEDY = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
 
@@ -22,10 +21,11 @@ def ask(pair: PDPair) -> Result:
     return r
 
 
-def mismatched(checkpoint_dir) -> PDPair:
+def mismatched(checkpoint_dir, faults: Faults | None = None) -> PDPair:
     """Prefill serves one checkpoint, decode another of the same shape (different weights)."""
     return PDPair(
         str(checkpoint_dir("llama")),
+        faults=faults,
         decode_model=str(checkpoint_dir("llama", seed=1)),
         kv_pool_tokens=512,
         context_length=128,
@@ -47,8 +47,8 @@ def test_i7_different_weights_refuse_to_pair(checkpoint_dir, caplog) -> None:
 
 
 def test_i7_twin_without_the_check_a_foreign_model_answers_wrongly(checkpoint_dir) -> None:
-    with faults.injected("skip_pairing_check"):
-        pair = mismatched(checkpoint_dir)
+    with Faults().injected("skip_pairing_check") as faults:
+        pair = mismatched(checkpoint_dir, faults)
         try:
             r = ask(pair)
         finally:
@@ -97,8 +97,3 @@ def test_i7_page_size_mismatch_shows_in_router_health(tmp_path) -> None:
             if p is not None:
                 p.stop()
 
-
-@pytest.fixture(autouse=True)
-def _no_fault_leak():
-    yield
-    faults.disarm("skip_pairing_check")

@@ -13,7 +13,6 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from pd_harness import SECRET, PDPair, Result
 
-from kvfence import faults
 from kvfence.engine.request import FinishReason, SamplingParams
 from kvfence.pd import auth, wire
 from kvfence.pd import protocol as p
@@ -52,7 +51,7 @@ class Raw:
         """Hello under `secret`; returns this client's sending MAC (only right if secret is)."""
         nonce = auth.new_nonce()
         self.send(
-            frame(wire.Hello({**pair.decode.info, "nonce": nonce}), auth.hello_key(secret), 1)
+            frame(wire.Hello({**pair.decode.pairing, "nonce": nonce}), auth.hello_key(secret), 1)
         )
         data = self.sock.recv(65536)
         header_len = wire.parse_prefix(data[: wire.PREFIX_SIZE])[0]
@@ -91,7 +90,7 @@ def settle(pair: PDPair, bad_before: int) -> None:
 def test_i8_hello_without_the_secret_is_refused(pair: PDPair) -> None:
     before, bad = snapshot(pair), pair.prefill.transfer_stats.get("bad_frames")
     raw = Raw(pair)
-    raw.send(frame(wire.Hello(pair.decode.info), auth.hello_key(b"not-the-secret-at-all"), 1))
+    raw.send(frame(wire.Hello(pair.decode.pairing), auth.hello_key(b"not-the-secret-at-all"), 1))
     raw.send(frame(reserve("f" * 32), auth.hello_key(b"not-the-secret-at-all"), 2))
     assert raw.closed_by_peer()
     settle(pair, bad)
@@ -155,10 +154,10 @@ def test_i8_truncated_frame_changes_nothing(pair: PDPair) -> None:
 
 
 def test_i8_twin_without_mac_a_forged_reserve_is_acted_on(pair: PDPair) -> None:
-    with faults.injected("skip_mac"):
+    with pair.faults.injected("skip_mac"):
         before = snapshot(pair)
         raw = Raw(pair)
-        raw.send(frame(wire.Hello(pair.decode.info), b"\x00" * 32, 7))
+        raw.send(frame(wire.Hello(pair.decode.pairing), b"\x00" * 32, 7))
         raw.send(frame(reserve("d" * 32), b"\x00" * 32, 99))
         deadline = time.monotonic() + 5
         while snapshot(pair) == before and time.monotonic() < deadline:
@@ -178,7 +177,7 @@ def test_i8_decode_refuses_a_prefill_without_the_secret(pair: PDPair) -> None:
     def impostor() -> None:
         conn, _ = srv.accept()
         conn.recv(65536)
-        ok = wire.HelloOk({**pair.prefill.info, "nonce": auth.new_nonce()})
+        ok = wire.HelloOk({**pair.prefill.pairing, "nonce": auth.new_nonce()})
         conn.sendall(frame(ok, auth.hello_key(b"impostor-does-not-know-it"), 1))
         time.sleep(1)
         conn.close()

@@ -69,6 +69,20 @@ def pair(request: pytest.FixtureRequest, endpoints: dict[torch.dtype, Pair]) -> 
     return endpoints[request.param]
 
 
+def read_pages(pool: KVPool, pages: list[int], n_tokens: int) -> list[bytes]:
+    """Per-page bytes of the first n_tokens held in `pages`, K then V, layer by layer."""
+    out = []
+    for first, n, count in kvio.runs(pool, n_tokens):
+        run = kvio.gather(pool, pages[first : first + n], count)
+        out += [
+            b"".join(
+                bytes(run[kv, lay, i].numpy()) for kv in range(2) for lay in range(pool.num_layers)
+            )
+            for i in range(n)
+        ]
+    return out
+
+
 def assert_room_moved(
     src: KVPool,
     dst: KVPool,
@@ -77,7 +91,7 @@ def assert_room_moved(
     dst_pages: list[int],
     n_tokens: int,
 ) -> None:
-    assert kvio.read_pages(dst, dst_pages, n_tokens) == kvio.read_pages(src, src_pages, n_tokens)
+    assert read_pages(dst, dst_pages, n_tokens) == read_pages(src, src_pages, n_tokens)
     written = torch.zeros(dst.k.shape[1], dtype=torch.bool)
     for i, p in enumerate(dst_pages[: src.pages_for(n_tokens)]):
         count = min(PAGE, n_tokens - i * PAGE)
@@ -209,7 +223,7 @@ def _peer(conn) -> None:  # runs in a spawned process: a decode-side pool receiv
     with mc.MooncakeEndpoint(pool) as ep:
         conn.send(ep.descriptor())
         pages, n_tokens = conn.recv()  # the writer says the room landed
-        conn.send((kvio.read_pages(pool, pages, n_tokens), pool.k.clone(), pool.v.clone()))
+        conn.send((read_pages(pool, pages, n_tokens), pool.k.clone(), pool.v.clone()))
         conn.recv()  # keep memory registered until the parent is done
 
 
@@ -228,7 +242,7 @@ def test_write_crosses_processes(endpoints: dict[torch.dtype, Pair]) -> None:
         parent.send(([8, 4, 5], n_tokens))
         assert parent.poll(30)
         payloads, k, v = parent.recv()
-        assert payloads == kvio.read_pages(src, [1, 2, 3], n_tokens)
+        assert payloads == read_pages(src, [1, 2, 3], n_tokens)
         assert bool((k[:, 5 * PAGE + 3 : 6 * PAGE] == SENTINEL).all())  # partial page's tail
         assert bool((k[:, PAGE : 4 * PAGE] == SENTINEL).all())  # pages not in the room
         assert bool((v[:, 6 * PAGE : 8 * PAGE] == -SENTINEL).all())

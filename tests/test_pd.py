@@ -6,10 +6,12 @@ from __future__ import annotations
 import pytest
 from conftest import hf_greedy, random_prompts
 from pd_harness import PDPair, Result, finished_ok
+from procs import wait_until
 
 from kvfence.engine.admission import Rejected
 from kvfence.engine.llm import LLM
 from kvfence.engine.request import FinishReason, SamplingParams
+from kvfence.pd.protocol import DState, PState
 
 CTX = 256
 GREEDY = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
@@ -108,22 +110,29 @@ def test_i1_prefill_door_rejects_what_a_misconfigured_decode_let_in(pair: PDPair
 
 
 def test_pd_client_abort_before_commit_releases_both_pools(pair: PDPair) -> None:
-    # Hold prefill's engine so the transfer cannot finish before the abort.
-    import threading
+    # The stall holds prefill's computed room before its first page, far longer than the test
+    # takes: the abort lands while both sides hold the room, before anything can commit.
+    pair.faults.stall_s = 120.0
+    with pair.faults.injected("stall_transfer"):
+        rid, r = pair.submit(random_prompts([40], 256)[0], GREEDY)
+        assert isinstance(r, Result)
 
-    gate = threading.Event()
-    real_step = pair.prefill.engine.step
-    pair.prefill.engine.step = lambda: (gate.wait(10), real_step())[1]
-    rid, r = pair.submit(random_prompts([40], 256)[0], GREEDY)
-    assert isinstance(r, Result)
-    deadline = __import__("time").monotonic() + 10
-    while not pair.decode.rooms and __import__("time").monotonic() < deadline:
-        pass
-    pair.decode.engine.abort(rid)
-    gate.set()
-    assert r.done.wait(10) and r.final.finish_reason is FinishReason.ABORT
-    assert pair.wait_idle(), pair.pages_used()
+        def both_hold_the_room() -> bool:
+            d, pf = pair.decode.rooms.get(rid), pair.prefill.rooms.get(rid)
+            return (
+                d is not None
+                and d.state.state is DState.RESERVED
+                and pf is not None
+                and pf.state.state is PState.SENDING
+            )
+
+        assert wait_until(both_hold_the_room, timeout=60), "the room never reached the stall"
+        assert pair.pages_used()[0] > 0 and pair.pages_used()[1] > 0
+        pair.decode.engine.abort(rid)
+        assert r.done.wait(30) and r.final.finish_reason is FinishReason.ABORT
+        assert pair.wait_idle(), pair.pages_used()
     assert pair.decode.transfer_stats.get("transfers_committed") == 0
+    assert pair.decode.transfer_stats.get("pages_received") == 0
 
 
 def test_pd_unreachable_prefill_fails_with_503_and_frees_pages(pair: PDPair) -> None:

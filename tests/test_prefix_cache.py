@@ -11,7 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from kvfence import faults
+from kvfence.faults import Faults
 from kvfence.kv.prefix import (
     SHARED,
     Namespace,
@@ -156,7 +156,8 @@ class CollidingKeyer(PageKeyer):
 
 
 def test_a_key_match_is_confirmed_against_the_stored_tokens():
-    cache = PrefixCache(PS, keyer=CollidingKeyer())
+    f = Faults()
+    cache = PrefixCache(PS, keyer=CollidingKeyer(), faults=f)
     ns = Namespace.of_tenant("A")
     take(cache, "a", toks(8), ns)
     victim = toks(8, 50)
@@ -164,16 +165,17 @@ def test_a_key_match_is_confirmed_against_the_stored_tokens():
     assert c.keys == cache.chain(toks(8), ns).keys  # the collision is real
     assert cache.match("b", c, victim, 2) == []
     # Twin: trusting the hash alone hands out another prompt's pages.
-    with faults.injected("prefix_cache_skip_token_compare"):
+    with f.injected("prefix_cache_skip_token_compare"):
         assert len(cache.match("b2", c, victim, 2)) == 2
 
 
 def test_ignoring_the_namespace_crosses_tenants():
     """Twin of test_reuse_within_a_namespace_only: with the namespace left out of keys and
     checks, tenant B reuses tenant A's pages."""
-    cache = PrefixCache(PS)
+    f = Faults()
+    cache = PrefixCache(PS, faults=f)
     prompt = toks(8)
-    with faults.injected("prefix_cache_ignore_namespace"):
+    with f.injected("prefix_cache_ignore_namespace"):
         take(cache, "a", prompt, Namespace.of_tenant("A"))
         c = cache.chain(prompt, Namespace.of_tenant("B"))
         assert len(cache.match("b", c, prompt, 2)) == 2

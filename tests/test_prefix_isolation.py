@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import json
 import random
-from collections.abc import Iterator
 
 import pytest
 import torch
@@ -16,11 +15,11 @@ from conftest import TINY_MODEL, random_prompts
 from fastapi.testclient import TestClient
 from prefix_harness import Ask, assert_baseline, run_waves
 
-from kvfence import faults
 from kvfence.config import EngineConfig
 from kvfence.engine.engine import Engine
 from kvfence.engine.llm import LLM
 from kvfence.engine.request import FinishReason, SamplingParams
+from kvfence.faults import Faults
 from kvfence.kv.pool import KVPool, SealedReads
 from kvfence.kv.prefix import SHARED, Namespace, PageKeyer, PrefixCache, SharedPrefixes
 from kvfence.server.api import build_app
@@ -159,7 +158,7 @@ def test_usage_reports_cached_tokens_and_metrics_have_no_tenant(checkpoint_dir) 
 
 
 def pool_with_cache() -> tuple[KVPool, PrefixCache]:
-    cache = PrefixCache(4, shared=SharedPrefixes([[9, 9, 9, 9]], 4))
+    cache = PrefixCache(4, shared=SharedPrefixes([[9, 9, 9, 9]], 4), faults=Faults())
     pool = KVPool(
         num_layers=1,
         num_pages=8,
@@ -215,7 +214,7 @@ def test_i2_sealed_pages_are_read_only_and_namespaced() -> None:
     # Same namespace, wrong place: the key of page 1 is not the key a row expects at 0.
     assert bad(ga, chain_a, [pages[1], pages[1]] + pages[2:], 2)
     # Twin: without the namespace compare and with B's keys made equal to A's, B reads it.
-    with faults.injected("prefix_cache_ignore_namespace"):
+    with cache.faults.injected("prefix_cache_ignore_namespace"):
         chain_b_blind = cache.chain(tokens, Namespace.of_tenant("B"))
         chain_a_blind = cache.chain(tokens, Namespace.of_tenant("A"))
         assert chain_b_blind.tags == chain_a_blind.tags
@@ -255,13 +254,11 @@ def test_tenant_b_cannot_recover_a_pin_through_the_cache(guard_off: bool) -> Non
     rng = random.Random(7)
     pin = canary(rng)
     if guard_off:
-        faults.arm("prefix_cache_ignore_namespace")
-    try:
-        a = ask(llm.engine, "a", template(pin), "A")
-        assert a.finish is not None and a.error_code is None
-        recovered = probe(llm.engine, pin, rng)
-    finally:
-        faults.disarm("prefix_cache_ignore_namespace")
+        llm.engine.faults.arm("prefix_cache_ignore_namespace")
+    a = ask(llm.engine, "a", template(pin), "A")
+    assert a.finish is not None and a.error_code is None
+    recovered = probe(llm.engine, pin, rng)
+    llm.engine.faults.disarm("prefix_cache_ignore_namespace")
     if guard_off:
         assert recovered == pin, "with the namespace ignored, B's answers give A's pin away"
     else:
@@ -292,11 +289,9 @@ def test_a_key_match_alone_never_reuses_a_page(guard_off: bool) -> None:
     x = ask(llm.engine, "x", records(xs), "A")
     assert x.text.strip() == xs[3]
     if guard_off:
-        faults.arm("prefix_cache_skip_token_compare")
-    try:
-        y = ask(llm.engine, "y", records(ys), "A")
-    finally:
-        faults.disarm("prefix_cache_skip_token_compare")
+        llm.engine.faults.arm("prefix_cache_skip_token_compare")
+    y = ask(llm.engine, "y", records(ys), "A")
+    llm.engine.faults.disarm("prefix_cache_skip_token_compare")
     if guard_off:
         # Y's answer carries one of X's values (positions shift a little between the two
         # prompts, so which record the recall lands on varies).
@@ -321,13 +316,8 @@ def test_a_write_to_a_sealed_page_fails_closed(guard_off: bool) -> None:
     full = (len(prompt) - 1) // PAGE
     overwrite = prompt[: full * PAGE] + random_prompts([40], 2000, seed=3)[0]
     points = ["write_sealed_page"] + (["skip_tag_check"] if guard_off else [])
-    for p in points:
-        faults.arm(p)
-    try:
+    with engine.faults.injected(*points):
         bug = run_waves(engine, [[Ask("a2", overwrite, "A")]], RECALL)["a2"]
-    finally:
-        for p in points:
-            faults.disarm(p)
     again = run_waves(engine, [[Ask("a3", prompt, "A")]], RECALL)["a3"]
     assert again.cached == full * PAGE
     if guard_off:
@@ -337,10 +327,3 @@ def test_a_write_to_a_sealed_page_fails_closed(guard_off: bool) -> None:
         assert bug.finish is FinishReason.ERROR and bug.error_code == "kv_integrity_error"
         assert again.tokens == first.tokens
     assert_baseline(engine)
-
-
-@pytest.fixture(autouse=True)
-def _disarm_all() -> Iterator[None]:
-    yield
-    for p in faults.POINTS:
-        faults.disarm(p)

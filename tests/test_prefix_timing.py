@@ -18,7 +18,6 @@ import pytest
 import torch
 from conftest import TINY_MODEL
 
-from kvfence import faults
 from kvfence.engine.engine import Engine
 from kvfence.engine.llm import LLM
 from kvfence.engine.request import GenerateRequest, RequestOutput, SamplingParams
@@ -86,6 +85,6 @@ def test_across_tenants_ttft_reveals_nothing(engine: Engine) -> None:
 
 
 def test_twin_ignoring_the_namespace_shows_in_ttft(engine: Engine) -> None:
-    with faults.injected("prefix_cache_ignore_namespace"):
+    with engine.faults.injected("prefix_cache_ignore_namespace"):
         cached, control = measure(engine, PAIRS_EFFECT, "B", seed=3)
     assert auc(cached, control) > 0.9

@@ -114,3 +114,21 @@ def test_abort_returns_pages_and_finishes_once(llm: LLM) -> None:
     assert engine.stats().pages_used == 0
     finals = [o for o in outs if o.finished]
     assert len(finals) == 1 and finals[0].finish_reason is FinishReason.ABORT
+
+
+def test_sampling_params_round_trip_through_their_dict() -> None:
+    """What a RESERVE carries: every field, JSON-able, and back exactly; bad dicts refused."""
+    import json
+
+    sp = SamplingParams(
+        max_tokens=7, temperature=0.5, top_p=0.9, top_k=5, seed=3, stop=("\n", "end"),
+        stop_token_ids=(2, 9), ignore_eos=True, logprobs=2,
+    )
+    assert SamplingParams.from_dict(json.loads(json.dumps(sp.to_dict()))) == sp
+    assert SamplingParams.from_dict({}) == SamplingParams()
+    with pytest.raises(TypeError):
+        SamplingParams.from_dict({"tenant": "b"})
+    with pytest.raises(TypeError):
+        SamplingParams.from_dict({"stop": "x"})
+    with pytest.raises(ValueError):
+        SamplingParams.from_dict({"top_p": 2.0})

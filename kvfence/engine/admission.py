@@ -8,8 +8,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from kvfence import faults
 from kvfence.engine.request import GenerateRequest
+from kvfence.guards import ALL_ON, Guards
 
 
 @dataclass(frozen=True)
@@ -37,9 +37,11 @@ class AdmissionLimits:
     vocab_size: int
 
 
-def admit(req: GenerateRequest, limits: AdmissionLimits) -> Admitted | Rejected:
+def admit(
+    req: GenerateRequest, limits: AdmissionLimits, guards: Guards = ALL_ON
+) -> Admitted | Rejected:
     n = len(req.prompt_token_ids)
-    if faults.active("skip_admission"):
+    if not guards.on("admission"):
         return Admitted(req, req.sampling.max_tokens or 1)
     if n == 0:
         return Rejected(req.request_id, "empty_prompt", "The prompt is empty.", "prompt")

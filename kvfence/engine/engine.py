@@ -26,6 +26,7 @@ from kvfence.engine.request import FinishReason, GenerateRequest, RequestOutput,
 from kvfence.engine.runner import ModelRunner, StepResult
 from kvfence.engine.scheduler import ScheduledChunk, Scheduler, SchedulerLimits
 from kvfence.engine.sequence import SeqMode, SeqStatus, Sequence
+from kvfence.faults import Faults
 from kvfence.kv.pool import KVPool
 from kvfence.kv.prefix import PrefixCache, PrefixCacheStats, SharedPrefixes, load_shared_prefixes
 from kvfence.kv.sizing import CapacityError, PoolPlan, plan_for_engine, require_fits
@@ -68,8 +69,17 @@ class EngineStats:
 
 
 class Engine:
-    def __init__(self, cfg: EngineConfig) -> None:
+    def __init__(
+        self,
+        cfg: EngineConfig,
+        faults: Faults | None = None,
+        hooks: HandoffHooks | None = None,
+    ) -> None:
+        """hooks: the PD role's hand-off callbacks (None for a unified engine, which never
+        parks a sequence in HANDOFF); faults: this process's fault points (none armed)."""
         self.cfg = cfg
+        self.faults = faults if faults is not None else Faults()
+        self.hooks = hooks
         self.model_config = ModelConfig.from_dir(cfg.model)
         self.model_name = cfg.served_model_name or Path(cfg.model).resolve().name
         self.device = torch.device(cfg.device)
@@ -111,6 +121,7 @@ class Engine:
                 cfg.max_running_requests,
                 cfg.decode_step_prefill_budget or cfg.chunked_prefill_size,
             ),
+            self.faults,
         )
         self.runner = ModelRunner(
             self.model,
@@ -119,6 +130,7 @@ class Engine:
             cfg.seed,
             cfg.attention_backend,
             cfg.linear_backend,
+            self.faults,
         )
         self.eos_token_ids = self._eos_ids(Path(cfg.model))
         self._inbox: queue.SimpleQueue[tuple[str, object]] = queue.SimpleQueue()
@@ -126,7 +138,6 @@ class Engine:
         self._seqs: dict[str, Sequence] = {}
         self._thread: threading.Thread | None = None
         self._stopping = threading.Event()
-        self.hooks: HandoffHooks | None = None
         self.integrity_failures = 0
 
     def _prefix_cache(self) -> PrefixCache:
@@ -141,6 +152,7 @@ class Engine:
             self.cfg.page_size,
             shared=SharedPrefixes(shared, self.cfg.page_size),
             ttl=self.cfg.prefix_cache_ttl,
+            faults=self.faults,
         )
 
     # ---- called from any thread -------------------------------------------------------------
@@ -152,10 +164,14 @@ class Engine:
         mode: SeqMode = SeqMode.FULL,
     ) -> Admitted | Rejected:
         """Admission runs here, in the caller's thread: a Rejected never reaches the loop."""
-        verdict = admit(req, self.limits)
+        verdict = self.admit(req)
         if isinstance(verdict, Admitted):
             self._post("add", (verdict, sink, mode))
         return verdict
+
+    def admit(self, req: GenerateRequest) -> Admitted | Rejected:
+        """The admission rule (I1) against this engine's limits, queueing nothing."""
+        return admit(req, self.limits, self.faults.guards())
 
     def abort(self, request_id: str) -> None:
         self._post("abort", request_id)

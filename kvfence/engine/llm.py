@@ -9,6 +9,7 @@ from kvfence.config import EngineConfig
 from kvfence.engine.admission import Rejected
 from kvfence.engine.engine import Engine
 from kvfence.engine.request import FinishReason, GenerateRequest, RequestOutput, SamplingParams
+from kvfence.faults import Faults
 
 
 class RequestRejected(ValueError):
@@ -28,8 +29,9 @@ class Completion:
 
 
 class LLM:
-    def __init__(self, model: str, **engine_kwargs: object) -> None:
-        self.engine = Engine(EngineConfig(model=model, **engine_kwargs))  # type: ignore[arg-type]
+    def __init__(self, model: str, faults: Faults | None = None, **engine_kwargs: object) -> None:
+        cfg = EngineConfig(model=model, **engine_kwargs)  # type: ignore[arg-type]
+        self.engine = Engine(cfg, faults)
 
     def generate(
         self,
@@ -50,10 +52,8 @@ class LLM:
             )
             for p, sp in zip(prompts, params_list, strict=True)
         ]
-        from kvfence.engine.admission import admit  # same door the engine uses
-
         for r in reqs:
-            verdict = admit(r, self.engine.limits)
+            verdict = self.engine.admit(r)  # the door submit uses, before anything is queued
             if isinstance(verdict, Rejected):
                 raise RequestRejected(verdict)
         results = {r.request_id: Completion(r.request_id, list(r.prompt_token_ids)) for r in reqs}

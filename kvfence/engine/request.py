@@ -3,7 +3,11 @@
 from __future__ import annotations
 
 import enum
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import dataclass, fields
+from typing import Any
+
+_TUPLES = ("stop", "stop_token_ids")
 
 
 @dataclass(frozen=True)
@@ -31,6 +35,28 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
+
+    def to_dict(self) -> dict[str, Any]:
+        """Every field, JSON-able (tuples as lists): how a RESERVE carries them to prefill."""
+        out = {f.name: getattr(self, f.name) for f in fields(self)}
+        for key in _TUPLES:
+            out[key] = list(out[key])
+        return out
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> SamplingParams:
+        """The inverse of to_dict, validated like any construction: an unknown field raises
+        TypeError, a bad value ValueError."""
+        if not isinstance(data, Mapping):
+            raise TypeError(f"sampling must be an object, not {type(data).__name__}")
+        kw = dict(data)
+        for key in _TUPLES:
+            if key in kw:
+                value = kw[key]
+                if not isinstance(value, (list, tuple)):
+                    raise TypeError(f"{key} must be a list")
+                kw[key] = tuple(value)
+        return cls(**kw)
 
 
 @dataclass(frozen=True)

@@ -11,8 +11,8 @@ from typing import TypeVar
 
 import torch
 
-from kvfence import faults
 from kvfence.engine.scheduler import ScheduledChunk
+from kvfence.faults import Faults
 from kvfence.kv.pool import NULL_PAGE, KVPool, SealedReads
 from kvfence.model import kernels
 from kvfence.model.attention import AttentionMetadata, NativeDecodeGroup, build_group
@@ -39,8 +39,10 @@ class ModelRunner:
         seed: int,
         attention_backend: str = "auto",
         linear_backend: str = "auto",
+        faults: Faults | None = None,
     ) -> None:
         self.model = model
+        self.faults = faults if faults is not None else Faults()
         model.fuse_projections()
         self.pool = pool
         self.kv_caches = pool.layer_caches()  # the model sees these views, never the pool
@@ -187,7 +189,7 @@ class ModelRunner:
         tenants = torch.tensor([c.seq.grant.tenant_id for c in chunks], device=self.device)
         sealed = self._sealed_reads(chunks, table.shape[1], cols)
         bad = self.pool.check_owned(table, grants, tenants, valid, must_hold, sealed).tolist()
-        if not any(bad) or faults.active("skip_tag_check"):
+        if not any(bad) or not self.faults.guards().on("tag_check"):
             return chunks, []
         return [c for c, b in zip(chunks, bad, strict=True) if not b], [
             c for c, b in zip(chunks, bad, strict=True) if b
@@ -217,6 +219,7 @@ class ModelRunner:
             read_only=cols < first_written[:, None],
             ns_ids=torch.tensor(ns, dtype=torch.int64, device=self.device),
             key_tags=key_tags.to(self.device, copy=True),
+            namespace=self.faults.guards().on("prefix_namespace"),
         )
 
     def _sampling_batch(self, chunks: list[ScheduledChunk]) -> SamplingBatch:

@@ -9,8 +9,8 @@ import logging
 from collections import deque
 from dataclasses import dataclass
 
-from kvfence import faults
 from kvfence.engine.sequence import SeqMode, SeqStatus, Sequence
+from kvfence.faults import Faults
 from kvfence.kv.pool import KVPool, OwnershipError
 from kvfence.kv.prefix import Namespace
 
@@ -37,8 +37,9 @@ class SchedulerLimits:
 
 
 class Scheduler:
-    def __init__(self, pool: KVPool, limits: SchedulerLimits) -> None:
+    def __init__(self, pool: KVPool, limits: SchedulerLimits, faults: Faults | None = None) -> None:
         self.pool = pool
+        self.faults = faults if faults is not None else Faults()
         self.limits = limits
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []  # arrival order
@@ -173,7 +174,7 @@ class Scheduler:
             shared = self.pool.match_prefix(seq.grant, seq.chain, seq.token_ids, n_hit)
             assert len(shared) == n_hit, "the cache changed between lookup and match"
         seq.pages = shared + self.pool.allocate(seq.grant, n_new)
-        if shared and n_new and faults.active("write_sealed_page"):
+        if shared and n_new and self.faults.active("write_sealed_page"):
             # The bug this point stands for: the new tokens' page table entry names the last
             # sealed page, so the forward would overwrite KV that other requests read.
             seq.pages[n_hit] = shared[-1]

@@ -20,7 +20,6 @@ from dataclasses import dataclass
 
 import torch
 
-from kvfence import faults
 from kvfence.kv.prefix import SHARED_ID, PageChain, PrefixCache
 
 FREE = -1
@@ -200,7 +199,7 @@ class KVPool:
                 & (self._owner_grant[page_ids] == CACHE_OWNER)
                 & (self._sealed_key[page_ids] == sealed_reads.key_tags)
             )
-            if not faults.active("prefix_cache_ignore_namespace"):
+            if sealed_reads.namespace:
                 ns = self._sealed_ns[page_ids]
                 sealed &= (ns == sealed_reads.ns_ids[:, None]) | (ns == SHARED_ID)
             ok |= sealed
@@ -317,8 +316,10 @@ class KVPool:
 class SealedReads:
     """What a batch's rows may read from sealed pages: read_only [B, P] (pages wholly before
     the chunk), ns_ids [B] (each row's own namespace id), key_tags [B, P] (the keys its
-    prefix has at each page, 0 past its full pages)."""
+    prefix has at each page, 0 past its full pages); namespace: compare namespaces (off only
+    in the prefix_cache_ignore_namespace twin)."""
 
     read_only: torch.Tensor
     ns_ids: torch.Tensor
     key_tags: torch.Tensor
+    namespace: bool = True

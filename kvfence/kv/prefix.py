@@ -23,7 +23,7 @@ from collections.abc import Callable, Hashable, Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from kvfence import faults
+from kvfence.faults import Faults
 
 KEY_BYTES = 32
 SECRET_BYTES = 32  # >= 16 (128 bits) is required; 32 is BLAKE2b's maximum key size
@@ -219,7 +219,9 @@ class PrefixCache:
         shared: SharedPrefixes | None = None,
         ttl: float | None = None,
         clock: Callable[[], float] = time.monotonic,
+        faults: Faults | None = None,
     ) -> None:
+        self.faults = faults if faults is not None else Faults()
         if ttl is not None and ttl <= 0:
             raise ValueError("prefix cache ttl must be > 0")
         self.page_size = page_size
@@ -247,7 +249,7 @@ class PrefixCache:
     def extend(self, c: PageChain, tokens: Sequence[int]) -> None:
         """Key every full page of tokens that c has not keyed yet."""
         ps = self.page_size
-        ignore_ns = faults.active("prefix_cache_ignore_namespace")
+        ignore_ns = not self.faults.guards().on("prefix_namespace")
         for i in range(len(c.keys), len(tokens) // ps):
             page = tuple(tokens[i * ps : (i + 1) * ps])
             ns = c.tenant_ns
@@ -271,8 +273,9 @@ class PrefixCache:
         """The longest run of cached entries that starts c (at most max_pages), each confirmed
         against its stored namespace and tokens. Takes no reference."""
         ps = self.page_size
-        skip_compare = faults.active("prefix_cache_skip_token_compare")
-        ignore_ns = faults.active("prefix_cache_ignore_namespace")
+        guards = self.faults.guards()
+        skip_compare = not guards.on("prefix_token_compare")
+        ignore_ns = not guards.on("prefix_namespace")
         out: list[CacheEntry] = []
         for i in range(min(max_pages, len(c.keys))):
             e = self._by_key.get(c.keys[i])

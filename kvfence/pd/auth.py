@@ -12,13 +12,13 @@ from __future__ import annotations
 
 import hashlib
 import hmac
-import os
 import secrets
 from pathlib import Path
 
 from cryptography.hazmat.primitives.ciphers import Cipher, algorithms, modes
 
-ENV = "KVFENCE_CLUSTER_SECRET"
+from kvfence import env
+
 MAC_SIZE = 16  # 128-bit tags: GCM's full tag
 MIN_SECRET_BYTES = 16
 
@@ -31,12 +31,13 @@ def load_cluster_secret(path: str | None) -> bytes:
     """From --cluster-secret-file, else KVFENCE_CLUSTER_SECRET. Required for PD roles."""
     if path:
         raw = Path(path).read_bytes().strip()
-    elif os.environ.get(ENV):
-        raw = os.environ[ENV].strip().encode()
+    elif env.cluster_secret():
+        raw = str(env.cluster_secret()).strip().encode()
     else:
         raise SecretError(
             "PD workers authenticate their transfer traffic: pass --cluster-secret-file FILE "
-            f"or set {ENV} (the same secret on every prefill and decode; `kvfence up` makes one)"
+            f"or set {env.CLUSTER_SECRET} (the same secret on every prefill and decode; "
+            "`kvfence up` makes one)"
         )
     if len(raw) < MIN_SECRET_BYTES:
         raise SecretError(f"the cluster secret must be at least {MIN_SECRET_BYTES} bytes")

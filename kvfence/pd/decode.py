@@ -7,27 +7,30 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import os
 import time
 from collections import deque
-from concurrent.futures import ThreadPoolExecutor
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+from prometheus_client.core import Metric
 
-from kvfence import faults
+from kvfence.config import EngineConfig
 from kvfence.engine.admission import Admitted, Rejected
 from kvfence.engine.engine import Engine
 from kvfence.engine.request import GenerateRequest
 from kvfence.engine.sequence import SeqMode, Sequence
+from kvfence.faults import Faults
 from kvfence.kv.pool import Grant
-from kvfence.pd import auth, kvio, wire
+from kvfence.pd import auth, glue, kvio, wire
 from kvfence.pd import protocol as p
 from kvfence.pd.ioloop import IOLoop
-from kvfence.pd.pairing import pairing_problem
+from kvfence.pd.pairing import model_fingerprint, node_info, pairing_problem
 from kvfence.pd.stats import TransferStats
+from kvfence.pd.transport.link import page_receiver
 from kvfence.pd.transport.tcp import Connection
+from kvfence.role import EngineRole
 
 log = logging.getLogger("kvfence.pd.decode")
 
@@ -53,24 +56,25 @@ class _Peer:
     rooms: set[str] = field(default_factory=set)
 
 
-class DecodeService:
+class DecodeService(EngineRole):
     def __init__(
         self,
-        engine: Engine,
-        info: dict[str, Any],
+        cfg: EngineConfig,
         timeout_s: float = 30.0,
-        guards: p.Guards = p.ALL_ON,
-        mooncake: Any = None,
+        backend: str = "tcp",
         secret: bytes = b"",
+        faults: Faults | None = None,
+        host: str = "127.0.0.1",
     ) -> None:
-        self.engine = engine
+        """host: where this worker is reachable (a Mooncake peer's one-sided writes go there)."""
+        self.faults = faults if faults is not None else Faults()
+        super().__init__(Engine(cfg, self.faults, hooks=self))
         self.secret = secret  # I8: every frame is MACed under keys derived from it
-        # Set: prefill writes our pool one-sidedly; we cannot veto a write, only verify it.
-        self.mooncake = mooncake
-        if mooncake is not None:
-            info = {**info, "mooncake": mooncake.descriptor()}
-        self.guards = guards  # every guard on, except in a test's mutation twin
-        self.info = info
+        self.link = page_receiver(backend, self.engine.pool, host)
+        info = node_info(self.engine, "decode", model_fingerprint(cfg.model), backend)
+        if cfg.unsafe_skip_preflight:
+            info["unsafe_skip_capacity"] = True
+        self.pairing = info  # the I7 facts; HELLO adds what the transport needs
         self.timeout_s = timeout_s
         self.rooms: dict[str, _Room] = {}
         self.peers: dict[str, _Peer] = {}
@@ -78,12 +82,8 @@ class DecodeService:
         self.pairing_errors: dict[str, str] = {}
         self.io = IOLoop("kvfence-decode-io")
         self.loop = self.io.loop
-        # Checksums and writes of received runs: one thread, so a connection's runs land in
-        # order; numpy and xxhash release the GIL over whole blocks, so the loop keeps receiving.
-        self._kv_writer = ThreadPoolExecutor(1, thread_name_prefix="kvfence-decode-kv")
-        engine.hooks = self
 
-    # ---- the engine facade the HTTP layer talks to ------------------------------------------
+    # ---- the role the HTTP layer talks to ------------------------------------------------------
 
     def submit(self, req: GenerateRequest, sink: Any) -> Admitted | Rejected:
         """The decode door: admission, then the engine reserves pages and calls on_reserved."""
@@ -95,9 +95,6 @@ class DecodeService:
             )
         return self.engine.submit(req, sink, SeqMode.DECODE_ONLY)
 
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self.engine, name)
-
     # ---- lifecycle ------------------------------------------------------------------------------
 
     def start(self) -> None:
@@ -107,7 +104,7 @@ class DecodeService:
 
     def shutdown(self) -> None:
         self.io.stop()
-        self._kv_writer.shutdown(wait=True)
+        self.link.close()
         self.engine.shutdown()
 
     async def _begin(self) -> None:
@@ -118,10 +115,10 @@ class DecodeService:
             if peer.conn is not None:
                 peer.conn.close()
 
-    def pd_metrics(self) -> Any:
+    def metrics(self) -> Iterable[Metric]:
         return self.transfer_stats.metrics(self.engine.stats().pages_handoff)
 
-    def pd_info(self) -> dict[str, Any]:
+    def info(self) -> dict[str, Any]:
         return {
             "role": "decode",
             "bootstrap_host": None,
@@ -132,7 +129,7 @@ class DecodeService:
             "pairing_errors": dict(self.pairing_errors),
             "counters": self.transfer_stats.snapshot(),
             "transfer_marks": self.transfer_stats.marks(),
-            "pairing": {k: v for k, v in self.info.items() if k != "mooncake"},
+            "pairing": dict(self.pairing),
         }
 
     # ---- engine hooks (engine thread) -----------------------------------------------------------
@@ -144,7 +141,7 @@ class DecodeService:
             room=seq.request_id,
             tenant=req.tenant,
             prompt=req.prompt_token_ids,
-            sampling=_sampling_dict(req),
+            sampling=req.sampling.to_dict(),
             max_tokens=seq.admitted.max_tokens,
             dst_pages=tuple(seq.pages),
             grant=seq.grant.grant_id,
@@ -183,7 +180,7 @@ class DecodeService:
             await peer.conn.send(r)
         except ConnectionError:
             pass  # the reader task feeds ConnectionLost for every room of this peer
-        if faults.active("client_disconnect"):
+        if self.faults.active("client_disconnect"):
             # The client hangs up mid-transfer: by then prefill is computing or sending.
             asyncio.get_running_loop().call_later(0.5, self.engine.abort, r.room)
 
@@ -198,9 +195,12 @@ class DecodeService:
     async def _connect(self, addr: str, peer: _Peer) -> None:
         try:
             host, port = addr.rsplit(":", 1)
-            conn = await Connection.open(host, int(port), self.timeout_s, self.secret)
+            conn = await Connection.open(
+                host, int(port), self.timeout_s, self.secret, self.faults
+            )
             client_nonce = auth.new_nonce()
-            await conn.send(wire.Hello({**self.info, "nonce": client_nonce}))
+            hello = {**self.pairing, **self.link.hello_info(), "nonce": client_nonce}
+            await conn.send(wire.Hello(hello))
             msg, _ = await asyncio.wait_for(conn.recv(), self.timeout_s)
             if isinstance(msg, wire.HelloRefused):
                 self.transfer_stats.inc("pairing_refused")
@@ -208,7 +208,7 @@ class DecodeService:
                 raise ConnectionError(f"prefill {addr} refused to pair: {msg.reason}")
             if not isinstance(msg, wire.HelloOk):
                 raise wire.WireError("expected HelloOk")
-            problem = pairing_problem(self.info, msg.info)
+            problem = pairing_problem(self.pairing, msg.info, self.faults.guards())
             if problem is not None:
                 self.transfer_stats.inc("pairing_refused")
                 self.pairing_errors[addr] = problem
@@ -276,7 +276,7 @@ class DecodeService:
     ) -> asyncio.Future | None:
         """A run of pages: every page is checked (position, size, checksum, grant) on its own,
         the good ones are written in one batch, and the state machine sees the run as one
-        RunArrived. Checks and writes of a framed run go to the writer thread (the Future)."""
+        RunArrived. The transport applies it: at once, or on its writer thread (the Future)."""
         room = self.rooms.get(run.room)
         if room is None or room.state.state is not p.DState.RESERVED:
             # the tcp receiver can refuse a late write
@@ -285,8 +285,7 @@ class DecodeService:
         self.transfer_stats.mark(run.room, "first_page")
         pool = self.engine.pool
         n = len(run.checksums)
-        one_sided = self.mooncake is not None
-        expected = 0 if one_sided else n * kvio.payload_size(pool, run.n_tokens)
+        expected = self.link.payload_bytes(pool, n, run.n_tokens)
         ok_shape = (
             0 <= run.first
             and run.first + n <= len(room.pages)
@@ -297,27 +296,13 @@ class DecodeService:
             self._run_applied(run, [False] * n, 0, 0)
             return None
         pages = room.pages[run.first : run.first + n]
-        check = self._guards().on("checksum")  # off: mutation twin, the bytes as they come
-        if one_sided:
-            # The bytes are already in the pool; the read-back digest at DONE checks them.
-            self._run_applied(run, *self._write_run(run, pages, room.grant, None, check))
-            return None
-        buf = conn.keep()  # the payload stays ours until the writer is done with it
-        # Handed to the writer now, not from a task: the loop may read several buffered frames
-        # before it next yields, and the writer would sit idle meanwhile.
-        written = self.loop.run_in_executor(
-            self._kv_writer, self._write_run, run, pages, room.grant, payload, check
+        check = self.faults.guards().on("checksum")  # off: mutation twin, the bytes as they come
+        return self.link.apply(
+            conn,
+            payload,
+            lambda data: self._write_run(run, pages, room.grant, data, check),
+            lambda result: self._run_applied(run, *result),
         )
-
-        async def apply() -> None:
-            try:
-                result = await written
-            finally:
-                if buf is not None:
-                    conn.give_back(buf)
-            self._run_applied(run, *result)
-
-        return asyncio.ensure_future(apply())
 
     def _write_run(
         self,
@@ -342,7 +327,7 @@ class DecodeService:
         # I2 on the write path: every destination page must still belong to this room's grant
         # and tenant.
         owned = pool.check_destination(grant, pages)
-        if faults.active("skip_dest_check"):
+        if not self.faults.guards().on("dest_check"):
             owned = [True] * n
         foreign = owned.count(False)
         if foreign:
@@ -379,8 +364,8 @@ class DecodeService:
                 )
             ),
         )
-        if run.first == 0 and faults.active("kill_decode"):
-            os._exit(137)
+        if run.first == 0 and self.faults.active("kill_decode"):
+            self.faults.crash("kill_decode")
 
     def _on_done(self, done: p.Done) -> None:
         room = self.rooms.get(done.room)
@@ -403,40 +388,20 @@ class DecodeService:
         return p.digest_of(tuple(enumerate(sums)), done.n_tokens) == done.digest
 
     def _feed(self, rid: str, event: Any, reason: str | None = None) -> None:
+        """reason: why the connection was lost, for the client's error message."""
         room = self.rooms.get(rid)
-        if room is None:
-            if isinstance(event, p.AbortArrived):
-                self._send(rid, None, p.AbortAck(rid))
+        fx = _RoomEffects(self, rid, room, reason)
+        state = glue.decode_feed(
+            rid, None if room is None else room.state, event, self.faults.guards(), fx
+        )
+        if room is None or state is None:
             return
-        room.state, actions = p.decode_step(room.state, event, self._guards())
-        if room.state.state in (p.DState.RELEASED, p.DState.COMMITTED):
+        room.state = state
+        if glue.decode_ended(state):
             del self.rooms[rid]
             peer = self.peers.get(room.peer)
             if peer is not None:
                 peer.rooms.discard(rid)
-        for a in actions:
-            if isinstance(a, p.Send):
-                self._send(rid, room.peer, a.message)
-            elif isinstance(a, p.Commit):
-                if self.mooncake is not None:
-                    # One-sided writes left no trace; the verified digest vouches for the pages.
-                    self.engine.pool.mark_written(room.grant, room.pages)
-                self.transfer_stats.inc("transfers_committed")
-                self.transfer_stats.observe_latency(time.monotonic() - room.started)
-                self.engine.commit(rid, a.first_token, a.first_logprobs)
-            elif isinstance(a, p.FailClient):
-                self.transfer_stats.inc(f"transfers_failed_{a.code}")
-                message = a.message if reason is None else f"{a.message}: {reason}"
-                self.engine.fail(rid, message, a.code, a.status)
-            elif isinstance(a, p.ReleasePages):
-                self.engine.release(rid)
-
-    def _guards(self) -> p.Guards:
-        off = set(self.guards.off)
-        for fault, guard in _FAULT_GUARDS.items():
-            if faults.active(fault):
-                off.add(guard)
-        return p.Guards(frozenset(off)) if off else p.ALL_ON
 
     def _send(self, rid: str, peer_addr: str | None, msg: p.Message) -> None:
         peer = self.peers.get(peer_addr) if peer_addr else None
@@ -453,6 +418,12 @@ class DecodeService:
                 pass
 
         asyncio.ensure_future(go())
+
+    def _committed(self, rid: str, room: _Room, first_token: int, first_logprobs: dict) -> None:
+        self.link.committed(self.engine.pool, room.pages, room.grant)
+        self.transfer_stats.inc("transfers_committed")
+        self.transfer_stats.observe_latency(time.monotonic() - room.started)
+        self.engine.commit(rid, first_token, first_logprobs)
 
     async def _expire(self) -> None:
         while True:
@@ -476,23 +447,27 @@ class DecodeService:
                     room.deadline = now + self.timeout_s
 
 
-def _sampling_dict(req: GenerateRequest) -> dict[str, Any]:
-    sp = req.sampling
-    return {
-        "temperature": sp.temperature,
-        "top_p": sp.top_p,
-        "top_k": sp.top_k,
-        "seed": sp.seed,
-        "stop": list(sp.stop),
-        "stop_token_ids": list(sp.stop_token_ids),
-        "ignore_eos": sp.ignore_eos,
-        "logprobs": sp.logprobs,
-    }
+class _RoomEffects:
+    """What decode's glue actions do to one room (glue.DecodeEffects), on the io loop."""
 
+    def __init__(
+        self, svc: DecodeService, rid: str, room: _Room | None, reason: str | None
+    ) -> None:
+        self.svc, self.rid, self.room, self.reason = svc, rid, room, reason
 
-# Fault points that switch off a protocol guard on the decode side (tests only).
-_FAULT_GUARDS = {
-    "skip_count_check": "count_check",
-    "skip_checksum": "checksum",
-    "early_release": "deferred_release",
-}
+    def send(self, message: p.Message) -> None:
+        # A room decode forgot has no route back: its peer is unknown, the message goes nowhere.
+        self.svc._send(self.rid, None if self.room is None else self.room.peer, message)
+
+    def commit(self, first_token: int, first_logprobs: dict) -> None:
+        assert self.room is not None
+        self.svc._committed(self.rid, self.room, first_token, first_logprobs)
+
+    def fail_client(self, code: str, message: str, status: int) -> None:
+        self.svc.transfer_stats.inc(f"transfers_failed_{code}")
+        if self.reason is not None:
+            message = f"{message}: {self.reason}"
+        self.svc.engine.fail(self.rid, message, code, status)
+
+    def release(self) -> None:
+        self.svc.engine.release(self.rid)

@@ -190,17 +190,3 @@ def scatter(
     idx = np.asarray(pages, dtype=np.intp)
     for i, t in enumerate((pool.k, pool.v)):
         _blocks(t, pool, count)[:, idx] = src[i]
-
-
-def read_pages(pool: KVPool, pages: list[int], n_tokens: int) -> list[bytes]:
-    """Per-page payloads of the first n_tokens held in `pages` (tests compare pools with it)."""
-    out = []
-    for first, n, count in runs(pool, n_tokens):
-        run = gather(pool, pages[first : first + n], count)
-        out += [
-            b"".join(
-                bytes(run[kv, lay, i].numpy()) for kv in range(2) for lay in range(pool.num_layers)
-            )
-            for i in range(n)
-        ]
-    return out

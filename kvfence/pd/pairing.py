@@ -9,7 +9,7 @@ from typing import Any
 
 import xxhash
 
-from kvfence import faults
+from kvfence.guards import ALL_ON, Guards
 from kvfence.model.loader import checkpoint_files
 
 _SAMPLE = 1 << 20  # bytes hashed from each end of a large weight file
@@ -49,9 +49,11 @@ def node_info(engine: Any, role: str, fingerprint: str, backend: str = "tcp") ->
     }
 
 
-def pairing_problem(local: dict[str, Any], remote: dict[str, Any]) -> str | None:
+def pairing_problem(
+    local: dict[str, Any], remote: dict[str, Any], guards: Guards = ALL_ON
+) -> str | None:
     """Why these two nodes must not pair, or None."""
-    if faults.active("skip_pairing_check"):
+    if not guards.on("pairing_check"):
         return None
     for key in (
         "transfer_backend",

@@ -9,23 +9,27 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import os
 import time
-from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from collections.abc import Iterable
+from dataclasses import dataclass, replace
 from typing import Any
 
-from kvfence import faults
+from prometheus_client.core import Metric
+
+from kvfence.config import EngineConfig
 from kvfence.engine.admission import Admitted, Rejected
 from kvfence.engine.engine import Engine
 from kvfence.engine.request import GenerateRequest, RequestOutput, SamplingParams
 from kvfence.engine.sequence import SeqMode, Sequence
-from kvfence.pd import auth, kvio, wire
+from kvfence.faults import Faults
+from kvfence.pd import auth, glue, kvio, wire
 from kvfence.pd import protocol as p
 from kvfence.pd.ioloop import IOLoop
-from kvfence.pd.pairing import pairing_problem
+from kvfence.pd.pairing import model_fingerprint, node_info, pairing_problem
 from kvfence.pd.stats import TransferStats
+from kvfence.pd.transport.link import RoomSend, page_sender
 from kvfence.pd.transport.tcp import Connection, Listener
+from kvfence.role import EngineRole
 
 log = logging.getLogger("kvfence.pd.prefill")
 
@@ -40,29 +44,30 @@ class _Room:
     stop_sending: bool = False
     seq: Sequence | None = None
     first_token: int | None = None
-    writing: asyncio.Future | None = None  # an in-flight one-sided write (mooncake)
+    writing: asyncio.Future | None = None  # reads of the room's pages still under way
 
 
-class PrefillService:
+class PrefillService(EngineRole):
     def __init__(
         self,
-        engine: Engine,
-        info: dict[str, Any],
+        cfg: EngineConfig,
         host: str,
         port: int,
         timeout_s: float = 30.0,
-        mooncake: Any = None,
+        backend: str = "tcp",
         secret: bytes = b"",
+        faults: Faults | None = None,
     ) -> None:
-        self.engine = engine
-        self.info = info
+        self.faults = faults if faults is not None else Faults()
+        super().__init__(Engine(cfg, self.faults, hooks=self))
         self.secret = secret  # I8: every frame is MACed under keys derived from it
-        # Set: pages go by one-sided writes into decode's pool; frames carry only checksums.
-        self.mooncake = mooncake
-        self._remote: dict[Connection, dict] = {}
         self.host, self.port = host, port
         # What decode workers should dial: the bind address unless it is a wildcard.
         self.advertise_host = "127.0.0.1" if host in ("0.0.0.0", "") else host
+        self.link = page_sender(backend, self.engine.pool, self.advertise_host)
+        self.pairing = node_info(self.engine, "prefill", model_fingerprint(cfg.model), backend)
+        if cfg.unsafe_skip_preflight:
+            self.pairing["unsafe_skip_capacity"] = True
         self.timeout_s = timeout_s
         self.rooms: dict[str, _Room] = {}
         self.transfer_stats = TransferStats("prefill")
@@ -70,10 +75,6 @@ class PrefillService:
         self.loop = self.io.loop
         self._server: Listener | None = None
         self._conns: set[Connection] = set()
-        self._run_bufs: list[bytearray] = []  # gather buffers, reused across rooms
-        # Gathers and checksums of the next run while the loop sends the current one.
-        self._gather = ThreadPoolExecutor(1, thread_name_prefix="kvfence-prefill-kv")
-        engine.hooks = self
 
     # ---- lifecycle ------------------------------------------------------------------------------
 
@@ -84,11 +85,13 @@ class PrefillService:
 
     def shutdown(self) -> None:
         self.io.stop()
-        self._gather.shutdown(wait=True)
+        self.link.close()
         self.engine.shutdown()
 
     async def _listen(self) -> None:
-        self._server = await Listener.start(self.host, self.port, self._serve_conn, self.secret)
+        self._server = await Listener.start(
+            self.host, self.port, self._serve_conn, self.secret, self.faults
+        )
         self.port = self._server.port
         asyncio.ensure_future(self._expire())
 
@@ -98,10 +101,10 @@ class PrefillService:
         for conn in list(self._conns):
             conn.close()
 
-    def pd_metrics(self) -> Any:
+    def metrics(self) -> Iterable[Metric]:
         return self.transfer_stats.metrics(self.engine.stats().pages_handoff)
 
-    def pd_info(self) -> dict[str, Any]:
+    def info(self) -> dict[str, Any]:
         return {
             "role": "prefill",
             "bootstrap_host": self.advertise_host,
@@ -111,10 +114,10 @@ class PrefillService:
             "page_size": self.engine.pool.page_size,
             "counters": self.transfer_stats.snapshot(),
             "transfer_marks": self.transfer_stats.marks(),
-            "pairing": {k: v for k, v in self.info.items() if k != "mooncake"},
+            "pairing": dict(self.pairing),
         }
 
-    # ---- the engine facade the HTTP layer talks to ------------------------------------------
+    # ---- the role the HTTP layer talks to ------------------------------------------------------
 
     def submit(self, req: GenerateRequest, sink: Any) -> Admitted | Rejected:
         """Prefill work arrives as RESERVEs from decode workers, never over HTTP."""
@@ -123,9 +126,6 @@ class PrefillService:
             "pd_route_required",
             "This is a prefill worker: send requests through the kvfence router.",
         )
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self.engine, name)
 
     # ---- engine hooks (engine thread) -----------------------------------------------------------
 
@@ -159,7 +159,7 @@ class PrefillService:
         finally:
             conn.close()
             self._conns.discard(conn)
-            self._remote.pop(conn, None)
+            self.link.peer_left(conn)
             for rid, room in list(self.rooms.items()):
                 if room.conn is conn:
                     self._feed(rid, p.ConnectionLost())
@@ -168,16 +168,15 @@ class PrefillService:
         msg, _ = await asyncio.wait_for(conn.recv(), self.timeout_s)
         if not isinstance(msg, wire.Hello):
             raise wire.WireError("expected Hello")
-        problem = pairing_problem(self.info, msg.info)
+        problem = pairing_problem(self.pairing, msg.info, self.faults.guards())
         if problem is not None:
             self.transfer_stats.inc("pairing_refused")
             log.error("refusing to pair with decode %s: %s", conn.peer, problem)
             await conn.send(wire.HelloRefused(problem))
             return False
-        if self.mooncake is not None:
-            self._remote[conn] = msg.info["mooncake"]
+        self.link.peer_joined(conn, msg.info)
         server_nonce = auth.new_nonce()
-        await conn.send(wire.HelloOk({**self.info, "nonce": server_nonce}))
+        await conn.send(wire.HelloOk({**self.pairing, "nonce": server_nonce}))
         conn.start_session(str(msg.info.get("nonce", "")), server_nonce)
         return True
 
@@ -207,15 +206,13 @@ class PrefillService:
             return
         verdict: Any
         try:
-            fields = dict(r.sampling)
-            for key in ("stop", "stop_token_ids"):
-                fields[key] = tuple(fields.get(key) or ())
-            sampling = SamplingParams(**{**fields, "max_tokens": r.max_tokens})
+            # max_tokens as decode's admission resolved it (the request's may be None).
+            sampling = replace(SamplingParams.from_dict(r.sampling), max_tokens=r.max_tokens)
             req = GenerateRequest(r.room, r.tenant, r.prompt, sampling)
             verdict = self.engine.submit(req, _ignore, SeqMode.PREFILL_ONLY)
         except (TypeError, ValueError) as e:
             verdict = Rejected(r.room, "invalid_request", f"bad RESERVE: {e}")
-        if isinstance(verdict, Rejected) and faults.active("placeholder_on_reject"):
+        if isinstance(verdict, Rejected) and self.faults.active("placeholder_on_reject"):
             # The incident's engine bug, on purpose: keep going with a 1-token stand-in.
             one = GenerateRequest(
                 r.room, r.tenant, r.prompt[:1] or (0,), SamplingParams(max_tokens=1)
@@ -226,11 +223,11 @@ class PrefillService:
             event = p.ReserveArrived(False, verdict.code, verdict.message, 400)
         else:
             event = p.ReserveArrived(True)
-        state, actions = p.prefill_open(r.room, event)
+        # Nothing of a room being opened is in flight yet: its sends need no fence.
+        state = glue.prefill_start(r.room, event, _RoomEffects(self, r.room, conn, None))
         if state.state is not p.PState.CLOSED:
             now = time.monotonic()
             self.rooms[r.room] = _Room(state, conn, r, now + self.timeout_s, now)
-        self._execute(r.room, conn, actions)
 
     def _prefilled(self, seq: Sequence) -> None:
         room = self.rooms.get(seq.request_id)
@@ -245,136 +242,71 @@ class PrefillService:
 
     def _feed(self, rid: str, event: Any, conn: Connection | None = None) -> None:
         room = self.rooms.get(rid)
-        if room is None or (conn is not None and room.conn is not conn):
-            if isinstance(event, p.AbortArrived) and conn is not None:
-                # Idempotent: an abort of a room we no longer hold is still acknowledged.
-                asyncio.ensure_future(_safe_send(conn, p.AbortAck(rid)))
+        if room is not None and conn is not None and room.conn is not conn:
+            room = None  # a room of another connection: this peer cannot touch it
+        fx = _RoomEffects(self, rid, conn if room is None else room.conn, room)
+        state = glue.prefill_feed(
+            rid, None if room is None else room.state, event, self.faults.guards(), fx
+        )
+        if room is None or state is None:
             return
-        guards = p.Guards(frozenset({"abort_ack"})) if faults.active("drop_abort_ack") else p.ALL_ON
-        room.state, actions = p.prefill_step(room.state, event, guards)
-        if room.state.state is p.PState.CLOSED:
+        room.state = state
+        if state.state is p.PState.CLOSED:
             del self.rooms[rid]
-        self._execute(rid, room.conn, actions, room)
-
-    def _execute(
-        self, rid: str, conn: Connection, actions: tuple[p.Action, ...], room: _Room | None = None
-    ) -> None:
-        for a in actions:
-            if isinstance(a, p.Send):
-                if isinstance(a.message, p.Abort):
-                    self.transfer_stats.inc("aborts_sent")
-                writing = room.writing if room is not None else None
-                asyncio.ensure_future(_send_after(writing, conn, a.message))
-            elif isinstance(a, p.StartCompute):
-                pass  # the engine already queued it at admission
-            elif isinstance(a, p.CancelCompute):
-                self.engine.abort(rid)
-            elif isinstance(a, p.ReleasePages):
-                if room is not None and room.writing is not None and not room.writing.done():
-                    # A one-sided write may still be reading these pages: free after it.
-                    room.writing.add_done_callback(lambda _f, rid=rid: self.engine.release(rid))
-                else:
-                    self.engine.release(rid)
-            elif isinstance(a, p.StopSending):
-                if room is not None:
-                    room.stop_sending = True
-            elif isinstance(a, p.SendPages):
-                assert room is not None
-                asyncio.ensure_future(self._send_pages(rid, room))
 
     async def _send_pages(self, rid: str, room: _Room) -> None:
         assert room.seq is not None and room.first_token is not None
         started = self.transfer_stats.mark(rid, "send_start")
         n_tokens = room.seq.prompt_len  # what was computed (a placeholder's is shorter)
-        late = faults.active("late_write")
-        corrupt = faults.active("corrupt_page")  # decided once per room (chaos fires per room)
-        if faults.active("stall_transfer"):
-            await asyncio.sleep(faults.STALL_S)
+        late = self.faults.active("late_write")
+        corrupt = self.faults.active("corrupt_page")  # decided once per room (chaos: per room)
+        if self.faults.active("stall_transfer"):
+            await asyncio.sleep(self.faults.stall_s)
             if (room.stop_sending and not late) or room.conn.closed:
                 return
         if not self._source_is_sound(room.seq, n_tokens):
             self.transfer_stats.inc("source_integrity_errors")
             self._feed(rid, p.ComputeFailed("kv_integrity_error", "KV source check failed"))
             return
-        bufs: list[bytearray] = []  # gather buffers of this room, two while runs overlap
-        pending: asyncio.Future | None = None  # the next run's gather and checksums
+        pool = self.engine.pool
+        runs = kvio.runs(pool, n_tokens)
+        if self.faults.active("truncate_transfer"):
+            first_count = min(n_tokens, pool.page_size)
+            runs, n_tokens = [(0, 1, first_count)], first_count
+        n_pages = sum(n for _, n, _ in runs)
+
+        def hold(fut: asyncio.Future) -> None:
+            room.writing = fut
+
+        def sent(n: int, count: int) -> None:
+            if self.faults.active("kill_prefill"):
+                self.faults.crash("kill_prefill")
+            self.transfer_stats.inc("pages_sent", n)
+            self.transfer_stats.inc("bytes_sent", n * kvio.payload_size(pool, count))
+
+        job = RoomSend(
+            rid,
+            room.conn,
+            pool,
+            list(room.seq.pages),
+            list(room.reserve.dst_pages),
+            runs,
+            n_tokens,
+            corrupt,
+            cancelled=lambda: room.stop_sending,
+            stopped=lambda: (room.stop_sending and not late) or room.conn.closed,
+            hold=hold,
+            sent=sent,
+        )
         try:
-            pool = self.engine.pool
-            src = list(room.seq.pages)
-            runs = kvio.runs(pool, n_tokens)
-            if faults.active("truncate_transfer"):
-                first_count = min(n_tokens, pool.page_size)
-                runs, n_tokens = [(0, 1, first_count)], first_count
-            n_pages = sum(n for _, n, _ in runs)
-            sums: list[tuple[int, int]] = []
-            if self.mooncake is not None:
-                if room.stop_sending:
-                    return
-                # The fence: no frame of this room leaves until its writes have completed.
-                room.writing = asyncio.get_running_loop().run_in_executor(
-                    None,
-                    self.mooncake.write_tokens,
-                    self._remote[room.conn],
-                    src,
-                    list(room.reserve.dst_pages),
-                    n_tokens,
-                )
-                await room.writing
-                # The pages went one-sidedly; frames carry their checksums, hashed in place.
-                all_sums = kvio.pool_checksums(pool, src, n_tokens)
-            # A CPU pool's runs go straight from its pages (no copy); a GPU pool's, or a
-            # corrupted one's (fault injection), are gathered into buffers first.
-            copy = self.mooncake is None and (corrupt or pool.k.is_cuda)
-            size = max(kvio.RUN_BYTES, *(kvio.payload_size(pool, c) for _, _, c in runs))
-            for _ in range(2 if copy else 0):
-                bufs.append(self._run_bufs.pop() if self._run_bufs else bytearray(size))
-            for i, (first, n, count) in enumerate(runs):
-                payload: wire.Payload = b""
-                sending: asyncio.Future | None = None
-                if self.mooncake is None:
-                    # Run i is hashed (and gathered) off the loop while run i - 1 is being
-                    # sent (send() returns once the bytes are in the kernel: the pages or the
-                    # buffer are free again then). room.writing holds the pages until every
-                    # read of them is over, should the room be released meanwhile.
-                    if pending is None:
-                        pending = self._prepare(pool, src, runs[i], bufs, i, corrupt)
-                    room.writing = pending
-                    payload, run_sums = await pending
-                    pending = None
-                    if (room.stop_sending and not late) or room.conn.closed:
-                        return
-                    if i + 1 < len(runs):
-                        pending = self._prepare(pool, src, runs[i + 1], bufs, i + 1, corrupt)
-                    sending = self.loop.create_future()
-                    held = [f for f in (pending, sending) if f is not None]
-                    room.writing = asyncio.gather(*held, return_exceptions=True)
-                else:
-                    if (room.stop_sending and not late) or room.conn.closed:
-                        return
-                    run_sums = all_sums[first : first + n]
-                sums += [(first + i, c) for i, c in enumerate(run_sums)]
-                try:
-                    await room.conn.send(wire.PageRun(rid, first, count, tuple(run_sums)), payload)
-                finally:
-                    if sending is not None:
-                        sending.set_result(None)
-                if faults.active("kill_prefill"):
-                    os._exit(137)
-                self.transfer_stats.inc("pages_sent", n)
-                self.transfer_stats.inc("bytes_sent", n * kvio.payload_size(pool, count))
+            sums = await self.link.send_room(job)
         except ConnectionError:
             return  # the reader sees the close and feeds ConnectionLost
         except Exception as e:  # a failed one-sided write: abort the room with the reason
             log.error("sending room %s failed: %s", rid, e)
             self._feed(rid, p.TimedOut())
             return
-        finally:
-            if pending is not None and not pending.done():
-                # A gather is still writing into one of them: reuse them once it is over.
-                pending.add_done_callback(lambda _f, b=bufs: self._run_bufs.extend(b))
-            else:
-                self._run_bufs.extend(bufs)
-        if room.stop_sending:
+        if sums is None or room.stop_sending:
             return
         first_lp: dict = {}
         if room.seq.pending_logprobs:
@@ -388,38 +320,10 @@ class PrefillService:
         self.transfer_stats.observe_latency(now - room.started)
         self._feed(rid, p.SendComplete(done))
 
-    def _prepare(
-        self,
-        pool: kvio.KVPool,
-        src: list[int],
-        run: tuple[int, int, int],
-        bufs: list[bytearray],
-        i: int,
-        corrupt: bool,
-    ) -> asyncio.Future:
-        """A run's payload and its per-page checksums, on the gather thread (numpy and xxhash
-        release the GIL over whole blocks, so the loop keeps sending): views of the pool's
-        pages, or a copy in bufs[i % 2] when there are buffers."""
-        first, n, count = run
-        pages = src[first : first + n]
-
-        def work() -> tuple[wire.Payload, list[int]]:
-            if not bufs:
-                return kvio.pool_blocks(pool, pages, count), kvio.pool_checksums(
-                    pool, pages, n * count
-                )
-            data = kvio.gather(pool, pages, count, bufs[i % 2])
-            sums = kvio.run_checksums(data)
-            if first == 0 and corrupt:
-                data[0, 0, 0, 0] ^= 0xFF  # after checksumming: the receiver must notice
-            return memoryview(data.numpy()).cast("B"), sums
-
-        return self.loop.run_in_executor(self._gather, work)
-
     def _source_is_sound(self, seq: Sequence, n_tokens: int) -> bool:
         """I2 on the transfer source: every page sent must be owned by the room's grant and
         hold data written under it (one compare over the room's pages)."""
-        if faults.active("skip_tag_check") or seq.grant is None:
+        if not self.faults.guards().on("tag_check") or seq.grant is None:
             return seq.grant is not None
         pool = self.engine.pool
         if not pool.check_source(seq.grant, seq.pages, n_tokens):
@@ -442,6 +346,44 @@ class PrefillService:
                     log.warning("room %s timed out in %s", rid, room.state.state.value)
                     self._feed(rid, p.TimedOut())
 
+
+
+class _RoomEffects:
+    """What prefill's glue actions do to one room (glue.PrefillEffects), on the io loop. room is
+    None for a room being opened or one prefill no longer holds."""
+
+    def __init__(
+        self, svc: PrefillService, rid: str, conn: Connection | None, room: _Room | None
+    ) -> None:
+        self.svc, self.rid, self.conn, self.room = svc, rid, conn, room
+
+    def send(self, message: p.Message, fenced: bool) -> None:
+        if self.conn is None:
+            return
+        if isinstance(message, p.Abort):
+            self.svc.transfer_stats.inc("aborts_sent")
+        writing = self.room.writing if fenced and self.room is not None else None
+        asyncio.ensure_future(_send_after(writing, self.conn, message))
+
+    def cancel_compute(self) -> None:
+        self.svc.engine.abort(self.rid)
+
+    def release(self) -> None:
+        engine, rid = self.svc.engine, self.rid
+        writing = None if self.room is None else self.room.writing
+        if writing is not None and not writing.done():
+            # A write (one-sided, or a send from the pages) may still read them: free after it.
+            writing.add_done_callback(lambda _f: engine.release(rid))
+        else:
+            engine.release(rid)
+
+    def stop_sending(self) -> None:
+        if self.room is not None:
+            self.room.stop_sending = True
+
+    def send_pages(self) -> None:
+        assert self.room is not None
+        asyncio.ensure_future(self.svc._send_pages(self.rid, self.room))
 
 def _ignore(_: RequestOutput) -> None:
     """Prefill sequences have no HTTP client; their result travels as pages and DONE."""

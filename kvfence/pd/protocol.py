@@ -16,6 +16,10 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field, replace
 
+# The one Guards type of kvfence, re-exported: the model checker and the services read it here.
+from kvfence.guards import ALL_ON as ALL_ON
+from kvfence.guards import Guards as Guards
+
 # ---- messages --------------------------------------------------------------------------------
 
 
@@ -30,16 +34,6 @@ class Reserve:
     max_tokens: int
     dst_pages: tuple[int, ...]
     grant: int
-
-
-@dataclass(frozen=True)
-class Page:
-    """prefill -> decode: one page of K/V (the payload travels beside the header)."""
-
-    room: str
-    index: int  # position in dst_pages
-    n_tokens: int  # valid tokens in this page
-    checksum: int
 
 
 @dataclass(frozen=True)
@@ -71,7 +65,7 @@ class AbortAck:
     room: str
 
 
-Message = Reserve | Page | Done | DoneAck | Abort | AbortAck
+Message = Reserve | Done | DoneAck | Abort | AbortAck
 
 # ---- actions ---------------------------------------------------------------------------------
 
@@ -213,20 +207,8 @@ DecodeEvent = (
     | ConnectionLost
 )
 
+# The guards the state machines read; the others of kvfence.guards.Guards apply elsewhere.
 GUARDS = frozenset({"count_check", "checksum", "deferred_release", "abort_ack"})
-
-
-@dataclass(frozen=True)
-class Guards:
-    """Which guards are on. Only the model checker's mutation twins and fault tests turn any off."""
-
-    off: frozenset[str] = field(default_factory=frozenset)
-
-    def on(self, guard: str) -> bool:
-        return guard not in self.off
-
-
-ALL_ON = Guards()
 
 
 def digest_of(checksums: tuple[tuple[int, int], ...], n_tokens: int) -> int:

@@ -3,7 +3,7 @@
 frame = MAGIC | u32 header_len | u64 payload_len | u64 seq | mac (16) | header (JSON) | payload.
 The MAC (pd/auth.py) covers everything but itself. Sizes are bounded so a malformed or hostile
 frame is refused before anything is allocated for it. K/V travel as PageRun frames: a run of a
-room's pages in one frame (the protocol's per-page Page events, batched for the wire).
+room's pages in one frame (decode feeds its pages to the protocol as one RunArrived).
 """
 
 from __future__ import annotations
@@ -61,12 +61,6 @@ class PageRun:
     first: int
     n_tokens: int
     checksums: tuple[int, ...]
-
-    def pages(self) -> list[p.Page]:
-        return [
-            p.Page(self.room, self.first + i, self.n_tokens, c)
-            for i, c in enumerate(self.checksums)
-        ]
 
 
 Frame = p.Message | Hello | HelloOk | HelloRefused | Heartbeat | PageRun

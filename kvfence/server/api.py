@@ -16,8 +16,9 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel, ValidationError
 
-from kvfence import faults
-from kvfence.server.app_state import AppState, EngineLike, TokenizerLike
+from kvfence.faults import Faults
+from kvfence.role import RoleService, TokenizerLike
+from kvfence.server.app_state import AppState
 from kvfence.server.auth import Authenticator, load_api_keys, single_authorization
 from kvfence.server.errors import (
     SERVER_ERROR,
@@ -46,16 +47,19 @@ _M = TypeVar("_M", bound=BaseModel)
 
 
 def build_app(
-    engine: EngineLike,
+    engine: RoleService,
     *,
     api_keys: dict[str, str] | None,
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+    faults: Faults | None = None,
 ) -> FastAPI:
-    """The app for one engine. It neither starts nor stops the engine (serve() does)."""
+    """The app for one role. It neither starts nor stops the role (serve() does). faults: the
+    process's fault points (the I6 twin's); no request can arm one."""
     if max_body_bytes < 1:
         raise ValueError("max_body_bytes must be >= 1")
     metrics = ServerMetrics(engine)
-    state = AppState(engine, Authenticator(api_keys), metrics, max_body_bytes)
+    faults = faults if faults is not None else Faults()
+    state = AppState(engine, Authenticator(api_keys), metrics, max_body_bytes, faults)
     app = FastAPI(title="kvfence", docs_url=None, redoc_url=None, openapi_url=None)
     app.state.kvfence = state
     install_handlers(app)
@@ -73,18 +77,7 @@ def build_app(
     @app.get("/pd/info")
     async def pd_info() -> JSONResponse:
         # The router learns each worker's role and bootstrap address here.
-        describe = getattr(engine, "pd_info", None)
-        if describe is not None:
-            return JSONResponse(describe())
-        return JSONResponse(
-            {
-                "role": "unified",
-                "bootstrap_host": None,
-                "bootstrap_port": None,
-                "model": engine.model_name,
-                "context_length": engine.context_length,
-            }
-        )
+        return JSONResponse(engine.info())
 
     @app.get("/metrics")
     async def metrics_route() -> Response:
@@ -166,12 +159,11 @@ def build_app(
     return app
 
 
-def _ready_line(engine: EngineLike, host: str, port: int) -> str:
+def _ready_line(engine: RoleService, host: str, port: int) -> str:
     url = f"http://{host}:{port}"
-    describe = getattr(engine, "pd_info", None)
-    if describe is not None:
+    role = engine.info()["role"]
+    if role != "unified":
         # A PD worker takes no client requests: point at the router, not at a sample curl.
-        role = describe()["role"]
         return f"kvfence {role} worker ready: {url} (clients go through `kvfence router`)"
     body = json.dumps(
         {
@@ -189,13 +181,14 @@ def _ready_line(engine: EngineLike, host: str, port: int) -> str:
 
 
 def serve(
-    engine: EngineLike,
+    engine: RoleService,
     host: str,
     port: int,
     api_key_file: str | None,
     *,
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
     log_level: str = "info",
+    faults: Faults | None = None,
 ) -> None:
     """Run the HTTP server until interrupted. Owns the engine's lifetime: start() before the
     socket opens, shutdown() after the last connection closes."""
@@ -205,7 +198,7 @@ def serve(
         logging.basicConfig(
             level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
         )
-    app = build_app(engine, api_keys=api_keys, max_body_bytes=max_body_bytes)
+    app = build_app(engine, api_keys=api_keys, max_body_bytes=max_body_bytes, faults=faults)
     config = server_config(app, host=host, port=port, log_level=log_level)
     # uvicorn drains connections on SIGINT/SIGTERM, then re-raises the signal; SIGTERM's default
     # action would kill us before the engine shuts down, so both arrive as KeyboardInterrupt.
@@ -229,7 +222,7 @@ def _interrupt(signum: int, frame: FrameType | None) -> None:
 # ---- request handling ------------------------------------------------------------------------
 
 
-def _engine_alive(engine: EngineLike) -> bool:
+def _engine_alive(engine: RoleService) -> bool:
     try:
         return bool(engine.alive)
     except Exception:
@@ -237,7 +230,7 @@ def _engine_alive(engine: EngineLike) -> bool:
         return False
 
 
-def _model_card(engine: EngineLike) -> dict[str, Any]:
+def _model_card(engine: RoleService) -> dict[str, Any]:
     return {
         "id": engine.model_name,
         "object": "model",
@@ -250,7 +243,7 @@ def _model_card(engine: EngineLike) -> dict[str, Any]:
 def _authenticate(state: AppState, request: Request) -> str:
     # I6: the tenant comes from the credential only; body fields and headers never name it.
     tenant = state.auth.tenant_for(single_authorization(request.headers.getlist("authorization")))
-    if faults.active("tenant_from_header") and request.headers.get("x-tenant"):
+    if not state.faults.guards().on("credential_tenant") and request.headers.get("x-tenant"):
         tenant = request.headers["x-tenant"]  # the bug I6 forbids, for its twin test only
     record(request).tenant = tenant
     return tenant
@@ -263,7 +256,7 @@ def _parse(model: type[_M], body: bytes) -> _M:
         raise from_validation_error(e) from None
 
 
-def _check_model(engine: EngineLike, name: str) -> None:
+def _check_model(engine: RoleService, name: str) -> None:
     if name != engine.model_name:
         raise APIError(
             404,
@@ -303,7 +296,7 @@ def _render_chat(tokenizer: TokenizerLike, messages: list[dict[str, Any]]) -> li
         ) from e
 
 
-def _token_text(engine: EngineLike, as_ids: bool | None = False) -> Any:
+def _token_text(engine: RoleService, as_ids: bool | None = False) -> Any:
     if as_ids:
         return lambda token_id: f"token_id:{token_id}"
     tok = engine.tokenizer

@@ -1,5 +1,5 @@
-"""What the HTTP layer needs from an engine (EngineLike), the per-app state, and the bridge that
-carries one HTTP request's generations from the engine thread onto the event loop."""
+"""The per-app state of the HTTP layer, and the bridge that carries one HTTP request's generations
+from the engine thread onto the event loop."""
 
 from __future__ import annotations
 
@@ -8,48 +8,25 @@ import contextlib
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any
 
 from starlette.types import Receive
 
-from kvfence.engine.admission import Admitted, Rejected
+from kvfence.engine.admission import Rejected
 from kvfence.engine.request import GenerateRequest, RequestOutput
+from kvfence.faults import Faults
+from kvfence.role import RoleService
 from kvfence.server.auth import Authenticator
 from kvfence.server.metrics import ServerMetrics
 
 
-class TokenizerLike(Protocol):
-    vocab_size: int
-
-    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]: ...
-    def decode(self, ids: list[int]) -> str: ...
-    def encode_chat(
-        self, messages: list[dict[str, Any]], add_generation_prompt: bool = True
-    ) -> list[int]: ...
-
-
-class EngineLike(Protocol):
-    model_name: str
-    context_length: int
-    tokenizer: TokenizerLike
-
-    def start(self) -> None: ...
-    def shutdown(self) -> None: ...
-    @property
-    def alive(self) -> bool: ...  # the engine loop thread is running
-    def submit(
-        self, req: GenerateRequest, sink: Callable[[RequestOutput], None]
-    ) -> Admitted | Rejected: ...
-    def abort(self, request_id: str) -> None: ...
-    def stats(self) -> Any: ...
-
-
 @dataclass
 class AppState:
-    engine: EngineLike
+    engine: RoleService
     auth: Authenticator
     metrics: ServerMetrics
     max_body_bytes: int
+    faults: Faults
 
 
 _CLIENT_GONE = object()
@@ -62,7 +39,7 @@ class Generation:
     (choice index, output) events. close() aborts whatever has not finished; it is idempotent
     and every exit path calls it, so a client that goes away never leaves work in the engine."""
 
-    def __init__(self, engine: EngineLike, requests: list[GenerateRequest]) -> None:
+    def __init__(self, engine: RoleService, requests: list[GenerateRequest]) -> None:
         self.engine = engine
         self.requests = requests
         self._index = {r.request_id: i for i, r in enumerate(requests)}

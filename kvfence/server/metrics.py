@@ -7,7 +7,7 @@ import logging
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from prometheus_client import (
     CONTENT_TYPE_LATEST,
@@ -19,6 +19,9 @@ from prometheus_client import (
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+if TYPE_CHECKING:
+    from kvfence.role import RoleService
 
 logger = logging.getLogger("kvfence.server")
 
@@ -43,9 +46,9 @@ _ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0
 
 
 class _PoolCollector(Collector):
-    """Reads engine.stats() at scrape time, so the gauges are never stale."""
+    """Reads the role's stats() and metrics() at scrape time, so the gauges are never stale."""
 
-    def __init__(self, engine: Any) -> None:
+    def __init__(self, engine: RoleService) -> None:
         self._engine = engine
 
     def describe(self) -> list[Metric]:
@@ -68,22 +71,16 @@ class _PoolCollector(Collector):
             ("kvfence_requests_waiting", "Requests admitted and waiting.", s.waiting),
         ):
             yield GaugeMetricFamily(name, doc, value=float(value))
-        pd_metrics = getattr(self._engine, "pd_metrics", None)
-        if pd_metrics is not None:
-            yield from pd_metrics()
-        failures = getattr(s, "integrity_failures", None)
-        if failures is not None:
-            yield CounterMetricFamily(
-                "kvfence_kv_integrity_errors",
-                "Requests failed closed by the KV page ownership check (I2).",
-                value=failures,
-            )
+        yield from self._engine.metrics()
+        yield CounterMetricFamily(
+            "kvfence_kv_integrity_errors",
+            "Requests failed closed by the KV page ownership check (I2).",
+            value=s.integrity_failures,
+        )
         yield from _prefix_cache_metrics(s)
-        preemptions = getattr(s, "preemptions", None)
-        if preemptions is not None:
-            yield CounterMetricFamily(
-                "kvfence_preemptions", "Sequences preempted for pages.", value=float(preemptions)
-            )
+        yield CounterMetricFamily(
+            "kvfence_preemptions", "Sequences preempted for pages.", value=float(s.preemptions)
+        )
 
 
 def _prefix_cache_metrics(s: Any) -> Iterator[Metric]:
@@ -123,7 +120,7 @@ def _prefix_cache_metrics(s: Any) -> Iterator[Metric]:
 
 
 class ServerMetrics:
-    def __init__(self, engine: Any) -> None:
+    def __init__(self, engine: RoleService) -> None:
         # A registry per app: several apps in one process (tests, router + node) must not clash.
         self.registry = CollectorRegistry(auto_describe=True)
         r = self.registry

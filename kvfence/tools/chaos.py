@@ -13,6 +13,7 @@ import argparse
 import json
 import random
 import re
+import secrets
 import sys
 import tempfile
 import threading
@@ -24,6 +25,7 @@ from pathlib import Path
 
 import httpx
 
+from kvfence import env
 from kvfence.sse import iter_events
 from kvfence.tools.canary import CanaryRegistry, build_prompt
 from kvfence.tools.cluster import LocalCluster
@@ -49,12 +51,15 @@ class Tally:
             self.outcomes[outcome] += 1
 
 
-def start_cluster(model: str, prefill: int, ctx: int, tmp: Path, rate: float) -> LocalCluster:
-    env = {
-        "KVFENCE_FAULT_INJECTION": "1",
-        "KVFENCE_FAULTS": FAULTS,
-        "KVFENCE_FAULT_RATE": str(rate),
-        "KVFENCE_STALL_S": "0.3",
+def start_cluster(
+    model: str, prefill: int, ctx: int, tmp: Path, rate: float, fault_seed: int
+) -> LocalCluster:
+    children = {
+        env.FAULT_INJECTION: "1",
+        env.FAULTS: FAULTS,
+        env.FAULT_RATE: str(rate),
+        env.FAULT_SEED: str(fault_seed),
+        env.STALL_S: "0.3",
     }
     return LocalCluster(
         tmp,
@@ -70,7 +75,7 @@ def start_cluster(model: str, prefill: int, ctx: int, tmp: Path, rate: float) ->
         "--disaggregation-timeout",
         "3",
         keys=TENANTS,
-        env=env,
+        env=children,
     )
 
 
@@ -191,9 +196,10 @@ def run(
     concurrency: int = 4,
     seed: int = 0,
     rate: float = 0.05,
+    fault_seed: int = 0,
 ) -> dict:
     with tempfile.TemporaryDirectory() as tmp:
-        cluster = start_cluster(model, prefill, ctx, Path(tmp), rate)
+        cluster = start_cluster(model, prefill, ctx, Path(tmp), rate, fault_seed)
         try:
             tally = soak(cluster.url, ctx, duration, concurrency, seed, model)
             baseline = False
@@ -222,6 +228,7 @@ def run(
         return {
             "prefill": prefill,
             "duration_s": duration,
+            "fault_seed": fault_seed,
             "requests": tally.requests,
             "outcomes": dict(tally.outcomes),
             "fault_effects_seen": injected,
@@ -241,7 +248,15 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--concurrency", type=int, default=4)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--fault-rate", type=float, default=0.05)
+    ap.add_argument(
+        "--fault-seed",
+        type=int,
+        default=None,
+        help="seed of the workers' fault draws (default: a fresh one, printed, to replay a run)",
+    )
     args = ap.parse_args(argv)
+    fault_seed = secrets.randbits(32) if args.fault_seed is None else args.fault_seed
+    print(f"chaos: fault seed {fault_seed} (replay with --fault-seed {fault_seed})", flush=True)
     ok = True
     for prefill in (1, 2):
         res = run(
@@ -251,6 +266,7 @@ def main(argv: list[str] | None = None) -> int:
             concurrency=args.concurrency,
             seed=args.seed,
             rate=args.fault_rate,
+            fault_seed=fault_seed,
         )
         print(json.dumps(res, indent=2))
         ok &= not res["leaks"] and not res["short_or_wrong_200"] and res["pools_at_baseline"]

@@ -36,6 +36,7 @@ from kvfence.args import (
     add_options,
     command_line,
 )
+from kvfence.env import cluster_secret
 from kvfence.pd import auth
 
 BUNDLED_MODEL = Path(__file__).resolve().parents[2] / "models" / "kvfence-tiny"
@@ -338,7 +339,7 @@ def run_up(args: argparse.Namespace) -> int:
     secret_dir = None
     if args.cluster_secret_file:
         args.cluster_secret_file = str(Path(args.cluster_secret_file).resolve())
-    elif not os.environ.get(auth.ENV):
+    elif not cluster_secret():
         # I8: the workers of this cluster share a fresh secret nobody else knows.
         secret_dir = tempfile.TemporaryDirectory(prefix="kvfence-up-")
         path = Path(secret_dir.name) / "cluster-secret"

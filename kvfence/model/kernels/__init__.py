@@ -14,13 +14,14 @@ from __future__ import annotations
 
 import hashlib
 import logging
-import os
 import platform
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from functools import cache
 from pathlib import Path
+
+from kvfence import env
 
 log = logging.getLogger(__name__)
 HERE = Path(__file__).resolve().parent
@@ -47,7 +48,7 @@ def _build(stem: str) -> object | None:
             sources=[str(src)],
             extra_cflags=["-O3", "-march=native", "-fopenmp", "-fno-math-errno"],
             extra_ldflags=["-fopenmp"],
-            verbose=os.environ.get("KVFENCE_KERNEL_VERBOSE") == "1",
+            verbose=env.kernel_verbose(),
         )
     except Exception as e:  # no compiler, no ninja, a broken toolchain: fall back, say why
         log.warning("native kernel %s unavailable (%s); using the torch path", stem, e)

@@ -17,7 +17,7 @@ import asyncio
 import socket
 from collections.abc import Awaitable, Callable
 
-from kvfence import faults
+from kvfence.faults import Faults
 from kvfence.pd import auth, wire
 
 _STAGE = 64 << 10  # small reads (prefixes, headers) go through a staging buffer of this size
@@ -29,7 +29,9 @@ _IOV_MAX = 1024  # buffers per sendmsg (Linux's UIO_MAXIOV)
 
 
 class Connection:
-    def __init__(self, sock: socket.socket, secret: bytes, client: bool) -> None:
+    def __init__(
+        self, sock: socket.socket, secret: bytes, client: bool, faults: Faults | None = None
+    ) -> None:
         sock.setblocking(False)
         if sock.family in (socket.AF_INET, socket.AF_INET6):  # tests also use socketpairs
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
@@ -41,6 +43,7 @@ class Connection:
         self.closed = False
         self.secret = secret
         self.client = client  # decode dials, prefill accepts: it picks each direction's key
+        self._faults = faults if faults is not None else Faults()
         hello = auth.HelloMac(auth.hello_key(secret))
         self._mac_out: auth.FrameMac = hello
         self._mac_in: auth.FrameMac = hello
@@ -58,7 +61,9 @@ class Connection:
             self.peer = None
 
     @classmethod
-    async def open(cls, host: str, port: int, timeout: float, secret: bytes) -> Connection:
+    async def open(
+        cls, host: str, port: int, timeout: float, secret: bytes, faults: Faults | None = None
+    ) -> Connection:
         loop = asyncio.get_running_loop()
 
         async def dial() -> socket.socket:
@@ -76,7 +81,7 @@ class Connection:
                     err = e
             raise err or OSError(f"cannot resolve {host}")
 
-        return cls(await asyncio.wait_for(dial(), timeout), secret, client=True)
+        return cls(await asyncio.wait_for(dial(), timeout), secret, client=True, faults=faults)
 
     def start_session(self, client_nonce: str, server_nonce: str) -> None:
         """Switch both directions to their session keys once HELLO/HELLO_OK are exchanged."""
@@ -143,7 +148,7 @@ class Connection:
             self._lent = buf
             payload = memoryview(buf)[:payload_len]
             await self._read_into(payload)
-        if not faults.active("skip_mac"):
+        if self._faults.guards().on("mac"):
             expected = self._mac_in.tag(seq, prefix, header, payload)
             if not auth.verify(expected, tag):
                 raise wire.WireError("bad MAC: forged, corrupted or from another connection")
@@ -231,27 +236,38 @@ class Listener:
     """Accepts connections on host:port and runs handler(conn) for each."""
 
     def __init__(
-        self, sock: socket.socket, handler: Callable[[Connection], Awaitable[None]], secret: bytes
+        self,
+        sock: socket.socket,
+        handler: Callable[[Connection], Awaitable[None]],
+        secret: bytes,
+        faults: Faults | None = None,
     ) -> None:
         self.sock = sock
         self.port = sock.getsockname()[1]
         self._handler = handler
         self._secret = secret
+        self._faults = faults
         self._task = asyncio.ensure_future(self._accept())
 
     @classmethod
     async def start(
-        cls, host: str, port: int, handler: Callable[[Connection], Awaitable[None]], secret: bytes
+        cls,
+        host: str,
+        port: int,
+        handler: Callable[[Connection], Awaitable[None]],
+        secret: bytes,
+        faults: Faults | None = None,
     ) -> Listener:
         sock = socket.create_server((host or "0.0.0.0", port), backlog=128)
         sock.setblocking(False)
-        return cls(sock, handler, secret)
+        return cls(sock, handler, secret, faults)
 
     async def _accept(self) -> None:
         loop = asyncio.get_running_loop()
         while True:
             sock, _ = await loop.sock_accept(self.sock)
-            asyncio.ensure_future(self._handler(Connection(sock, self._secret, client=False)))
+            conn = Connection(sock, self._secret, client=False, faults=self._faults)
+            asyncio.ensure_future(self._handler(conn))
 
     def close(self) -> None:
         self._task.cancel()

@@ -1,0 +1,39 @@
+"""Guards: which safety guards are on. Every guard is on in production; a test's twin (through a
+fault point, kvfence/faults.py) or the model checker's mutation twin turns one off."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+GUARDS = frozenset(
+    {
+        "admission",  # admit() refuses what does not fit (I1)
+        "tag_check",  # page ownership checks on every read and transfer source (I2)
+        "dest_check",  # decode writes a transferred page only into its room's grant's pages (I2)
+        "count_check",  # decode compares DONE's counts with what it reserved (I3)
+        "checksum",  # decode checks page checksums and the read-back digest (I3)
+        "deferred_release",  # decode frees an aborted room only after the fence (I4)
+        "abort_ack",  # prefill acknowledges an ABORT (I4, liveness)
+        "mac",  # transfer frames must carry a good MAC and sequence number (I8)
+        "pairing_check",  # prefill and decode compare their pairing facts (I7)
+        "credential_tenant",  # the tenant comes from the API key alone (I6)
+        "prefix_namespace",  # prefix-cache keys and sealed-page reads carry the namespace (I2)
+        "prefix_token_compare",  # a cached page is reused only if its stored tokens match (I2)
+    }
+)
+
+
+@dataclass(frozen=True)
+class Guards:
+    off: frozenset[str] = field(default_factory=frozenset)
+
+    def __post_init__(self) -> None:
+        unknown = self.off - GUARDS
+        if unknown:
+            raise ValueError(f"unknown guards {sorted(unknown)}")
+
+    def on(self, guard: str) -> bool:
+        return guard not in self.off
+
+
+ALL_ON = Guards()

@@ -1,0 +1,123 @@
+"""The transport seam of the PD services: how a room's pages leave prefill (`PageSender`) and
+land in decode's pool (`PageReceiver`). Control frames (RESERVE, PageRun headers, DONE, ABORT)
+always travel on the tcp `Connection`; what differs per transport is where the page bytes go.
+One implementation per transport: `tcp_link.py` (bytes in the PageRun payloads, the receiver
+writes them) and `mooncake_link.py` (one-sided writes into decode's registered pool).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from abc import ABC, abstractmethod
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+from kvfence.kv.pool import Grant, KVPool
+from kvfence.pd.transport.tcp import Connection
+
+BACKENDS = ("tcp", "mooncake")
+R = TypeVar("R")
+
+
+@dataclass
+class RoomSend:
+    """One room's pages to send, and the sender's hooks into the room's state."""
+
+    room: str
+    conn: Connection
+    pool: KVPool
+    src: list[int]  # the room's pages in prefill's pool
+    dst: list[int]  # the pages decode reserved for it
+    runs: list[tuple[int, int, int]]  # (first page, pages, tokens per page), kvio.runs
+    n_tokens: int
+    corrupt: bool  # fault injection: flip a byte of the first page after checksumming it
+    cancelled: Callable[[], bool]  # the room was told to stop sending
+    stopped: Callable[[], bool]  # send no further frame (cancelled, unless a fault says not)
+    hold: Callable[[asyncio.Future], None]  # the room's pages are read until this is done
+    sent: Callable[[int, int], None]  # after each PageRun frame: (pages, tokens per page)
+
+
+class PageSender(ABC):
+    """Prefill's side of the transport."""
+
+    backend: str
+
+    @abstractmethod
+    def peer_joined(self, conn: Connection, info: dict[str, Any]) -> None:
+        """A decode worker's HELLO was accepted: learn what the transport needs of it."""
+
+    @abstractmethod
+    def peer_left(self, conn: Connection) -> None:
+        """The connection closed: forget what peer_joined learned."""
+
+    @abstractmethod
+    async def send_room(self, job: RoomSend) -> list[tuple[int, int]] | None:
+        """Send every run of the room as PageRun frames on job.conn (and the bytes however this
+        transport moves them); the (page index, checksum) of each page sent, or None when the
+        room stopped first. ConnectionError: the connection went; anything else: the transfer
+        failed and the room must be aborted."""
+
+    @abstractmethod
+    def close(self) -> None:
+        """The service is shutting down: release threads and registered memory."""
+
+
+class PageReceiver(ABC):
+    """Decode's side of the transport."""
+
+    backend: str
+
+    @abstractmethod
+    def hello_info(self) -> dict[str, Any]:
+        """What prefill must know of this worker beyond the pairing facts."""
+
+    @abstractmethod
+    def payload_bytes(self, pool: KVPool, n_pages: int, n_tokens: int) -> int:
+        """The payload a PageRun of n_pages pages of n_tokens tokens must carry."""
+
+    @abstractmethod
+    def apply(
+        self,
+        conn: Connection,
+        payload: memoryview,
+        write: Callable[[memoryview | None], R],
+        applied: Callable[[R], None],
+    ) -> asyncio.Future | None:
+        """Check and write one run: write(payload or None when the bytes are already in the
+        pool), then applied(its result) on the loop. A Future while that is still under way
+        (the caller awaits it before any later control frame of the connection is handled)."""
+
+    @abstractmethod
+    def committed(self, pool: KVPool, pages: list[int], grant: Grant) -> None:
+        """A room's transfer was verified and committed."""
+
+    @abstractmethod
+    def close(self) -> None:
+        """The service is shutting down: release threads and registered memory."""
+
+
+def page_sender(backend: str, pool: KVPool, host: str) -> PageSender:
+    """host: where this prefill worker is reachable (the mooncake engine binds there)."""
+    if backend == "mooncake":
+        from kvfence.pd.transport.mooncake_link import MooncakeSender
+
+        return MooncakeSender(pool, host)
+    if backend == "tcp":
+        from kvfence.pd.transport.tcp_link import TcpSender
+
+        return TcpSender()
+    raise ValueError(f"unknown transfer backend {backend!r}: expected one of {BACKENDS}")
+
+
+def page_receiver(backend: str, pool: KVPool, host: str) -> PageReceiver:
+    """host: where this decode worker is reachable (one-sided writes come there)."""
+    if backend == "mooncake":
+        from kvfence.pd.transport.mooncake_link import MooncakeReceiver
+
+        return MooncakeReceiver(pool, host)
+    if backend == "tcp":
+        from kvfence.pd.transport.tcp_link import TcpReceiver
+
+        return TcpReceiver()
+    raise ValueError(f"unknown transfer backend {backend!r}: expected one of {BACKENDS}")
