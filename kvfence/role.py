@@ -98,6 +98,12 @@ class UnifiedService(EngineRole):
     ) -> Admitted | Rejected:
         return self.engine.submit(req, sink)
 
+    @property
+    def prefix_caching(self) -> bool:
+        """Answers report usage.prompt_tokens_details.cached_tokens (the PD roles, whose cache
+        is inert for now, do not)."""
+        return self.engine.prefix_caching
+
     def info(self) -> dict[str, Any]:
         return {
             "role": "unified",

@@ -22,6 +22,7 @@ from kvfence.engine.request import FinishReason, SamplingParams
 from kvfence.faults import Faults
 from kvfence.kv.pool import KVPool, SealedReads
 from kvfence.kv.prefix import SHARED, Namespace, PageKeyer, PrefixCache, SharedPrefixes
+from kvfence.role import UnifiedService
 from kvfence.server.api import build_app
 from kvfence.tools.canary import ALPHABET
 
@@ -118,7 +119,7 @@ def test_usage_reports_cached_tokens_and_metrics_have_no_tenant(checkpoint_dir) 
     engine.start()
     keys = {"sk-a": "A", "sk-b": "B"}
     try:
-        with TestClient(build_app(engine, api_keys=keys)) as client:
+        with TestClient(build_app(UnifiedService(engine), api_keys=keys)) as client:
             [p] = random_prompts([60], 256, seed=6)
             body = {"model": "tiny", "prompt": p, "max_tokens": 4, "temperature": 0}
 
