@@ -19,6 +19,7 @@ import uvicorn
 from fake_engine import BOS, EOS, ByteTokenizer, FakeEngine
 from fastapi import FastAPI
 from fastapi.testclient import TestClient
+from waiting import wait_for
 
 from kvfence.role import UnifiedService
 from kvfence.server import auth as auth_mod
@@ -61,14 +62,6 @@ def sse_json(text: str) -> list[dict[str, Any]]:
     data = sse_data(text)
     assert data[-1] == "[DONE]"
     return [json.loads(d) for d in data[:-1]]
-
-
-def wait_for(pred: Any, timeout: float = 5.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not pred():
-        if time.monotonic() > deadline:
-            raise AssertionError("condition not met in time")
-        time.sleep(0.01)
 
 
 class LiveServer:
