@@ -109,6 +109,11 @@ class SSEParser:
         return Event("\n".join(data), event, eid if eid is not None else self._last_id)
 
 
+def encode(obj: Any) -> bytes:
+    """One `data:` event carrying obj as compact JSON (the writer's side, for servers)."""
+    return b"data: " + json.dumps(obj, ensure_ascii=False, separators=(",", ":")).encode() + b"\n\n"
+
+
 def iter_events(chunks: Iterable[bytes]) -> Iterator[Event]:
     """Events from a blocking byte stream (e.g. `httpx.Response.iter_bytes()`)."""
     parser = SSEParser()

@@ -4,7 +4,6 @@ event and never [DONE] (I5)."""
 
 from __future__ import annotations
 
-import json
 import time
 from collections import deque
 from collections.abc import AsyncGenerator
@@ -14,6 +13,7 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.types import Receive, Scope, Send
 
+from kvfence import sse
 from kvfence.engine.request import FinishReason, GenerateRequest, RequestOutput, SamplingParams
 from kvfence.server.app_state import AppState, Event, Generation
 from kvfence.server.errors import INVALID_REQUEST, SERVER_ERROR, APIError
@@ -173,8 +173,7 @@ async def _until_first_token(gen: Generation, progress: _Progress) -> list[Event
 def _sse(obj: dict[str, Any], include_usage: bool) -> bytes:
     if include_usage and "usage" not in obj:
         obj["usage"] = None
-    data = json.dumps(obj, ensure_ascii=False, separators=(",", ":"))
-    return b"data: " + data.encode("utf-8") + b"\n\n"
+    return sse.encode(obj)
 
 
 async def _sse_chunks(

@@ -15,9 +15,11 @@ from fastapi import Request
 from fastapi.responses import Response
 from starlette.types import Message, Receive, Scope, Send
 
+from kvfence import sse
 from kvfence.server.errors import SERVER_ERROR, APIError
 from kvfence.server.router.state import RouterState, no_workers
 from kvfence.server.router.workers import Worker
+from kvfence.sse import Event, SSEParser
 
 logger = logging.getLogger("kvfence.router")
 
@@ -54,7 +56,6 @@ _DROPPED_RESPONSE_HEADERS = frozenset(
         "server",
     }
 )
-_SSE_SEPARATORS = (b"\r\n\r\n", b"\n\n", b"\r\r")
 
 
 def _unreachable() -> APIError:
@@ -66,49 +67,36 @@ def _upstream_error(status: int, message: str, code: str) -> APIError:
 
 
 class _SSECutter:
-    """Passes an event stream on at event boundaries, so a cut upstream never leaves half an event
-    in front of our error event, and remembers whether the stream ended the way OpenAI's do."""
+    """Passes an event stream on at event boundaries (kvfence.sse's parser decides them), so a
+    cut upstream never leaves half an event in front of our error event, and remembers whether
+    the stream ended the way OpenAI's do."""
 
     def __init__(self) -> None:
-        self._buf = b""
-        self.last_data: bytes | None = None
+        self._parser = SSEParser()
+        self.last: Event | None = None
 
     def feed(self, chunk: bytes) -> bytes:
-        self._buf += chunk
-        cut = 0
-        for sep in _SSE_SEPARATORS:
-            i = self._buf.rfind(sep)
-            if i >= 0:
-                cut = max(cut, i + len(sep))
-        ready, self._buf = self._buf[:cut], self._buf[cut:]
-        if ready:
-            self._note(ready)
+        ready, events = self._parser.split(chunk)
+        if events:
+            self.last = events[-1]
         return ready
-
-    def _note(self, ready: bytes) -> None:
-        text = ready.replace(b"\r\n", b"\n").replace(b"\r", b"\n")
-        for event in text.split(b"\n\n"):
-            lines = event.split(b"\n")
-            data = [ln[5:].removeprefix(b" ") for ln in lines if ln.startswith(b"data:")]
-            if data:
-                self.last_data = b"\n".join(data)
 
     @property
     def ended_cleanly(self) -> bool:
         """True when the last event was [DONE] or the worker's own error event."""
-        if self._buf.strip() or self.last_data is None:
+        if self._parser.pending.strip() or self.last is None:
             return False
-        if self.last_data.strip() == b"[DONE]":
+        if self.last.done:
             return True
         try:
-            obj = json.loads(self.last_data)
+            obj = self.last.json()
         except ValueError:
             return False
         return isinstance(obj, dict) and "error" in obj
 
 
 def _sse_error(err: APIError) -> bytes:
-    return b"data: " + json.dumps(err.body(), separators=(",", ":")).encode() + b"\n\n"
+    return sse.encode(err.body())
 
 
 def request_headers(request: Request) -> dict[str, str]:
