@@ -15,7 +15,6 @@ import os
 import socket
 import sys
 import threading
-import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -24,6 +23,7 @@ import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.types import Receive, Scope, Send
+from waiting import poll
 
 # `up` tests: a worker of this role exits at start-up, as a real one does on a bad pool size.
 EXIT_ROLE_ENV = "KVFENCE_FAKE_EXIT_ROLE"
@@ -184,11 +184,9 @@ class ServerThread:
 
     def start(self) -> ServerThread:
         self._thread.start()
-        deadline = time.monotonic() + 10
-        while not self.server.started:
-            if not self._thread.is_alive() or time.monotonic() > deadline:
-                raise RuntimeError(f"server on port {self.port} did not start")
-            time.sleep(0.01)
+        started = poll(lambda: self.server.started or not self._thread.is_alive(), 10)
+        if not (started and self.server.started):
+            raise RuntimeError(f"server on port {self.port} did not start")
         return self
 
     def stop(self) -> None:

@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import threading
-import time
 from dataclasses import dataclass, field
+
+from waiting import poll
 
 from kvfence.config import EngineConfig
 from kvfence.engine.admission import Rejected
@@ -81,12 +82,10 @@ class PDPair:
 
     def wait_idle(self, timeout: float = 10.0) -> bool:
         """Both pools back to zero used pages and nothing in flight."""
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.pages_used() == (0, 0) and not self.decode.rooms and not self.prefill.rooms:
-                return True
-            time.sleep(0.05)
-        return False
+        def idle() -> bool:
+            return self.pages_used() == (0, 0) and not self.decode.rooms and not self.prefill.rooms
+
+        return poll(idle, timeout, interval=0.05)
 
     def pages_used(self) -> tuple[int, int]:
         return self.prefill.engine.pool.num_used, self.decode.engine.pool.num_used

@@ -5,15 +5,15 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import httpx
 from conftest import TINY_MODEL
+from waiting import wait_for
 
 from kvfence.tools.cluster import free_port, worker_pages_used
 
-__all__ = ["Proc", "free_port", "serve", "wait_until"]
+__all__ = ["Proc", "free_port", "serve"]
 
 
 class Proc:
@@ -30,17 +30,18 @@ class Proc:
         )
 
     def wait_healthy(self, timeout: float = 120) -> None:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
+        def healthy() -> bool:
             if self.p.poll() is not None:
                 raise RuntimeError(f"exited {self.p.returncode}: {self.log.read_text()[-2000:]}")
             try:
-                if httpx.get(f"{self.url}/health", timeout=1).status_code == 200:
-                    return
+                return httpx.get(f"{self.url}/health", timeout=1).status_code == 200
             except httpx.HTTPError:
-                pass
-            time.sleep(0.2)
-        raise TimeoutError(self.log.read_text()[-2000:])
+                return False
+
+        def log_tail() -> str:
+            return f"{self.url} not healthy: {self.log.read_text()[-2000:]}"
+
+        wait_for(healthy, timeout, log_tail, interval=0.2)
 
     def pages_used(self) -> int:
         return worker_pages_used(self.url)
@@ -77,12 +78,3 @@ def serve(role: str, tmp: Path, *extra: str, env: dict[str, str] | None = None) 
     if role == "prefill":
         args += ["--disaggregation-bootstrap-port", str(free_port())]
     return Proc(args, port, tmp / f"{role}-{port}.log", env)
-
-
-def wait_until(pred, timeout: float = 15.0) -> bool:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if pred():
-            return True
-        time.sleep(0.1)
-    return False

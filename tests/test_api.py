@@ -1,5 +1,6 @@
 """The OpenAI HTTP layer against the fake engine: shapes, streaming, tenancy (I6), admission (I1),
-engine failures (I5), client disconnects, metrics, and the official openai client on uvicorn."""
+client disconnects, metrics, and the official openai client on uvicorn. How engine failures
+reach the client (I5) is in test_i5_status.py."""
 
 from __future__ import annotations
 
@@ -16,16 +17,17 @@ import httpx
 import openai
 import pytest
 import uvicorn
+from api_client import MODEL, client_for, sse_json
 from fake_engine import BOS, EOS, ByteTokenizer, FakeEngine
 from fastapi import FastAPI
 from fastapi.testclient import TestClient
+from waiting import wait_for
 
 from kvfence.role import UnifiedService
 from kvfence.server import auth as auth_mod
 from kvfence.server.api import build_app
 from kvfence.server.auth import ApiKeyFileError, Authenticator, load_api_keys, parse_api_keys
 
-MODEL = "fake-model"
 HEX32 = re.compile(r"^[0-9a-f]{32}$")
 KEYS = {"sk-acme-123": "acme", "sk-globex-456": "globex"}
 
@@ -41,34 +43,10 @@ def engine() -> Iterator[FakeEngine]:
     e.shutdown()
 
 
-def client_for(engine: FakeEngine, api_keys: dict[str, str] | None = None) -> TestClient:
-    return TestClient(build_app(engine, api_keys=api_keys), raise_server_exceptions=False)
-
-
 @pytest.fixture
 def client(engine: FakeEngine) -> Iterator[TestClient]:
     with client_for(engine) as c:
         yield c
-
-
-def sse_data(text: str) -> list[str]:
-    events = [e for e in text.split("\n\n") if e.strip()]
-    assert all(e.startswith("data: ") for e in events), events
-    return [e[len("data: ") :] for e in events]
-
-
-def sse_json(text: str) -> list[dict[str, Any]]:
-    data = sse_data(text)
-    assert data[-1] == "[DONE]"
-    return [json.loads(d) for d in data[:-1]]
-
-
-def wait_for(pred: Any, timeout: float = 5.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not pred():
-        if time.monotonic() > deadline:
-            raise AssertionError("condition not met in time")
-        time.sleep(0.01)
 
 
 class LiveServer:
@@ -421,7 +399,7 @@ def test_key_check_is_constant_time_over_all_keys(monkeypatch: pytest.MonkeyPatc
     assert len(calls) == 5  # no early exit on the first match
 
 
-# ---- admission (I1) and engine failures (I5) -------------------------------------------------
+# ---- admission (I1) ------------------------------------------------------------------------------
 
 
 def test_i1_rejection_is_a_400_with_the_admission_reason(client: TestClient,
@@ -442,53 +420,6 @@ def test_i1_one_rejected_prompt_aborts_its_admitted_siblings(client: TestClient,
     assert r.status_code == 400 and r.json()["error"]["code"] == "context_length_exceeded"
     (admitted,) = engine.submitted
     wait_for(lambda: admitted.request_id in engine.aborted)
-
-
-def test_i5_engine_error_before_first_token_is_a_500(engine: FakeEngine) -> None:
-    engine.fail_after = 0
-    with client_for(engine) as c:
-        for stream in (False, True):
-            r = c.post("/v1/completions",
-                       json={"model": MODEL, "prompt": "x", "max_tokens": 5, "stream": stream})
-            assert r.status_code == 500
-            assert r.json() == {"error": {"message": "KV grant check failed for this request.",
-                                          "type": "server_error", "param": None,
-                                          "code": "kv_grant_mismatch"}}
-
-
-def test_i5_engine_error_after_tokens_is_never_a_partial_200(engine: FakeEngine) -> None:
-    engine.fail_after = 3
-    with client_for(engine) as c:
-        r = c.post("/v1/chat/completions",
-                   json={"model": MODEL, "messages": [{"role": "user", "content": "x"}],
-                         "max_tokens": 10})
-        assert r.status_code == 500 and "choices" not in r.json()
-        assert r.json()["error"]["code"] == "kv_grant_mismatch"
-        r = c.post("/v1/completions",
-                   json={"model": MODEL, "prompt": "abcdef", "max_tokens": 10, "stream": True})
-        assert r.status_code == 200  # headers went out with the first token
-        data = sse_data(r.text)
-        assert "[DONE]" not in data
-        last = json.loads(data[-1])
-        assert last == {"error": {"message": "KV grant check failed for this request.",
-                                  "type": "server_error", "param": None,
-                                  "code": "kv_grant_mismatch"}}
-        assert all(json.loads(d)["choices"][0]["finish_reason"] is None for d in data[:-1])
-
-
-def test_i5_server_side_abort_is_a_503_not_a_partial_answer(client: TestClient,
-                                                            engine: FakeEngine) -> None:
-    engine.hold = True
-
-    def abort_when_submitted() -> None:
-        wait_for(lambda: engine.submitted)
-        engine.abort(engine.submitted[0].request_id)
-
-    t = threading.Thread(target=abort_when_submitted)
-    t.start()
-    r = client.post("/v1/completions", json={"model": MODEL, "prompt": "x", "max_tokens": 5})
-    t.join()
-    assert r.status_code == 503 and r.json()["error"]["code"] == "request_aborted"
 
 
 # ---- client disconnects ----------------------------------------------------------------------

@@ -11,6 +11,7 @@ import time
 
 import uvicorn
 from fastapi import FastAPI
+from waiting import wait_for
 
 from kvfence.server.httpio import server_config
 
@@ -31,10 +32,7 @@ def _serve(header_timeout: float | None) -> tuple[uvicorn.Server, int]:
         )
     )
     threading.Thread(target=server.run, daemon=True).start()
-    deadline = time.monotonic() + 30
-    while not server.started:
-        assert time.monotonic() < deadline, "test server did not start within 30 s"
-        time.sleep(0.01)
+    wait_for(lambda: server.started, 30, "test server did not start")
     return server, port
 
 

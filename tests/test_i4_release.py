@@ -9,7 +9,7 @@ from contextlib import AbstractContextManager
 import pytest
 from conftest import random_prompts
 from pd_harness import PDPair, Result, finished_ok
-from procs import wait_until
+from waiting import wait_for
 
 from kvfence.engine.llm import LLM
 from kvfence.engine.request import FinishReason, SamplingParams
@@ -53,7 +53,7 @@ def test_i4_late_writes_after_an_abort_are_refused(model_dir: str) -> None:
             stopped = lambda: (  # noqa: E731
                 s.get("source_integrity_errors") == 1 or d.get("late_writes_dropped") == 4
             )
-            assert wait_until(stopped), (s.snapshot(), d.snapshot())
+            wait_for(stopped, 15, lambda: str((s.snapshot(), d.snapshot())), interval=0.1)
             assert d.get("pages_received") == 0
         except BaseException:
             pair.close()

@@ -7,7 +7,8 @@ from __future__ import annotations
 import httpx
 from conftest import hf_greedy, random_prompts
 from pd_harness import PDPair, Result
-from procs import Proc, free_port, serve, wait_until
+from procs import Proc, free_port, serve
+from waiting import wait_for
 
 from kvfence.engine.request import FinishReason, SamplingParams
 from kvfence.faults import Faults
@@ -90,7 +91,7 @@ def test_i7_page_size_mismatch_shows_in_router_health(tmp_path) -> None:
                 return False
             return any("page_size" in e["error"] for e in body.get("pairing_errors", []))
 
-        assert wait_until(refused, 60), (tmp_path / "router.log").read_text()[-2000:]
+        wait_for(refused, 60, lambda: (tmp_path / "router.log").read_text()[-2000:], interval=0.1)
         assert httpx.get(f"{router.url}/health").status_code == 503
     finally:
         for p in (router, decode, prefill):

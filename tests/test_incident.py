@@ -115,7 +115,7 @@ def test_incident_placeholder_with_other_guards_on_fails_closed(tmp_path: Path) 
         up.stop()
 
 
-def test_incident_placeholder_with_guards_off_leaks_a_canary(tmp_path: Path) -> None:
+def test_incident_twin_placeholder_with_guards_off_leaks_a_canary(tmp_path: Path) -> None:
     # The twin: proves the canary check above can fail. This is the report's 155 answers.
     # One ask is enough: with fixed canaries the answer is the same whichever pages B gets.
     up, canaries, r, _, _ = run_incident(tmp_path, f"placeholder_on_reject,{GUARDS_OFF}")

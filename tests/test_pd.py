@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 from conftest import hf_greedy, random_prompts
 from pd_harness import PDPair, Result, finished_ok
-from procs import wait_until
+from waiting import wait_for
 
 from kvfence.engine.admission import Rejected
 from kvfence.engine.llm import LLM
@@ -126,7 +126,7 @@ def test_pd_client_abort_before_commit_releases_both_pools(pair: PDPair) -> None
                 and pf.state.state is PState.SENDING
             )
 
-        assert wait_until(both_hold_the_room, timeout=60), "the room never reached the stall"
+        wait_for(both_hold_the_room, 60, "the room never reached the stall", interval=0.1)
         assert pair.pages_used()[0] > 0 and pair.pages_used()[1] > 0
         pair.decode.engine.abort(rid)
         assert r.done.wait(30) and r.final.finish_reason is FinishReason.ABORT

@@ -7,7 +7,8 @@ import threading
 
 import httpx
 import pytest
-from procs import serve, wait_until
+from procs import serve
+from waiting import wait_for
 
 STALL = {"KVFENCE_FAULT_INJECTION": "1", "KVFENCE_FAULTS": "stall_transfer"}
 BODY = {"model": "kvfence-tiny", "prompt": "code: X7qPz91LmWk2\n" * 20 + "code:",
@@ -46,34 +47,37 @@ def test_pd_processes_answer_through_the_stall(pd) -> None:
     r = post(decode, peer)
     assert r.status_code == 200, r.text
     assert r.json()["choices"][0]["text"].startswith(" X7qPz91LmWk2")
-    assert wait_until(lambda: prefill.pages_used() == 0 and decode.pages_used() == 0)
+    wait_for(lambda: prefill.pages_used() == 0 and decode.pages_used() == 0, 15,
+             "both pools back to zero", interval=0.1)
 
 
 def test_kill_prefill_mid_transfer_gives_503_and_decode_frees(pd) -> None:
     prefill, decode, peer = pd
     t, box = in_background(lambda: post(decode, peer))
-    assert wait_until(lambda: decode.pages_used() > 0 and prefill.pages_used() > 0)
+    wait_for(lambda: decode.pages_used() > 0 and prefill.pages_used() > 0, 15,
+             "both pools holding the room", interval=0.1)
     prefill.kill()
     t.join(30)
     assert box["r"].status_code == 503, box["r"].text
     assert box["r"].json()["error"]["code"] == "prefill_unavailable"
-    assert wait_until(lambda: decode.pages_used() == 0)
+    wait_for(lambda: decode.pages_used() == 0, 15, "decode pool back to zero", interval=0.1)
 
 
 def test_kill_decode_mid_transfer_prefill_frees(pd) -> None:
     prefill, decode, peer = pd
     t, box = in_background(lambda: _swallow(lambda: post(decode, peer)))
-    assert wait_until(lambda: prefill.pages_used() > 0)
+    wait_for(lambda: prefill.pages_used() > 0, 15, "prefill holding the room", interval=0.1)
     decode.kill()
     t.join(30)
-    assert wait_until(lambda: prefill.pages_used() == 0)
+    wait_for(lambda: prefill.pages_used() == 0, 15, "prefill pool back to zero", interval=0.1)
 
 
 def test_client_disconnect_mid_transfer_aborts_with_ack(pd) -> None:
     prefill, decode, peer = pd
     t, box = in_background(lambda: _swallow(lambda: post(decode, peer, timeout=1.0)))
     t.join(10)  # the client gave up after 1 s, inside the 3 s stall
-    assert wait_until(lambda: prefill.pages_used() == 0 and decode.pages_used() == 0)
+    wait_for(lambda: prefill.pages_used() == 0 and decode.pages_used() == 0, 15,
+             "both pools back to zero", interval=0.1)
     counters = httpx.get(f"{decode.url}/pd/info").json()["counters"]
     assert counters.get("aborts_sent") == 1 and counters.get("transfers_committed", 0) == 0
     r = post(decode, peer)  # the connection is still good for the next request

@@ -4,13 +4,13 @@ error and stream pass-through (I5), and hang-ups reaching the decode."""
 from __future__ import annotations
 
 import json
-import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from typing import Any
 
 import httpx
 import pytest
 from fake_workers import FakeState, ServerThread, free_port, make_app, stop_all
+from waiting import wait_for
 
 from kvfence.server import router as router_mod
 from kvfence.server.router import (
@@ -61,13 +61,6 @@ def pair(cluster: Cluster) -> tuple[str, FakeState, FakeState, RouterState]:
     d_url, decode = cluster.worker("decode")
     url, state = cluster.router([p_url], [d_url])
     return url, prefill, decode, state
-
-
-def wait_for(cond: Callable[[], bool], timeout: float = 3.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not cond():
-        assert time.monotonic() < deadline, "condition not met in time"
-        time.sleep(0.01)
 
 
 def post(url: str, body: dict[str, Any], **kw: Any) -> httpx.Response:

@@ -1,4 +1,5 @@
-"""Sampling and stopping: seeds, top-k/top-p, stop strings and ids, max_tokens, logprobs, abort."""
+"""Sampling and stopping: seeds, top-k/top-p, stop strings and ids, max_tokens, logprobs; the
+params' wire form. Abort ending a request once (I5) is in test_i5_status.py."""
 
 from __future__ import annotations
 
@@ -98,22 +99,6 @@ def test_logprobs_are_reported(llm: LLM) -> None:
     for lp in lps:
         assert lp.logprob <= 0 and len(lp.top) == 3
         assert lp.top[0][0] == lp.token_id  # greedy: the chosen token is the top one
-
-
-def test_abort_returns_pages_and_finishes_once(llm: LLM) -> None:
-    engine = llm.engine
-    outs: list[RequestOutput] = []
-    sp = SamplingParams(max_tokens=100, temperature=0, ignore_eos=True)
-    engine.submit(GenerateRequest("ab", "t", (3,) * 40, sp), outs.append)
-    engine.step()
-    engine.step()
-    assert engine.stats().pages_used > 0
-    engine.abort("ab")
-    engine.abort("ab")  # idempotent
-    engine.step()
-    assert engine.stats().pages_used == 0
-    finals = [o for o in outs if o.finished]
-    assert len(finals) == 1 and finals[0].finish_reason is FinishReason.ABORT
 
 
 def test_sampling_params_round_trip_through_their_dict() -> None:

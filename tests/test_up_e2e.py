@@ -11,7 +11,7 @@ from pathlib import Path
 import httpx
 import pytest
 from conftest import TINY_MODEL, hf_greedy, random_prompts
-from procs import wait_until
+from waiting import wait_for
 
 from kvfence.engine.llm import LLM
 from kvfence.engine.request import SamplingParams
@@ -79,7 +79,8 @@ def test_up_1p1d_greedy_equals_unified_and_transformers(backend: str, tmp_path: 
             tokens = r.json()["choices"][0]["logprobs"]["tokens"]
             got = [int(t.removeprefix("token_id:")) for t in tokens]
             assert got == u.token_ids == h, f"prompt of {n} tokens"
-        assert wait_until(lambda: cluster.pages_used() == [0, 0])
+        wait_for(lambda: cluster.pages_used() == [0, 0], 15,
+                 lambda: f"pages still used: {cluster.pages_used()}", interval=0.1)
     finally:
         cluster.stop()
 
@@ -112,7 +113,8 @@ def test_up_2p2d_two_tenants_40_concurrent_and_over_length(tmp_path: Path) -> No
             assert text.strip() == values[i], f"request {i} got {text!r}"
             others = [v for j, v in enumerate(values) if j != i]
             assert not any(v in text for v in others), "another request's secret leaked"
-        assert wait_until(lambda: cluster.pages_used() == [0, 0, 0, 0])
+        wait_for(lambda: cluster.pages_used() == [0, 0, 0, 0], 15,
+                 lambda: f"pages still used: {cluster.pages_used()}", interval=0.1)
 
         # The incident's path: an over-length prompt through PD gets the admission reason.
         r = cluster.post({"model": "kvfence-tiny", "prompt": [7] * (CTX + 1), "max_tokens": 4})
