@@ -249,8 +249,7 @@ def probe(engine: Engine, secret_of_a: str, rng: random.Random) -> str | None:
     return winners[0] if len(winners) == 1 else None
 
 
-@pytest.mark.parametrize("guard_off", [False, True], ids=["guard", "twin"])
-def test_tenant_b_cannot_recover_a_pin_through_the_cache(guard_off: bool) -> None:
+def _pin_probe(guard_off: bool) -> None:
     llm = LLM(str(TINY_MODEL), kv_pool_tokens=4096, context_length=1024)
     rng = random.Random(7)
     pin = canary(rng)
@@ -267,6 +266,14 @@ def test_tenant_b_cannot_recover_a_pin_through_the_cache(guard_off: bool) -> Non
     assert_baseline(llm.engine)
 
 
+def test_tenant_b_cannot_recover_a_pin_through_the_cache() -> None:
+    _pin_probe(guard_off=False)
+
+
+def test_twin_ignoring_the_namespace_b_recovers_a_pin() -> None:
+    _pin_probe(guard_off=True)
+
+
 class CollidingKeyer(PageKeyer):
     """A forced hash collision: a page's key ignores its tokens."""
 
@@ -279,8 +286,7 @@ def records(values: list[str]) -> str:
     return "".join(f"{k}: {v}\n" for k, v in zip(keys, values, strict=True)) + "delta:"
 
 
-@pytest.mark.parametrize("guard_off", [False, True], ids=["guard", "twin"])
-def test_a_key_match_alone_never_reuses_a_page(guard_off: bool) -> None:
+def _colliding_keys(guard_off: bool) -> None:
     """Two requests of one tenant whose pages collide by key: the stored-token compare keeps
     Y from answering out of X's KV; with the compare skipped, Y recalls X's value."""
     llm = LLM(str(TINY_MODEL), kv_pool_tokens=4096, context_length=1024)
@@ -302,8 +308,15 @@ def test_a_key_match_alone_never_reuses_a_page(guard_off: bool) -> None:
     assert_baseline(llm.engine)
 
 
-@pytest.mark.parametrize("guard_off", [False, True], ids=["guard", "twin"])
-def test_a_write_to_a_sealed_page_fails_closed(guard_off: bool) -> None:
+def test_a_key_match_alone_never_reuses_a_page() -> None:
+    _colliding_keys(guard_off=False)
+
+
+def test_twin_skipping_the_token_compare_y_recalls_x() -> None:
+    _colliding_keys(guard_off=True)
+
+
+def _sealed_write(guard_off: bool) -> None:
     """A page-table bug points a request's new tokens at a sealed page: the per-batch check
     fails that request closed and the cache stays intact; with the check off, the write lands
     and the next reader of the page gets a corrupted answer."""
@@ -328,3 +341,11 @@ def test_a_write_to_a_sealed_page_fails_closed(guard_off: bool) -> None:
         assert bug.finish is FinishReason.ERROR and bug.error_code == "kv_integrity_error"
         assert again.tokens == first.tokens
     assert_baseline(engine)
+
+
+def test_a_write_to_a_sealed_page_fails_closed() -> None:
+    _sealed_write(guard_off=False)
+
+
+def test_twin_without_the_tag_check_the_sealed_page_is_overwritten() -> None:
+    _sealed_write(guard_off=True)
