@@ -1,0 +1,104 @@
+"""leakcheck's timing probe against a real unified `kvfence serve` of the bundled model with two
+tenants' keys: the tenant-scoped prefix cache is clean after a positive control that saw caching,
+its twin (fault `prefix_cache_ignore_namespace`: one cache for all tenants) is a finding named
+by the timing probe, and with --no-enable-prefix-caching the probe says it saw no caching (exit 2,
+as it runs alone). Verdicts and exit codes only, never a time.
+
+Sizing: a 1,536-token prefix costs the tiny model a whole prefill when fresh and one page when
+cached, a gap far above scheduling noise on a loaded machine; 12 pairs per arm (36 requests per
+arm) keeps each run short and gives the control power well over 0.95."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from conftest import TINY_MODEL
+from procs import Proc, free_port
+
+from kvfence.tools import leakcheck
+from kvfence.tools.leakcheck import EXIT_CANNOT_RUN, EXIT_CLEAN, EXIT_FAILED
+
+KEYS = {"key-alpha": "alpha", "key-beta": "beta"}
+TWIN = {"KVFENCE_FAULT_INJECTION": "1", "KVFENCE_FAULTS": "prefix_cache_ignore_namespace"}
+CONTEXT = 2048
+PREFIX_TOKENS = 1536
+PAIRS = 12
+# Two arms (within tenant, across tenants), three requests a pair.
+REQUESTS = PAIRS * 3 * 2
+
+
+def serve_unified(tmp: Path, *extra: str, env: dict[str, str] | None = None) -> Proc:
+    """`kvfence serve` (unified) of the tiny model with both tenants' keys, healthy."""
+    keyfile = tmp / "keys.txt"
+    keyfile.write_text("".join(f"{k} {t}\n" for k, t in KEYS.items()))
+    port = free_port()
+    args = ["serve", "--model", str(TINY_MODEL), "--port", str(port)]
+    args += ["--context-length", str(CONTEXT), "--kv-pool-tokens", "16384"]
+    args += ["--api-key-file", str(keyfile), "--log-level", "warning", *extra]
+    node = Proc(args, port, tmp / "serve.log", env)
+    try:
+        node.wait_healthy()
+    except BaseException:
+        node.stop()
+        raise
+    return node
+
+
+def timing_check(url: str, tmp: Path, seed: int = 5) -> tuple[int, dict[str, Any]]:
+    report = tmp / f"report-{seed}.json"
+    args = ["--base-url", url, "--report", str(report), "--seed", str(seed), "--no-progress"]
+    args += ["--probe", "timing", "--requests", str(REQUESTS)]
+    args += ["--timing-pairs", str(PAIRS), "--timing-prefix-tokens", str(PREFIX_TOKENS)]
+    for key in KEYS:
+        args += ["--api-key", key]
+    code = leakcheck.main(args)
+    return code, json.loads(report.read_text())
+
+
+def run_against(
+    tmp: Path, *extra: str, env: dict[str, str] | None = None
+) -> tuple[int, dict[str, Any]]:
+    node = serve_unified(tmp, *extra, env=env)
+    try:
+        return timing_check(node.url, tmp)
+    finally:
+        node.stop()
+
+
+def summary(report: dict[str, Any]) -> str:
+    return leakcheck.render_summary(report)
+
+
+def arm(report: dict[str, Any], name: str) -> dict[str, Any]:
+    return next(a for a in report["timing"]["arms"] if a["name"] == name)
+
+
+def test_twin_sharing_the_cache_across_tenants_is_a_timing_finding(tmp_path: Path) -> None:
+    code, report = run_against(tmp_path, env=TWIN)
+    assert code == EXIT_FAILED, summary(report)
+    assert report["verdict"] == "shares_cache_across_tenants"
+    assert report["timing"]["decision"] == "finding"
+    assert arm(report, "across tenants")["detected"]
+    timing = [f for f in report["findings"] if f["kind"] == "timing"]
+    assert timing and all(f["probe"] == "timing" for f in timing), report["findings"]
+
+
+def test_tenant_scoped_cache_is_clean_after_a_positive_control(tmp_path: Path) -> None:
+    code, report = run_against(tmp_path)
+    timing = report["timing"]
+    assert code == EXIT_CLEAN and report["verdict"] == "clean", summary(report)
+    assert timing["decision"] == "clean" and timing["control_saw_caching"]
+    assert not report["findings"]
+    assert arm(report, "within tenant")["detected"]
+    assert not arm(report, "across tenants")["detected"]
+
+
+def test_no_prefix_caching_is_reported_as_such(tmp_path: Path) -> None:
+    code, report = run_against(tmp_path, "--no-enable-prefix-caching")
+    timing = report["timing"]
+    assert code == EXIT_CANNOT_RUN and report["verdict"] == "incomplete", summary(report)
+    assert timing["decision"] == "inconclusive" and not timing["control_saw_caching"]
+    assert "no prefix caching detected" in timing["verdict"]
+    assert not report["findings"]
