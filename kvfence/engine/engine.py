@@ -33,6 +33,7 @@ from kvfence.kv.sizing import CapacityError, PoolPlan, plan_for_engine, require_
 from kvfence.model.config import ModelConfig
 from kvfence.model.loader import TORCH_DTYPES, load_model
 from kvfence.model.tokenizer import IncrementalDetokenizer, Tokenizer
+from kvfence.structured.grammar import GrammarError, Grammars, Matcher
 
 log = logging.getLogger("kvfence.engine")
 
@@ -123,6 +124,12 @@ class Engine:
             ),
             self.faults,
         )
+        self.eos_token_ids = self._eos_ids(Path(cfg.model))
+        self.grammars = Grammars(
+            self.tokenizer.backend_json(),
+            self.model_config.vocab_size,
+            sorted(self.eos_token_ids),
+        )
         self.runner = ModelRunner(
             self.model,
             self.pool,
@@ -131,8 +138,8 @@ class Engine:
             cfg.attention_backend,
             cfg.linear_backend,
             self.faults,
+            self.grammars,
         )
-        self.eos_token_ids = self._eos_ids(Path(cfg.model))
         self._inbox: queue.SimpleQueue[tuple[str, object]] = queue.SimpleQueue()
         self._wake = threading.Event()
         self._seqs: dict[str, Sequence] = {}
@@ -163,10 +170,17 @@ class Engine:
         sink: Callable[[RequestOutput], None],
         mode: SeqMode = SeqMode.FULL,
     ) -> Admitted | Rejected:
-        """Admission runs here, in the caller's thread: a Rejected never reaches the loop."""
+        """Admission runs here, in the caller's thread: a Rejected never reaches the loop. So
+        does compiling a structured-output grammar (cached, bounded): never on the step loop."""
         verdict = self.admit(req)
         if isinstance(verdict, Admitted):
-            self._post("add", (verdict, sink, mode))
+            matcher = None
+            if req.sampling.constraint is not None:
+                try:
+                    matcher = self.grammars.matcher(req.sampling.constraint)
+                except GrammarError as e:
+                    return Rejected(req.request_id, e.code, str(e), "response_format")
+            self._post("add", (verdict, sink, mode, matcher))
         return verdict
 
     def admit(self, req: GenerateRequest) -> Admitted | Rejected:
@@ -286,14 +300,18 @@ class Engine:
                 self._finish(seq, FinishReason.ABORT)
 
     def _add(
-        self, admitted: Admitted, sink: Callable[[RequestOutput], None], mode: SeqMode
+        self,
+        admitted: Admitted,
+        sink: Callable[[RequestOutput], None],
+        mode: SeqMode,
+        matcher: Matcher | None = None,
     ) -> None:
         req = admitted.request
         gen = None
         if req.sampling.seed is not None:
             gen = torch.Generator(device=self.device).manual_seed(req.sampling.seed)
         detok = IncrementalDetokenizer(self.tokenizer)
-        seq = Sequence(admitted, sink, mode, detok, gen)
+        seq = Sequence(admitted, sink, mode, detok, gen, matcher=matcher)
         if req.request_id in self._seqs:
             emit(seq, 0, FinishReason.ERROR, "duplicate request id", "duplicate_request_id", 400)
             return
@@ -316,6 +334,8 @@ class Engine:
         if self.runner.check_ownership([probe])[1]:
             # I2 before a single token is shown: the transferred pages must be this grant's.
             self._fail_integrity(seq)
+            return
+        if not self._keeps_grammar(seq, first_token):  # prefill sampled it under the same mask
             return
         seq.token_ids.append(first_token)
         if seq.admitted.request.sampling.logprobs is not None and first_logprobs:
@@ -348,6 +368,8 @@ class Engine:
             if seq.status is SeqStatus.FINISHED:
                 continue
             tok = token_ids[i]
+            if not self._keeps_grammar(seq, tok):
+                continue
             seq.token_ids.append(tok)
             k = seq.admitted.request.sampling.logprobs
             if k is not None:
@@ -358,6 +380,20 @@ class Engine:
                 self.hooks.on_prefilled(seq)
                 continue
             self._after_token(seq, tok)
+
+    def _keeps_grammar(self, seq: Sequence, tok: int) -> bool:
+        """Advance seq's grammar by tok; a token outside it (a step limit hit: the mask let
+        nothing through) fails the request closed before the token is kept or shown."""
+        if seq.matcher is None or seq.matcher.accept(tok):
+            return True
+        self._finish(
+            seq,
+            FinishReason.ERROR,
+            f"structured output: {seq.matcher.error()}",
+            "grammar_error",
+            status=400,  # the tenant's grammar outran its per-token bounds
+        )
+        return False
 
     def _fail_integrity(self, seq: Sequence) -> None:
         log.error(
@@ -391,13 +427,14 @@ class Engine:
         error: str | None = None,
         code: str | None = None,
         pages_suspect: bool = False,
+        status: int | None = None,
     ) -> None:
         """Return seq's pages, then send its final output (I5: emit sends it at most once)."""
         if seq.status is SeqStatus.FINISHED:
             return
         self.scheduler.remove(seq, pages_suspect)
         self._seqs.pop(seq.request_id, None)
-        emit(seq, len(seq.text), reason, error, code)
+        emit(seq, len(seq.text), reason, error, code, status)
 
     def _eos_ids(self, model_dir: Path) -> frozenset[int]:
         ids = set(self.model_config.eos_token_ids) | self.tokenizer.eos_token_ids

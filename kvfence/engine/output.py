@@ -8,7 +8,7 @@ from kvfence.engine.sequence import Sequence
 
 def advance(seq: Sequence, tok: int, eos_token_ids: frozenset[int]) -> FinishReason | None:
     """Account for seq's newest token `tok` (already appended): update its text and return the
-    finish reason if a stop rule fires. Sends nothing."""
+    finish reason if a stop rule fires (a complete structured answer is one). Sends nothing."""
     sp = seq.admitted.request.sampling
     reason: FinishReason | None = None
     if (tok in eos_token_ids and not sp.ignore_eos) or tok in sp.stop_token_ids:
@@ -22,6 +22,9 @@ def advance(seq: Sequence, tok: int, eos_token_ids: frozenset[int]) -> FinishRea
         if hit is not None:
             seq.text = seq.text[:hit]
             reason = FinishReason.STOP
+    if reason is None and seq.matcher is not None and seq.matcher.done:
+        reason = FinishReason.STOP  # only EOS could follow: spare the step that samples it
+        seq.text += seq.detok.flush(seq.output_ids)
     if reason is None and seq.num_output >= seq.admitted.max_tokens:
         reason = FinishReason.LENGTH
         seq.text += seq.detok.flush(seq.output_ids)

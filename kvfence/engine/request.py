@@ -7,6 +7,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, fields
 from typing import Any
 
+from kvfence.structured.spec import Constraint
+
 _TUPLES = ("stop", "stop_token_ids")
 
 
@@ -21,6 +23,8 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
     logprobs: int | None = None  # None: off; k >= 0: chosen token's logprob plus the top k
+    # Structured output: the grammar every sampled token must keep the answer inside (None: free).
+    constraint: Constraint | None = None
 
     def __post_init__(self) -> None:
         if self.max_tokens is not None and self.max_tokens < 1:
@@ -31,6 +35,8 @@ class SamplingParams:
             raise ValueError("top_p must be in (0, 1]")
         if self.logprobs is not None and not 0 <= self.logprobs <= 20:
             raise ValueError("logprobs must be in [0, 20]")
+        if self.constraint is not None and not isinstance(self.constraint, Constraint):
+            raise TypeError("constraint must be a Constraint")
 
     @property
     def greedy(self) -> bool:
@@ -41,6 +47,8 @@ class SamplingParams:
         out = {f.name: getattr(self, f.name) for f in fields(self)}
         for key in _TUPLES:
             out[key] = list(out[key])
+        if self.constraint is not None:
+            out["constraint"] = self.constraint.to_dict()
         return out
 
     @classmethod
@@ -56,6 +64,8 @@ class SamplingParams:
                 if not isinstance(value, (list, tuple)):
                     raise TypeError(f"{key} must be a list")
                 kw[key] = tuple(value)
+        if kw.get("constraint") is not None:
+            kw["constraint"] = Constraint.from_dict(kw["constraint"])
         return cls(**kw)
 
 

@@ -18,6 +18,7 @@ from kvfence.model import kernels
 from kvfence.model.attention import AttentionMetadata, NativeDecodeGroup, build_group
 from kvfence.model.llama import CausalLM
 from kvfence.model.sampling import SampleResult, SamplingBatch, sample
+from kvfence.structured.grammar import Grammars
 
 T = TypeVar("T")
 NO_NAMESPACE = -4  # a row outside the prefix cache (PD modes): matches no sealed page
@@ -40,8 +41,10 @@ class ModelRunner:
         attention_backend: str = "auto",
         linear_backend: str = "auto",
         faults: Faults | None = None,
+        grammars: Grammars | None = None,
     ) -> None:
         self.model = model
+        self.grammars = grammars  # masks constrained rows; None: no row may be constrained
         self.faults = faults if faults is not None else Faults()
         model.fuse_projections()
         self.pool = pool
@@ -225,6 +228,11 @@ class ModelRunner:
     def _sampling_batch(self, chunks: list[ScheduledChunk]) -> SamplingBatch:
         params = [c.seq.admitted.request.sampling for c in chunks]
         lp = [p.logprobs for p in params if p.logprobs is not None]
+        constrained = [(c.seq.matcher, i) for i, c in enumerate(chunks) if c.seq.matcher]
+        bitmask = None
+        if constrained and self.faults.guards().on("grammar_mask"):
+            assert self.grammars is not None, "a constrained row needs the engine's grammars"
+            bitmask = self.grammars.fill_bitmask(constrained, len(chunks))  # type: ignore[arg-type]
         return SamplingBatch(
             temperature=torch.tensor([p.temperature for p in params], dtype=torch.float32),
             top_p=torch.tensor([p.top_p for p in params], dtype=torch.float32),
@@ -233,6 +241,7 @@ class ModelRunner:
             needs_filter=any(p.top_p < 1.0 or p.top_k > 0 for p in params),
             all_greedy=all(p.greedy for p in params),
             max_logprobs=max(lp) if lp else None,
+            bitmask=bitmask,
         )
 
 

@@ -13,6 +13,7 @@ from kvfence.engine.request import FinishReason, RequestOutput, TokenLogprob
 from kvfence.kv.pool import Grant
 from kvfence.kv.prefix import PageChain
 from kvfence.model.tokenizer import IncrementalDetokenizer
+from kvfence.structured.grammar import Matcher
 
 
 class SeqStatus(enum.Enum):
@@ -55,6 +56,9 @@ class Sequence:
     num_sealed: int = 0
     may_seal: bool = True
     cached_tokens: int = 0  # prompt tokens reused at the admission that produced its output
+    # Structured output: its place in its grammar, advanced by every token it keeps. Preemption
+    # keeps its tokens (recompute), so the state stays true without a replay.
+    matcher: Matcher | None = None
 
     @property
     def own_pages(self) -> list[int]:

@@ -16,6 +16,9 @@ class SamplingBatch:
     needs_filter: bool  # any top-k or top-p in effect
     all_greedy: bool
     max_logprobs: int | None  # largest top-k logprobs any row asked for; None = no row asked
+    # Structured outputs: [B, ceil(V/32)] int32 bits of the tokens each row may sample (all ones
+    # on a free row); None when no row in the batch is constrained.
+    bitmask: torch.Tensor | None = None
 
 
 @dataclass
@@ -26,8 +29,22 @@ class SampleResult:
     top_logprobs: torch.Tensor | None
 
 
+_BITS = torch.arange(32, dtype=torch.int32)
+
+
+def allowed_tokens(bitmask: torch.Tensor, vocab: int) -> torch.Tensor:
+    """[B, V] bool from a [B, ceil(V/32)] int32 bitmask (bit j of word w is token 32w + j)."""
+    bits = (bitmask[:, :, None] >> _BITS.to(bitmask.device)) & 1
+    return bits.view(bitmask.shape[0], -1)[:, :vocab].bool()
+
+
 def sample(logits: torch.Tensor, sb: SamplingBatch, shared: torch.Generator) -> SampleResult:
-    """logits [B, V] float32."""
+    """logits [B, V] float32. Logprobs are the model's own (before any grammar mask)."""
+    raw = logits
+    if sb.bitmask is not None:
+        # One op over the batch; a free row's all-ones bits leave its logits bit-identical.
+        allowed = allowed_tokens(sb.bitmask.to(logits.device), logits.shape[1])
+        logits = logits.masked_fill(~allowed, float("-inf"))
     greedy_ids = logits.argmax(dim=-1)
     if sb.all_greedy:
         ids = greedy_ids
@@ -51,7 +68,7 @@ def sample(logits: torch.Tensor, sb: SamplingBatch, shared: torch.Generator) -> 
         ids = torch.where(temp > 0, sampled, greedy_ids)
     result = SampleResult(ids.cpu(), None, None, None)
     if sb.max_logprobs is not None:
-        logp = logits.log_softmax(dim=-1)
+        logp = raw.log_softmax(dim=-1)
         result.chosen_logprobs = logp.gather(1, ids[:, None]).squeeze(1).cpu()
         if sb.max_logprobs > 0:
             top = logp.topk(sb.max_logprobs, dim=-1)

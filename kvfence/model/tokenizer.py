@@ -76,6 +76,10 @@ class Tokenizer:
     def vocab_size(self) -> int:
         return self._tok.get_vocab_size(with_added_tokens=True)
 
+    def backend_json(self) -> str:
+        """The tokenizer as tokenizer.json text (what the grammar engine builds its trie from)."""
+        return self._tok.to_str()
+
     @property
     def has_chat_template(self) -> bool:
         return self._template is not None

@@ -103,7 +103,7 @@ def build_app(
         _check_model(engine, req.model)
         _check_choices(len(req.prompts), req.choices_per_prompt)
         max_tokens = COMPLETIONS_DEFAULT_MAX_TOKENS if req.max_tokens is None else req.max_tokens
-        sampling = req.sampling_params(max_tokens, req.logprobs)
+        sampling = req.sampling_params(max_tokens, req.logprobs, req.constraint())
         prompts = await asyncio.to_thread(_encode_prompts, engine.tokenizer, req.prompts)
         ids = _request_ids(len(prompts) * req.choices_per_prompt)
         fmt = CompletionFormat(
@@ -132,7 +132,9 @@ def build_app(
         req = _parse(ChatCompletionRequest, await read_body(request, state.max_body_bytes))
         req.check_supported()
         _check_model(engine, req.model)
-        sampling = req.sampling_params(req.effective_max_tokens, req.engine_logprobs)
+        sampling = req.sampling_params(
+            req.effective_max_tokens, req.engine_logprobs, req.constraint()
+        )
         messages = [m.template_dict() for m in req.messages]
         prompt = await asyncio.to_thread(_render_chat, engine.tokenizer, messages)
         ids = _request_ids(req.choices_per_prompt)

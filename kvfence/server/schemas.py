@@ -11,6 +11,8 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from kvfence.engine.request import SamplingParams, TokenLogprob
 from kvfence.server.errors import bad_request
+from kvfence.server.structured import LEGACY_FIELDS, constraint_of
+from kvfence.structured.spec import Constraint
 
 MAX_N = 16  # choices per prompt; more is an amplification lever, not a use case
 MAX_CHOICES = 64  # prompts x n in one HTTP request
@@ -54,6 +56,15 @@ class _SamplingFields(_Strict):
     best_of: int | None = None
     # vLLM's field: narrows prefix-cache sharing to requests of this tenant with the same salt.
     cache_salt: str | None = Field(default=None, min_length=1, max_length=256)
+    # Structured outputs: OpenAI's field and vLLM's (server/structured.py reads them).
+    response_format: dict[str, Any] | None = None
+    structured_outputs: dict[str, Any] | None = None
+    guided_json: Any = None  # vLLM's removed spellings: named here only to refuse them
+    guided_regex: Any = None
+    guided_choice: Any = None
+    guided_grammar: Any = None
+    guided_whitespace_pattern: Any = None
+    guided_decoding_backend: Any = None
 
     @field_validator("stop")
     @classmethod
@@ -90,7 +101,17 @@ class _SamplingFields(_Strict):
         if self.best_of not in (None, 1) and self.best_of != self.n:
             raise _unsupported("best_of", "best_of is not supported by this server (use n)")
 
-    def sampling_params(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
+    def constraint(self) -> Constraint | None:
+        """The structured output asked for (None: free text); a 400 for a malformed ask."""
+        legacy = {k: getattr(self, k) for k in LEGACY_FIELDS}
+        return constraint_of(self.response_format, self.structured_outputs, legacy)
+
+    def sampling_params(
+        self,
+        max_tokens: int | None,
+        logprobs: int | None,
+        constraint: Constraint | None = None,
+    ) -> SamplingParams:
         try:
             return SamplingParams(
                 max_tokens=max_tokens,
@@ -102,6 +123,7 @@ class _SamplingFields(_Strict):
                 stop_token_ids=tuple(self.stop_token_ids or ()),
                 ignore_eos=bool(self.ignore_eos),
                 logprobs=logprobs,
+                constraint=constraint,
             )
         except ValueError as e:  # the engine's own last word on sampling values
             raise bad_request(str(e)) from e
@@ -196,7 +218,6 @@ class ChatCompletionRequest(_SamplingFields):
     top_logprobs: int | None = Field(default=None, ge=0, le=MAX_CHAT_TOP_LOGPROBS)
     tools: list[Any] | None = None
     functions: list[Any] | None = None
-    response_format: dict[str, Any] | None = None
 
     def check_supported(self) -> None:
         super().check_supported()
@@ -204,8 +225,6 @@ class ChatCompletionRequest(_SamplingFields):
             raise _unsupported("tools", "tools are not supported by this server")
         if self.functions:
             raise _unsupported("functions", "functions are not supported by this server")
-        if self.response_format and self.response_format.get("type", "text") != "text":
-            raise _unsupported("response_format", "only response_format type 'text' is supported")
         if self.top_logprobs is not None and not self.logprobs:
             raise bad_request("top_logprobs requires logprobs to be true", param="top_logprobs")
 

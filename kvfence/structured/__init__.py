@@ -1,0 +1,1 @@
+"""Structured outputs: constraint specs, grammar compilation (llguidance) and token masks."""
