@@ -204,6 +204,13 @@ API_KEY_FILE = Option(
 )
 LOG_LEVEL = Option(("--log-level",), "log_level", default="info")
 SERVER_OPTIONS: tuple[Option, ...] = (HOST, PORT, API_KEY_FILE, LOG_LEVEL)
+# Chat answers with tool_choice "auto" are read for calls in this model family's format.
+TOOL_CALL_PARSER = Option(
+    ("--tool-call-parser",),
+    "tool_call_parser",
+    choices=("hermes", "qwen", "llama3_json"),
+    help="how the model writes tool calls (vLLM's names); needed for tool_choice auto",
+)
 
 # ---- a PD worker (serve; up forwards TRANSFER_OPTIONS to every worker) --------------------------
 

@@ -10,7 +10,7 @@ import sys
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
-from kvfence.args import ENGINE_OPTIONS, PD_OPTIONS, SERVER_OPTIONS, add_options
+from kvfence.args import ENGINE_OPTIONS, PD_OPTIONS, SERVER_OPTIONS, TOOL_CALL_PARSER, add_options
 from kvfence.config import ConfigError, EngineConfig
 from kvfence.faults import Faults
 
@@ -67,6 +67,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
             args.api_key_file,
             log_level=args.log_level,
             faults=faults,
+            tool_call_parser=args.tool_call_parser,
         )
     except CapacityError as e:
         print(f"kvfence: refusing to start: {e}", file=sys.stderr)
@@ -84,6 +85,7 @@ def build_parser() -> argparse.ArgumentParser:
     s = sub.add_parser("serve", help="run an OpenAI-compatible server (unified prefill+decode)")
     add_options(s, ENGINE_OPTIONS)
     add_options(s, SERVER_OPTIONS)
+    add_options(s, (TOOL_CALL_PARSER,))
     add_options(s, PD_OPTIONS)
     sub.add_parser(
         "preflight", help="check a node's KV pool against its context length", add_help=False
@@ -95,7 +97,8 @@ def build_parser() -> argparse.ArgumentParser:
         "check-protocol", help="model-check the KV transfer protocol (formal/)", add_help=False
     )
     sub.add_parser(
-        "leakcheck", help="check any OpenAI endpoint's answers for other requests' KV",
+        "leakcheck",
+        help="check any OpenAI endpoint's answers for other requests' KV",
         add_help=False,
     )
     return parser

@@ -80,8 +80,8 @@ CASES = [
     Case("messages_empty", 400, "invalid_value", "messages", CH, body=chat(messages=[])),
     Case("message_bad_role", 400, "invalid_value", "messages[0].role", CH,
          body=chat(messages=[{"role": "wizard", "content": "hi"}])),
-    Case("message_tool_role", 400, "invalid_value", "messages[0].role", CH,
-         body=chat(messages=[{"role": "tool", "content": "hi"}])),
+    Case("message_unknown_role", 400, "invalid_value", "messages[0].role", CH,
+         body=chat(messages=[{"role": "function", "content": "hi"}])),
     Case("message_image_part", 400, "invalid_value", "messages[0].content", CH,
          body=chat(messages=[{"role": "user",
                               "content": [{"type": "image_url", "image_url": {}}]}])),
@@ -117,8 +117,10 @@ CASES = [
          body=comp(presence_penalty=0.5)),
     Case("logit_bias", 400, "unsupported_parameter", "logit_bias", body=comp(logit_bias={"1": 5})),
     Case("best_of", 400, "unsupported_parameter", "best_of", body=comp(best_of=3)),
-    Case("tools", 400, "unsupported_parameter", "tools", CH,
-         body=chat(tools=[{"type": "function", "function": {"name": "f"}}])),
+    # tools are served now (tests/test_tool_calls.py); a tool_choice naming no tool is not.
+    Case("tool_choice_unknown_function", 400, "unknown_function", "tool_choice", CH,
+         body=chat(tools=[{"type": "function", "function": {"name": "f"}}],
+                   tool_choice={"type": "function", "function": {"name": "g"}})),
     # response_format json_object/json_schema are served now (tests/test_structured.py).
     Case("response_format_unknown_type", 400, "invalid_value", "response_format.type", CH,
          body=chat(response_format={"type": "xml"})),

@@ -179,7 +179,7 @@ class Engine:
                 try:
                     matcher = self.grammars.matcher(req.sampling.constraint)
                 except GrammarError as e:
-                    return Rejected(req.request_id, e.code, str(e), "response_format")
+                    return Rejected(req.request_id, e.code, str(e))
             self._post("add", (verdict, sink, mode, matcher))
         return verdict
 

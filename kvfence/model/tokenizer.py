@@ -96,8 +96,12 @@ class Tokenizer:
         return self._tok.decode(ids, skip_special_tokens=skip_special_tokens)
 
     def apply_chat_template(
-        self, messages: list[dict[str, Any]], add_generation_prompt: bool = True
+        self,
+        messages: list[dict[str, Any]],
+        add_generation_prompt: bool = True,
+        tools: list[dict[str, Any]] | None = None,
     ) -> str:
+        """tools: OpenAI tool definitions, handed to the template as transformers does."""
         if self._template is None:
             raise ChatTemplateError("this model has no chat template; use /v1/completions")
         try:
@@ -106,20 +110,29 @@ class Tokenizer:
                 add_generation_prompt=add_generation_prompt,
                 bos_token=self.bos_token or "",
                 eos_token=self.eos_token or "",
+                tools=tools,
             )
         except TemplateError as e:
             raise ChatTemplateError(f"chat template failed: {e}") from e
 
     def encode_chat(
-        self, messages: list[dict[str, Any]], add_generation_prompt: bool = True
+        self,
+        messages: list[dict[str, Any]],
+        add_generation_prompt: bool = True,
+        tools: list[dict[str, Any]] | None = None,
     ) -> list[int]:
         """Render and encode a conversation. Control-token text inside message content is
         encoded as plain text unless the operator opted in; the template's own control tokens
         stay control tokens. Content without such text encodes exactly as the whole render."""
+        if tools and not self.special_tokens_in_chat:
+            spec = json.dumps(tools, ensure_ascii=False)
+            if any(sp in spec for sp in self._specials):
+                # No marker swap for template-walked tool schemas: refuse, never forge a turn.
+                raise ChatTemplateError("tool definitions must not contain control-token text")
         if self.special_tokens_in_chat or not any(
             sp in c for c in _contents(messages) for sp in self._specials
         ):
-            text = self.apply_chat_template(messages, add_generation_prompt)
+            text = self.apply_chat_template(messages, add_generation_prompt, tools)
             # The template already wrote BOS and friends: encoding must not add them twice.
             return self.encode(text, add_special_tokens=False)
         # Swap each typed control token for a marker no client can guess, render, then encode
@@ -133,7 +146,7 @@ class Tokenizer:
             return f"\ue000{nonce}:{len(typed) - 1}\ue001"
 
         masked = [_map_content(msg, lambda c: pattern.sub(mark, c)) for msg in messages]
-        text = self.apply_chat_template(masked, add_generation_prompt)
+        text = self.apply_chat_template(masked, add_generation_prompt, tools)
         ids: list[int] = []
         marker = re.compile(f"\ue000{nonce}:(\\d+)\ue001")
         pos = 0

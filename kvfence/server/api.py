@@ -39,6 +39,7 @@ from kvfence.server.schemas import (
     CompletionFormat,
     CompletionRequest,
 )
+from kvfence.server.tools import ToolChatFormat, plan_tools
 
 logger = logging.getLogger("kvfence.server")
 
@@ -52,9 +53,11 @@ def build_app(
     api_keys: dict[str, str] | None,
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
     faults: Faults | None = None,
+    tool_call_parser: str | None = None,
 ) -> FastAPI:
     """The app for one role. It neither starts nor stops the role (serve() does). faults: the
-    process's fault points (the I6 twin's); no request can arm one."""
+    process's fault points (the I6 twin's); no request can arm one. tool_call_parser: how chat
+    answers with tool_choice "auto" are read for calls (server/tool_parsers.py; None: refused)."""
     if max_body_bytes < 1:
         raise ValueError("max_body_bytes must be >= 1")
     metrics = ServerMetrics(engine)
@@ -132,17 +135,27 @@ def build_app(
         req = _parse(ChatCompletionRequest, await read_body(request, state.max_body_bytes))
         req.check_supported()
         _check_model(engine, req.model)
-        sampling = req.sampling_params(
-            req.effective_max_tokens, req.engine_logprobs, req.constraint()
-        )
+        plan = plan_tools(req.tools, req.tool_choice, req.parallel_tool_calls, tool_call_parser)
+        constraint = req.constraint()
+        if plan is not None and plan.constraint is not None:
+            if constraint is not None:
+                raise bad_request(
+                    "tool_choice required/named and a response format both constrain the "
+                    "answer: send one",
+                    param="tool_choice",
+                )
+            constraint = plan.constraint
+        sampling = req.sampling_params(req.effective_max_tokens, req.engine_logprobs, constraint)
         messages = [m.template_dict() for m in req.messages]
-        prompt = await asyncio.to_thread(_render_chat, engine.tokenizer, messages)
+        prompt = await asyncio.to_thread(_render_chat, engine.tokenizer, messages, req.tools)
         ids = _request_ids(req.choices_per_prompt)
-        fmt = ChatFormat(
-            f"chatcmpl-{ids[0]}",
-            engine.model_name,
-            bool(req.logprobs),
-            _token_text(engine, req.return_tokens_as_token_ids),
+        token_text = _token_text(engine, req.return_tokens_as_token_ids)
+        fmt = (
+            ChatFormat(f"chatcmpl-{ids[0]}", engine.model_name, bool(req.logprobs), token_text)
+            if plan is None
+            else ToolChatFormat(
+                f"chatcmpl-{ids[0]}", engine.model_name, bool(req.logprobs), token_text, plan
+            )
         )
         return await generate(
             state,
@@ -191,6 +204,7 @@ def serve(
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
     log_level: str = "info",
     faults: Faults | None = None,
+    tool_call_parser: str | None = None,
 ) -> None:
     """Run the HTTP server until interrupted. Owns the engine's lifetime: start() before the
     socket opens, shutdown() after the last connection closes."""
@@ -200,7 +214,13 @@ def serve(
         logging.basicConfig(
             level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
         )
-    app = build_app(engine, api_keys=api_keys, max_body_bytes=max_body_bytes, faults=faults)
+    app = build_app(
+        engine,
+        api_keys=api_keys,
+        max_body_bytes=max_body_bytes,
+        faults=faults,
+        tool_call_parser=tool_call_parser,
+    )
     config = server_config(app, host=host, port=port, log_level=log_level)
     # uvicorn drains connections on SIGINT/SIGTERM, then re-raises the signal; SIGTERM's default
     # action would kill us before the engine shuts down, so both arrive as KeyboardInterrupt.
@@ -287,8 +307,12 @@ def _encode_prompts(tokenizer: TokenizerLike, prompts: list[str | list[int]]) ->
     return [(tokenizer.encode(p) if p else []) if isinstance(p, str) else p for p in prompts]
 
 
-def _render_chat(tokenizer: TokenizerLike, messages: list[dict[str, Any]]) -> list[int]:
+def _render_chat(
+    tokenizer: TokenizerLike, messages: list[dict[str, Any]], tools: list[Any] | None = None
+) -> list[int]:
     try:
+        if tools:  # only then: a tokenizer without tool support still renders plain chats
+            return tokenizer.encode_chat(messages, add_generation_prompt=True, tools=tools)
         return tokenizer.encode_chat(messages, add_generation_prompt=True)
     except ValueError as e:  # ChatTemplateError: templates refuse some message orders
         raise bad_request(

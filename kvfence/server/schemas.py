@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -184,9 +185,11 @@ class CompletionRequest(_SamplingFields):
 
 
 class ChatMessage(_Strict):
-    role: Literal["system", "user", "assistant", "developer"]
+    role: Literal["system", "user", "assistant", "developer", "tool"]
     content: Any = None
     name: str | None = None
+    tool_calls: list[Any] | None = None  # an assistant turn that called tools
+    tool_call_id: str | None = None  # a tool turn: the call it answers
 
     @field_validator("content")
     @classmethod
@@ -205,10 +208,39 @@ class ChatMessage(_Strict):
             return "".join(parts)
         raise ValueError("content must be a string or a list of text parts")
 
-    def template_dict(self) -> dict[str, str]:
+    @field_validator("tool_calls")
+    @classmethod
+    def _check_tool_calls(cls, v: list[Any] | None) -> list[Any] | None:
+        for i, call in enumerate(v or []):
+            fn = call.get("function") if isinstance(call, dict) else None
+            if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
+                raise ValueError(f"tool_calls[{i}] must carry function.name")
+            if not isinstance(fn.get("arguments", ""), str | dict):
+                raise ValueError(f"tool_calls[{i}].function.arguments must be a JSON string")
+        return v
+
+    def template_dict(self) -> dict[str, Any]:
         # Templates know system/user/assistant; "developer" is OpenAI's newer name for system.
         role = "system" if self.role == "developer" else self.role
-        return {"role": role, "content": self.content}
+        out: dict[str, Any] = {"role": role, "content": self.content}
+        if self.tool_calls:
+            # As transformers and vLLM hand them to templates: arguments as an object.
+            out["tool_calls"] = [_template_call(c) for c in self.tool_calls]
+        if self.tool_call_id is not None:
+            out["tool_call_id"] = self.tool_call_id
+        if self.name is not None and self.role == "tool":
+            out["name"] = self.name
+        return out
+
+
+def _template_call(call: dict[str, Any]) -> dict[str, Any]:
+    fn = dict(call["function"])
+    if isinstance(fn.get("arguments"), str):
+        try:
+            fn["arguments"] = json.loads(fn["arguments"])
+        except ValueError:
+            pass  # the template renders the text as the client sent it
+    return {**call, "function": fn}
 
 
 class ChatCompletionRequest(_SamplingFields):
@@ -217,12 +249,12 @@ class ChatCompletionRequest(_SamplingFields):
     logprobs: bool | None = False
     top_logprobs: int | None = Field(default=None, ge=0, le=MAX_CHAT_TOP_LOGPROBS)
     tools: list[Any] | None = None
+    tool_choice: Any = None  # "none" | "auto" | "required" | {"type": "function", ...}
+    parallel_tool_calls: bool | None = None
     functions: list[Any] | None = None
 
     def check_supported(self) -> None:
         super().check_supported()
-        if self.tools:
-            raise _unsupported("tools", "tools are not supported by this server")
         if self.functions:
             raise _unsupported("functions", "functions are not supported by this server")
         if self.top_logprobs is not None and not self.logprobs:

@@ -19,7 +19,6 @@ from concurrent.futures import ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
 
 import llguidance
-import llguidance.torch as llg_torch
 import torch
 from llguidance.gbnf_to_lark import any_to_lark
 
@@ -146,8 +145,10 @@ class Grammars:
         bitmask = torch.full((batch, (self.vocab_size + 31) // 32), -1, dtype=torch.int32)
         if self._executor is None:
             self._executor = llguidance.LLExecutor(num_threads=2)
-        llg_torch.fill_next_token_bitmask_par(
-            self._executor, [(m.inner, i) for m, i in rows], bitmask
+        # llguidance.torch wraps this call, but importing it compiles a kernel via torch._dynamo.
+        width = bitmask.shape[1] * bitmask.element_size()
+        self._executor.unsafe_compute_mask_ptr(
+            [(m.inner, i) for m, i in rows], bitmask.data_ptr(), width, batch
         )
         return bitmask
 

@@ -1,0 +1,232 @@
+"""Chat tool calling: `tools`, `tool_choice` and `parallel_tool_calls` read into a plan (a
+grammar for `required` / a named function, a parser for `auto`), and the chat format that turns
+an answer into OpenAI `tool_calls`, in a body or as streamed deltas."""
+
+from __future__ import annotations
+
+import json
+import re
+import secrets
+from dataclasses import dataclass, field
+from typing import Any
+
+from kvfence.engine.request import TokenLogprob
+from kvfence.server.errors import APIError, bad_request
+from kvfence.server.schemas import ChatFormat, ChoiceState, TokenText, chat_logprobs
+from kvfence.server.tool_parsers import ToolCall, ToolParser, parser_named
+from kvfence.structured.spec import Constraint
+
+_NAME = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")
+MAX_TOOLS = 128
+
+
+def _err(message: str, param: str, code: str = "invalid_value") -> APIError:
+    return bad_request(message, code=code, param=param)
+
+
+@dataclass(frozen=True)
+class ToolPlan:
+    mode: str  # none | auto | required | named
+    declared: frozenset[str]
+    named: str | None = None
+    parallel: bool = True
+    parser: ToolParser | None = None
+    constraint: Constraint | None = None  # required / named: the grammar that enforces a call
+
+
+def _parameters(tools: list[Any]) -> dict[str, dict[str, Any]]:
+    if len(tools) > MAX_TOOLS:
+        raise _err(f"at most {MAX_TOOLS} tools are allowed", "tools")
+    out: dict[str, dict[str, Any]] = {}
+    for i, tool in enumerate(tools):
+        fn = tool.get("function") if isinstance(tool, dict) else None
+        if not isinstance(tool, dict) or tool.get("type") != "function" or not isinstance(fn, dict):
+            raise _err(f"tools[{i}] must be {{'type': 'function', 'function': {{...}}}}", "tools")
+        name = fn.get("name")
+        if not isinstance(name, str) or not _NAME.match(name):
+            raise _err(f"tools[{i}].function.name must match {_NAME.pattern}", "tools")
+        if name in out:
+            raise _err(f"tools[{i}]: function {name!r} is declared twice", "tools")
+        params = fn.get("parameters", {"type": "object", "properties": {}})
+        if not isinstance(params, dict):
+            raise _err(f"tools[{i}].function.parameters must be a JSON schema object", "tools")
+        out[name] = params
+    return out
+
+
+def plan_tools(
+    tools: list[Any] | None,
+    tool_choice: Any,
+    parallel_tool_calls: bool | None,
+    parser_name: str | None,
+) -> ToolPlan | None:
+    """None: no tools in play. Raises a 400 for every malformed or unservable combination."""
+    if not tools:
+        if tool_choice not in (None, "none"):
+            raise _err("tool_choice needs a non-empty `tools`", "tool_choice")
+        return None
+    params = _parameters(tools)
+    declared = frozenset(params)
+    parallel = parallel_tool_calls is not False
+    choice = "auto" if tool_choice is None else tool_choice
+    if choice == "none":
+        return ToolPlan("none", declared)
+    if choice == "auto":
+        if parser_name is None:
+            raise _err(
+                'tool_choice "auto" needs the server started with --tool-call-parser '
+                '(or send tool_choice "required" or a named function)',
+                "tool_choice",
+            )
+        return ToolPlan("auto", declared, parallel=parallel, parser=parser_named(parser_name))
+    if choice == "required":
+        items = [
+            {
+                "type": "object",
+                "properties": {"name": {"const": name}, "parameters": schema},
+                "required": ["name", "parameters"],
+                "additionalProperties": False,
+            }
+            for name, schema in params.items()
+        ]
+        schema: dict[str, Any] = {"type": "array", "items": {"anyOf": items}, "minItems": 1}
+        if not parallel:
+            schema["maxItems"] = 1
+        return ToolPlan(
+            "required", declared, parallel=parallel, constraint=Constraint.json_schema(schema)
+        )
+    fn = choice.get("function") if isinstance(choice, dict) else None
+    name = fn.get("name") if isinstance(fn, dict) else None
+    if (
+        not isinstance(choice, dict)
+        or choice.get("type") != "function"
+        or not isinstance(name, str)
+    ):
+        raise _err(
+            'tool_choice must be "none", "auto", "required" or '
+            '{"type": "function", "function": {"name": ...}}',
+            "tool_choice",
+        )
+    if name not in declared:
+        raise _err(
+            f"tool_choice names {name!r}, which is not in tools", "tool_choice", "unknown_function"
+        )
+    return ToolPlan("named", declared, named=name, constraint=Constraint.json_schema(params[name]))
+
+
+def extract_calls(plan: ToolPlan, text: str) -> tuple[str, list[ToolCall]]:
+    """(content, calls) of a finished answer; calls are empty when it holds none."""
+    if plan.mode == "named":
+        try:
+            args = json.loads(text)
+        except ValueError:
+            return text, []
+        return "", [ToolCall(plan.named or "", json.dumps(args, ensure_ascii=False))]
+    if plan.mode == "required":
+        try:
+            items = json.loads(text)
+        except ValueError:
+            return text, []
+        calls = [
+            ToolCall(it["name"], json.dumps(it["parameters"], ensure_ascii=False))
+            for it in items
+            if isinstance(it, dict) and it.get("name") in plan.declared
+        ]
+        return ("", calls) if calls else (text, [])
+    if plan.mode == "auto" and plan.parser is not None:
+        content, calls = plan.parser.parse(text, plan.declared)
+        return (content, calls if plan.parallel else calls[:1]) if calls else (text, [])
+    return text, []
+
+
+def _call_json(call: ToolCall) -> dict[str, Any]:
+    return {
+        "id": f"call_{secrets.token_hex(12)}",
+        "type": "function",
+        "function": {"name": call.name, "arguments": call.arguments},
+    }
+
+
+@dataclass
+class _Stream:
+    text: str = ""  # everything generated so far
+    sent: int = 0  # chars of it already streamed as content
+    lps: list[TokenLogprob] = field(default_factory=list)  # withheld with withheld text
+
+
+class ToolChatFormat(ChatFormat):
+    """ChatFormat for requests with tools: answers carry `tool_calls` and finish `tool_calls`;
+    in a stream, text that is (or may become) a call is held back and sent as tool-call deltas."""
+
+    def __init__(
+        self, response_id: str, model: str, logprobs: bool, token_text: TokenText, plan: ToolPlan
+    ) -> None:
+        super().__init__(response_id, model, logprobs, token_text)
+        self.plan = plan
+        self._streams: dict[int, _Stream] = {}
+
+    def body(self, choices: list[ChoiceState], use: dict[str, Any]) -> dict[str, Any]:
+        out = super().body(choices, use)
+        for c, choice in zip(choices, out["choices"], strict=True):
+            if c.finish_reason != "stop":
+                continue
+            content, calls = extract_calls(self.plan, "".join(c.text))
+            if calls:
+                choice["message"] = {
+                    "role": "assistant",
+                    "content": content or None,
+                    "tool_calls": [_call_json(x) for x in calls],
+                }
+                choice["finish_reason"] = "tool_calls"
+        return out
+
+    def _held_from(self, s: _Stream) -> int:
+        if self.plan.mode in ("required", "named"):
+            return 0  # the whole answer is the call
+        if self.plan.mode == "auto" and self.plan.parser is not None:
+            pos = self.plan.parser.may_start_call(s.text)
+            return len(s.text) if pos is None else pos
+        return len(s.text)
+
+    def _content(self, c: ChoiceState, s: _Stream, upto: int) -> list[dict[str, Any]]:
+        if upto <= s.sent and not (s.lps and upto == len(s.text)):
+            return []
+        text, s.sent = s.text[s.sent : upto], max(s.sent, upto)
+        lps, s.lps = s.lps, []
+        return [self._chunk(c.index, {"content": text}, lps, None)]
+
+    def _chunk(
+        self, index: int, delta: dict[str, Any], lps: list[TokenLogprob], finish: str | None
+    ) -> dict[str, Any]:
+        logprobs = chat_logprobs(lps, self.token_text) if self.logprobs and lps else None
+        return self._envelope(
+            [{"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish}]
+        )
+
+    def delta_chunks(
+        self,
+        c: ChoiceState,
+        text: str,
+        lps: tuple[TokenLogprob, ...],
+        offset: int,
+        finish: str | None,
+    ) -> list[dict[str, Any]]:
+        s = self._streams.setdefault(c.index, _Stream())
+        s.text += text
+        s.lps.extend(lps)
+        if finish is None:
+            return self._content(c, s, self._held_from(s))
+        content, calls = extract_calls(self.plan, s.text) if finish == "stop" else (s.text, [])
+        if not calls:
+            return [*self._content(c, s, len(s.text)), self._chunk(c.index, {}, [], finish)]
+        out = []
+        for i, call in enumerate(calls):
+            head = _call_json(call)
+            head["index"] = i
+            head["function"] = {"name": call.name, "arguments": ""}
+            out.append(self._chunk(c.index, {"tool_calls": [head]}, [], None))
+            args = {"index": i, "function": {"arguments": call.arguments}}
+            lps_now, s.lps = s.lps, []
+            out.append(self._chunk(c.index, {"tool_calls": [args]}, lps_now, None))
+        out.append(self._chunk(c.index, {}, [], "tool_calls"))
+        return out

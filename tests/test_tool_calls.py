@@ -1,0 +1,272 @@
+"""Chat tool calling on the real engine (bundled tiny model): tool_choice required / named are
+enforced by a grammar, auto is read by --tool-call-parser, calls stream as OpenAI deltas, the
+template sees `tools`, and malformed tool requests get a 400."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import jsonschema
+import openai
+import pytest
+from fastapi.testclient import TestClient
+
+from kvfence.config import EngineConfig
+from kvfence.engine.engine import Engine
+from kvfence.model.tokenizer import ChatTemplateError, Tokenizer
+from kvfence.role import UnifiedService
+from kvfence.server.api import build_app
+from kvfence.server.tool_parsers import HermesParser, Llama3JsonParser, ToolCall
+
+TINY = Path(__file__).resolve().parents[1] / "models" / "kvfence-tiny"
+MODEL = "tiny"
+WEATHER = {
+    "type": "object",
+    "properties": {
+        "city": {"type": "string", "maxLength": 8},
+        "unit": {"enum": ["c", "f"]},
+    },
+    "required": ["city", "unit"],
+    "additionalProperties": False,
+}
+TOOLS = [
+    {"type": "function", "function": {"name": "get_weather", "parameters": WEATHER}},
+    {
+        "type": "function",
+        "function": {
+            "name": "add",
+            "description": "add two small numbers",
+            "parameters": {
+                "type": "object",
+                "properties": {"a": {"type": "integer", "minimum": 0, "maximum": 99}},
+                "required": ["a"],
+                "additionalProperties": False,
+            },
+        },
+    },
+]
+PARAMS = {t["function"]["name"]: t["function"]["parameters"] for t in TOOLS}
+
+
+@pytest.fixture(scope="module")
+def engine() -> Iterator[Engine]:
+    e = Engine(
+        EngineConfig(
+            model=str(TINY), kv_pool_tokens=4096, context_length=512, served_model_name=MODEL
+        )
+    )
+    e.start()
+    yield e
+    e.shutdown()
+
+
+@pytest.fixture(scope="module")
+def client(engine: Engine) -> Iterator[TestClient]:
+    app = build_app(UnifiedService(engine), api_keys=None, tool_call_parser="hermes")
+    with TestClient(app) as c:
+        yield c
+
+
+def _chat(**kw: Any) -> dict[str, Any]:
+    return {"model": MODEL, "messages": [{"role": "user", "content": "weather?"}], **kw}
+
+
+def _check_call(call: dict[str, Any]) -> str:
+    assert call["type"] == "function" and call["id"].startswith("call_")
+    name = call["function"]["name"]
+    jsonschema.validate(json.loads(call["function"]["arguments"]), PARAMS[name])
+    return name
+
+
+def test_required_always_yields_well_formed_calls_to_declared_functions(
+    client: TestClient,
+) -> None:
+    body = _chat(
+        tools=TOOLS,
+        tool_choice="required",
+        parallel_tool_calls=False,
+        n=4,
+        temperature=1.0,
+        seed=5,
+        max_tokens=80,
+    )
+    r = client.post("/v1/chat/completions", json=body)
+    assert r.status_code == 200, r.text
+    for choice in r.json()["choices"]:
+        assert choice["finish_reason"] == "tool_calls", choice
+        (call,) = choice["message"]["tool_calls"]
+        assert _check_call(call) in PARAMS
+    # Parallel calls: a model that never stops adding calls runs into max_tokens, and the
+    # answer then says "length" with its text: a cut-off call list is never claimed as calls.
+    body = _chat(tools=TOOLS, tool_choice="required", n=4, temperature=1.0, seed=5, max_tokens=80)
+    finishes = set()
+    for choice in client.post("/v1/chat/completions", json=body).json()["choices"]:
+        finishes.add(choice["finish_reason"])
+        if choice["finish_reason"] == "tool_calls":
+            assert all(_check_call(c) in PARAMS for c in choice["message"]["tool_calls"])
+        else:
+            assert choice["finish_reason"] == "length" and "tool_calls" not in choice["message"]
+    assert finishes <= {"tool_calls", "length"}, finishes
+
+
+def test_named_function_is_called_with_valid_arguments(client: TestClient) -> None:
+    choice = {"type": "function", "function": {"name": "get_weather"}}
+    body = _chat(tools=TOOLS, tool_choice=choice, n=2, temperature=1.0, seed=1, max_tokens=60)
+    for c in client.post("/v1/chat/completions", json=body).json()["choices"]:
+        assert c["finish_reason"] == "tool_calls" and c["message"]["content"] is None
+        (call,) = c["message"]["tool_calls"]
+        assert _check_call(call) == "get_weather"
+
+
+def test_auto_reads_hermes_calls_and_leaves_plain_answers_alone(client: TestClient) -> None:
+    # The tiny model cannot write a call by itself; a regex makes it write one in hermes form.
+    call = r'<tool_call>\{"name": "add", "arguments": \{"a": [1-9]\}\}</tool_call>'
+    body = _chat(tools=TOOLS, max_tokens=60, temperature=0, structured_outputs={"regex": call})
+    (c,) = client.post("/v1/chat/completions", json=body).json()["choices"]
+    assert c["finish_reason"] == "tool_calls", c
+    (tc,) = c["message"]["tool_calls"]
+    assert _check_call(tc) == "add"
+    body = _chat(tools=TOOLS, max_tokens=8, temperature=0, structured_outputs={"regex": "hi|yo"})
+    (c,) = client.post("/v1/chat/completions", json=body).json()["choices"]
+    assert c["finish_reason"] == "stop" and c["message"]["content"] in ("hi", "yo")
+    assert "tool_calls" not in c["message"]
+
+
+def test_openai_client_parses_calls_and_streamed_deltas(client: TestClient) -> None:
+    oa = openai.OpenAI(base_url="http://testserver/v1", api_key="x", http_client=client)
+    kw: dict[str, Any] = dict(
+        model=MODEL,
+        messages=[{"role": "user", "content": "hi"}],
+        tools=TOOLS,
+        tool_choice="required",
+        parallel_tool_calls=False,
+        max_tokens=80,
+        temperature=0,
+    )
+    out = oa.chat.completions.create(**kw)
+    calls = out.choices[0].message.tool_calls or []
+    assert out.choices[0].finish_reason == "tool_calls" and calls
+    acc: dict[int, dict[str, str]] = {}
+    finish = None
+    for chunk in oa.chat.completions.create(stream=True, **kw):
+        if not chunk.choices:
+            continue
+        ch = chunk.choices[0]
+        finish = ch.finish_reason or finish
+        for d in ch.delta.tool_calls or []:
+            slot = acc.setdefault(d.index, {"name": "", "arguments": ""})
+            if d.function and d.function.name:
+                slot["name"] += d.function.name
+            if d.function and d.function.arguments:
+                slot["arguments"] += d.function.arguments
+        assert not ch.delta.content, "a required call is never streamed as content"
+    assert finish == "tool_calls"
+    assert [(c.function.name, c.function.arguments) for c in calls] == [
+        (v["name"], v["arguments"]) for _, v in sorted(acc.items())
+    ]
+
+
+@pytest.mark.parametrize(
+    "kw, code, param",
+    [
+        (
+            {"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "nope"}}},
+            "unknown_function",
+            "tool_choice",
+        ),
+        ({"tool_choice": "required"}, "invalid_value", "tool_choice"),
+        ({"tools": TOOLS, "tool_choice": "sometimes"}, "invalid_value", "tool_choice"),
+        (
+            {"tools": [{"type": "function", "function": {"name": "bad name!"}}]},
+            "invalid_value",
+            "tools",
+        ),
+        ({"tools": [TOOLS[0], TOOLS[0]]}, "invalid_value", "tools"),
+        (
+            {"tools": TOOLS, "tool_choice": "required", "response_format": {"type": "json_object"}},
+            "invalid_value",
+            "tool_choice",
+        ),
+        (
+            {
+                "tools": [
+                    {
+                        "type": "function",
+                        "function": {"name": "f", "parameters": {"type": "object", "if": {}}},
+                    }
+                ],
+                "tool_choice": "required",
+            },
+            "unsupported_schema_keyword",
+            None,
+        ),
+    ],
+)
+def test_bad_tool_requests_get_a_400(
+    client: TestClient, kw: dict[str, Any], code: str, param: str | None
+) -> None:
+    r = client.post("/v1/chat/completions", json=_chat(max_tokens=4, **kw))
+    assert r.status_code == 400, r.text
+    assert (r.json()["error"]["code"], r.json()["error"]["param"]) == (code, param), r.text
+
+
+def test_auto_without_a_parser_is_refused(engine: Engine) -> None:
+    with TestClient(build_app(UnifiedService(engine), api_keys=None)) as c:
+        r = c.post("/v1/chat/completions", json=_chat(tools=TOOLS, max_tokens=4))
+    assert r.status_code == 400 and "--tool-call-parser" in r.json()["error"]["message"]
+
+
+def test_template_gets_tools_and_tool_turns(tmp_path: Path) -> None:
+    shutil.copy(TINY / "tokenizer.json", tmp_path / "tokenizer.json")
+    cfg = json.loads((TINY / "tokenizer_config.json").read_text())
+    cfg["chat_template"] = (
+        "{% if tools %}TOOLS:{% for t in tools %}{{ t.function.name }};{% endfor %}{% endif %}"
+        "{% for m in messages %}[{{ m.role }}]{{ m.content }}"
+        "{% for c in m.tool_calls or [] %}CALL {{ c.function.name }} "
+        "{{ c.function.arguments.a }}{% endfor %}{% endfor %}"
+    )
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps(cfg))
+    tok = Tokenizer(tmp_path)
+    messages = [
+        {"role": "user", "content": "add"},
+        {
+            "role": "assistant",
+            "content": "",
+            "tool_calls": [
+                {"type": "function", "function": {"name": "add", "arguments": {"a": 4}}}
+            ],
+        },
+        {"role": "tool", "content": "4", "tool_call_id": "call_1"},
+    ]
+    text = tok.apply_chat_template(messages, tools=TOOLS)
+    assert text == "TOOLS:get_weather;add;[user]add[assistant]CALL add 4[tool]4"
+    with pytest.raises(ChatTemplateError):  # control-token text cannot ride in a tool schema
+        bad = [{"type": "function", "function": {"name": "f", "description": "<|eos|>"}}]
+        tok.encode_chat(messages, tools=bad)
+
+
+def test_parsers_split_calls_from_text() -> None:
+    declared = frozenset({"add", "get_weather"})
+    text = (
+        'Sure. <tool_call>\n{"name": "add", "arguments": {"a": 1}}\n</tool_call>'
+        '<tool_call>{"name": "get_weather", "arguments": {"city": "Rome"}}</tool_call>'
+    )
+    assert HermesParser().parse(text, declared) == (
+        "Sure.",
+        [ToolCall("add", '{"a": 1}'), ToolCall("get_weather", '{"city": "Rome"}')],
+    )
+    assert (
+        HermesParser().parse('<tool_call>{"name": "rm", "arguments": {}}</tool_call>', declared)[1]
+        == []
+    )
+    assert HermesParser().may_start_call("abc <tool_") == 4
+    text = '{"name": "add", "parameters": {"a": 2}}; {"name": "add", "parameters": {"a": 3}}'
+    assert Llama3JsonParser().parse(text, declared) == (
+        "",
+        [ToolCall("add", '{"a": 2}'), ToolCall("add", '{"a": 3}')],
+    )
+    assert Llama3JsonParser().parse("plain {not json}", declared) == ("plain {not json}", [])
