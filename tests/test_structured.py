@@ -401,3 +401,31 @@ def test_constraint_travels_in_reserve_sampling_params() -> None:
     assert SamplingParams.from_dict(SamplingParams(max_tokens=5).to_dict()).constraint is None
     with pytest.raises((TypeError, ValueError)):
         SamplingParams.from_dict({**wire, "constraint": {"kind": "sql", "value": "x"}})
+
+
+def test_pd_prefill_masks_token_one_and_decode_continues_the_grammar() -> None:
+    """PD: prefill samples the first token under the constraint from RESERVE's sampling params;
+    decode's matcher replays it and constrains the rest. An unmasked first token would fail
+    decode's grammar (grammar_error), so a valid answer shows both sides applied it."""
+    from pd_harness import PDPair, finished_ok
+
+    pd = PDPair(str(TINY), kv_pool_tokens=2048, context_length=256)
+    try:
+        tok = pd.decode.engine.tokenizer
+        schema = SCHEMAS["nested_object"]
+        cases = [
+            (Constraint.json_schema(schema), lambda t: jsonschema.validate(json.loads(t), schema)),
+            (
+                Constraint.choice(["zebra crossing", "yak"]),
+                lambda t: t in ("zebra crossing", "yak"),
+            ),
+        ]
+        for constraint, check in cases:
+            sp = SamplingParams(max_tokens=60, temperature=1.0, seed=4, constraint=constraint)
+            for r in pd.generate([tok.encode("a b c"), tok.encode("d")], sp):
+                assert finished_ok(r) and r.final is not None, r.final
+                assert r.final.finish_reason.value == "stop", r.final
+                assert check(r.text) is not False, r.text
+        assert pd.wait_idle()
+    finally:
+        pd.close()

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from array import array
 from collections.abc import Callable
+from concurrent.futures import Future
 from dataclasses import dataclass
 from itertools import chain
 from typing import TypeVar
@@ -140,6 +141,9 @@ class ModelRunner:
                         NULL_PAGE,
                     )
                 )
+        # Structured-output masks are computed on llguidance's threads (no GIL) while the
+        # model runs: they depend only on tokens already sampled.
+        masks = self._start_masks([c for c in chunks if c.samples])
         meta = AttentionMetadata(positions.to(self.device), slots.to(self.device), groups)
         hidden = self.model(input_ids.to(self.device), meta, self.kv_caches)
         sampled = [c for c in chunks if c.samples]
@@ -150,9 +154,19 @@ class ModelRunner:
             device=self.device,
         )
         logits = self.model.logits(hidden[last])
+        bitmask = masks.result() if masks is not None else None
         return StepResult(
-            sampled, sample(logits, self._sampling_batch(sampled), self.generator), rejected
+            sampled,
+            sample(logits, self._sampling_batch(sampled, bitmask), self.generator),
+            rejected,
         )
+
+    def _start_masks(self, sampled: list[ScheduledChunk]) -> Future[torch.Tensor] | None:
+        constrained = [(c.seq.matcher, i) for i, c in enumerate(sampled) if c.seq.matcher]
+        if not constrained or not self.faults.guards().on("grammar_mask"):
+            return None
+        assert self.grammars is not None, "a constrained row needs the engine's grammars"
+        return self.grammars.fill_bitmask_async(constrained, len(sampled))  # type: ignore[arg-type]
 
     def _page_table(self, chunks: list[ScheduledChunk]) -> torch.Tensor:
         width = max(len(c.seq.pages) for c in chunks)
@@ -225,14 +239,11 @@ class ModelRunner:
             namespace=self.faults.guards().on("prefix_namespace"),
         )
 
-    def _sampling_batch(self, chunks: list[ScheduledChunk]) -> SamplingBatch:
+    def _sampling_batch(
+        self, chunks: list[ScheduledChunk], bitmask: torch.Tensor | None = None
+    ) -> SamplingBatch:
         params = [c.seq.admitted.request.sampling for c in chunks]
         lp = [p.logprobs for p in params if p.logprobs is not None]
-        constrained = [(c.seq.matcher, i) for i, c in enumerate(chunks) if c.seq.matcher]
-        bitmask = None
-        if constrained and self.faults.guards().on("grammar_mask"):
-            assert self.grammars is not None, "a constrained row needs the engine's grammars"
-            bitmask = self.grammars.fill_bitmask(constrained, len(chunks))  # type: ignore[arg-type]
         return SamplingBatch(
             temperature=torch.tensor([p.temperature for p in params], dtype=torch.float32),
             top_p=torch.tensor([p.top_p for p in params], dtype=torch.float32),

@@ -15,7 +15,7 @@ import json
 import re
 import threading
 from collections import OrderedDict
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
 
 import llguidance
@@ -83,6 +83,7 @@ class Grammars:
         # Two compile threads: a burst of novel schemas queues here, never on the step loop.
         self._pool = ThreadPoolExecutor(2, thread_name_prefix="kvfence-grammar")
         self._executor: llguidance.LLExecutor | None = None
+        self._masker = ThreadPoolExecutor(1, thread_name_prefix="kvfence-mask")
         self.compiles = 0  # cache misses, for tests and metrics
 
     def matcher(self, c: Constraint) -> Matcher:
@@ -138,6 +139,12 @@ class Grammars:
                 code = "unsupported_schema_keyword"
             raise GrammarError(f"invalid {c.kind.value}: {err}", code)
         return m
+
+    def fill_bitmask_async(
+        self, rows: list[tuple[Matcher, int]], batch: int
+    ) -> Future[torch.Tensor]:
+        """fill_bitmask on a helper thread, so the step overlaps it with the forward pass."""
+        return self._masker.submit(self.fill_bitmask, rows, batch)
 
     def fill_bitmask(self, rows: list[tuple[Matcher, int]], batch: int) -> torch.Tensor:
         """[batch, ceil(V/32)] int32 allowed-token bits; rows not listed allow everything.
