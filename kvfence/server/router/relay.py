@@ -17,6 +17,7 @@ from starlette.types import Message, Receive, Scope, Send
 
 from kvfence import sse
 from kvfence.server.errors import SERVER_ERROR, APIError
+from kvfence.server.router.prefix_index import PrefixKey
 from kvfence.server.router.state import RouterState, no_workers
 from kvfence.server.router.workers import Worker
 from kvfence.sse import Event, SSEParser
@@ -140,6 +141,7 @@ class Relay(Response):
         *,
         paired: bool,
         route: str | None = None,
+        prefix: PrefixKey | None = None,
     ) -> None:
         super().__init__()
         self._state = state
@@ -149,6 +151,7 @@ class Relay(Response):
         self._body = body
         self._headers = headers
         self._paired = paired
+        self._prefix = prefix
         self._p = _Progress()
         self._held: list[Worker] = []
 
@@ -203,9 +206,12 @@ class Relay(Response):
         st, p = self._state, self._p
         tried: list[Worker] = []
         for attempt in range(2):
-            decode = st.decode.pick(exclude=tried)
-            prefill = st.prefill.pick(partner=decode) if self._paired and decode else None
-            if decode is None or (self._paired and prefill is None):
+            if self._paired:
+                pair = st.routing.pick_pair(self._prefix, exclude=tried)
+                decode, prefill = pair if pair is not None else (None, None)
+            else:
+                decode, prefill = st.decode.pick(exclude=tried), None
+            if decode is None:
                 await self._send_error(send, _unreachable() if tried else no_workers())
                 return
             p.decode, p.prefill = decode, prefill
