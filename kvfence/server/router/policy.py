@@ -42,6 +42,12 @@ class Decision:
     predicted_tokens: int  # of the prompt, predicted cached on `worker` for this tenant
 
 
+@dataclass(frozen=True)
+class Pair:
+    decode: Decision
+    prefill: Decision
+
+
 def too_busy(load: int, least: int, config: RoutingConfig) -> bool:
     """SGLang's imbalance test, applied to the worker holding the prefix: both thresholds."""
     return (
@@ -117,9 +123,7 @@ class Routing:
             namespace = _EVERYONE
         return self.index.key(namespace, prompt)
 
-    def pick_pair(
-        self, key: PrefixKey | None, exclude: Sequence[Worker] = ()
-    ) -> tuple[Worker, Worker] | None:
+    def pick_pair(self, key: PrefixKey | None, exclude: Sequence[Worker] = ()) -> Pair | None:
         """A decode (not in `exclude`) and a prefill it can pair with, or None."""
         decode = self._pick(self.decode, key, exclude, None)
         if decode is None:
@@ -131,7 +135,7 @@ class Routing:
             self.metrics.decided(d, key)
             if key is not None:
                 self.index.insert(key, d.worker.url)
-        return decode.worker, prefill.worker
+        return Pair(decode, prefill)
 
     def _pick(
         self,

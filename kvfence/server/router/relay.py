@@ -206,11 +206,7 @@ class Relay(Response):
         st, p = self._state, self._p
         tried: list[Worker] = []
         for attempt in range(2):
-            if self._paired:
-                pair = st.routing.pick_pair(self._prefix, exclude=tried)
-                decode, prefill = pair if pair is not None else (None, None)
-            else:
-                decode, prefill = st.decode.pick(exclude=tried), None
+            decode, prefill = self._pick(tried)
             if decode is None:
                 await self._send_error(send, _unreachable() if tried else no_workers())
                 return
@@ -230,6 +226,14 @@ class Relay(Response):
             finally:
                 self._release()
         await self._send_error(send, _unreachable())
+
+    def _pick(self, tried: list[Worker]) -> tuple[Worker | None, Worker | None]:
+        """A decode and the prefill it pairs with, by the routing policy; or a decode alone."""
+        st = self._state
+        if not self._paired:
+            return st.decode.pick(exclude=tried), None
+        pair = st.routing.pick_pair(self._prefix, exclude=tried)
+        return (pair.decode.worker, pair.prefill.worker) if pair else (None, None)
 
     def _hold(self, *workers: Worker | None) -> None:
         # The prefill is counted busy for the whole answer: the router cannot see when the
