@@ -53,7 +53,8 @@ def test_the_prompt_is_read_as_text_ids_or_chat_and_anything_else_routes_by_load
     assert turn1 is not None and turn2 is not None and turn1.kind is PromptKind.CHAT
     assert isinstance(turn2.symbols, str) and turn2.symbols.startswith(str(turn1.symbols))
     for bad in (b"{not json", b"[1, 2]", body(prompt=[True, 2]), body(prompt=""),
-                body(prompt=[1, "x"]), body(prompt={"a": 1}), b"[" * 100_000):
+                body(prompt=[1, "x"]), body(prompt={"a": 1}), b"[" * 100_000,
+                body(prompt=[10**30]), body(prompt=[-1])):
         assert read_prompt(COMPLETIONS, bad) is None, bad[:30]
     assert read_prompt(CHAT, body(messages=["not a message"])) is None
     assert read_prompt(COMPLETIONS, body(prompt="x", cache_salt=7)) == Prompt(PromptKind.TEXT, "x")
@@ -100,6 +101,10 @@ def test_index_predicts_the_longest_prefix_each_worker_was_sent() -> None:
     salted = index.key(Namespace.of_tenant("tenant-a", "s"), text(LONG))
     assert set(ids.chunks).isdisjoint(long.chunks) and set(salted.chunks).isdisjoint(long.chunks)
     assert index.match(salted, ["w1"]) == {"w1": 0}
+    # Any text JSON can carry keys: lone surrogates, characters beyond the BMP.
+    lone_surrogates = json.loads('"' + "\\ud800" * 70 + '"')
+    odd = index.key(A, text(lone_surrogates + "\U0001f600" * 70))
+    assert len(odd.chunks) == 140 // 64
 
 
 def test_index_forgets_after_the_ttl() -> None:
@@ -324,3 +329,35 @@ def test_second_chat_turns_go_to_the_first_turns_pairs_and_load_is_spread(cluste
         assert f"kvfence_router_decisions_total{{{labels}}} 4.0" in metrics, metrics
     assert "kvfence_router_predicted_hit_tokens_total{" in metrics
     assert "kvfence_router_prefix_index_entries " in metrics
+
+
+# ---- flags: one source, and `up` hands them to its router ---------------------------------------
+
+
+def test_every_routing_field_has_one_option_and_up_passes_them_to_the_router() -> None:
+    import argparse
+    import dataclasses
+
+    from kvfence.args import ROUTING_OPTIONS
+    from kvfence.server.router import add_router_args
+    from kvfence.tools.up import add_up_args, router_command
+
+    fields = {f.name: f.default for f in dataclasses.fields(RoutingConfig)}
+    assert {o.dest: o.default for o in ROUTING_OPTIONS} == fields
+    up = argparse.ArgumentParser()
+    add_up_args(up)
+    given = ["--router-policy", "round_robin", "--router-cache-threshold", "0.5",
+             "--router-balance-abs-threshold", "3", "--router-balance-rel-threshold", "2",
+             "--router-prefix-index-max-entries", "99",
+             "--router-prefix-index-max-entries-per-tenant", "9", "--router-prefix-index-ttl", "7"]
+    args = up.parse_args(given)
+    cmd = router_command(args, ["http://a:1"], ["http://b:2"])
+    assert cmd[cmd.index("--policy") + 1] == "round_robin"  # the router's own spelling
+    router = argparse.ArgumentParser()
+    add_router_args(router)
+    back = router.parse_args(cmd[cmd.index("--prefill"):])
+    assert RoutingConfig.from_args(back) == RoutingConfig.from_args(args) == RoutingConfig(
+        "round_robin", 0.5, 3, 2.0, 99, 9, 7.0
+    )
+    # Defaults are left to the router, which resolves them the same way.
+    assert "--policy" not in router_command(up.parse_args([]), ["http://a:1"], ["http://b:2"])

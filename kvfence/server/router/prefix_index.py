@@ -12,6 +12,7 @@ LRU with the deepest chunks first, and a ttl.
 from __future__ import annotations
 
 import time
+from array import array
 from collections import OrderedDict
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
@@ -81,11 +82,17 @@ class PrefixIndex:
         symbols = min(len(prompt.symbols), MAX_CHUNKS * per_chunk)
         # The first chunk's parent names the prompt's kind: a text never chains like token ids.
         parent = b"kind:" + prompt.kind.value.encode()
+        head = prompt.symbols[:symbols]
+        # Characters as their code points, converted in C (a per-character loop cost ~100 ms
+        # per request on the event loop at the cap); lone surrogates pass as they came.
+        units = (
+            array("I", head.encode("utf-32-le", "surrogatepass"))
+            if isinstance(head, str)
+            else array("q", head)
+        )
         chunks = []
         for start in range(0, symbols - per_chunk + 1, per_chunk):
-            piece = prompt.symbols[start : start + per_chunk]
-            ids = piece if isinstance(piece, tuple) else [ord(c) for c in piece]
-            parent = self._keyer.key(namespace, parent, ids)
+            parent = self._keyer.key(namespace, parent, units[start : start + per_chunk])
             chunks.append(parent[:_KEY_BYTES])
         return PrefixKey(namespace.tenant, tuple(chunks), symbols, per_chunk)
 

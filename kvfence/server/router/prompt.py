@@ -55,7 +55,8 @@ def _completion_prompt(prompt: Any, salt: str | None) -> Prompt | None:
 
 
 def _is_id(t: Any) -> bool:
-    return isinstance(t, int) and not isinstance(t, bool)
+    # The index keys ids as int64; anything else is no token id (the worker says so with a 400).
+    return isinstance(t, int) and not isinstance(t, bool) and 0 <= t < 2**63
 
 
 def _chat_text(messages: Any) -> str | None:
