@@ -13,6 +13,8 @@ from typing import Any
 import httpx
 import pytest
 from fake_workers import FakeState, ServerThread, free_port, make_app, stop_all
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from prometheus_client import CollectorRegistry
 
 from kvfence.config import ConfigError, RoutingConfig
@@ -144,6 +146,34 @@ def test_one_tenant_cannot_push_another_out_beyond_its_share() -> None:
     index.insert(index.key(c, chunks_of(8, "c")), "w0")
     assert index.tenant_entries("tenant-b") == 5 and index.tenant_entries("tenant-c") == 8
     assert index.tenant_entries("tenant-a") == 7
+
+
+_ops = st.lists(
+    st.tuples(st.sampled_from(["tenant-a", "tenant-b"]), st.integers(0, 5), st.integers(1, 4),
+              st.sampled_from(["w0", "w1"])),
+    max_size=30,
+)
+
+
+@settings(max_examples=60, deadline=None)
+@given(_ops)
+def test_index_a_tenants_matches_depend_on_its_own_inserts_only_and_stay_bounded(ops) -> None:
+    # Tenant A inserts prompts that are tenant B's too (same texts); B's matches are those of a
+    # world where A sent nothing, while the overall cap does not bind.
+    def prompt(i: int, n: int) -> Prompt:
+        return chunks_of(n, f"p{i}")
+
+    mixed, alone = PrefixIndex(10_000, 10, 60), PrefixIndex(10_000, 10, 60)
+    for tenant, i, n, w in ops:
+        ns = Namespace.of_tenant(tenant)
+        mixed.insert(mixed.key(ns, prompt(i, n)), w)
+        if tenant == "tenant-b":
+            alone.insert(alone.key(ns, prompt(i, n)), w)
+        assert mixed.tenant_entries(tenant) <= 10 and len(mixed) <= 20
+    for i in range(6):
+        b = prompt(i, 4)
+        assert mixed.match(mixed.key(B, b), ["w0", "w1"]) == alone.match(alone.key(B, b),
+                                                                         ["w0", "w1"])
 
 
 # ---- the choice against load -------------------------------------------------------------------
@@ -329,6 +359,7 @@ def test_second_chat_turns_go_to_the_first_turns_pairs_and_load_is_spread(cluste
         assert f"kvfence_router_decisions_total{{{labels}}} 4.0" in metrics, metrics
     assert "kvfence_router_predicted_hit_tokens_total{" in metrics
     assert "kvfence_router_prefix_index_entries " in metrics
+    assert "tenant-a" not in metrics and "tenant-b" not in metrics  # never per tenant
 
 
 # ---- flags: one source, and `up` hands them to its router ---------------------------------------
