@@ -392,3 +392,10 @@ def test_every_routing_field_has_one_option_and_up_passes_them_to_the_router() -
     )
     # Defaults are left to the router, which resolves them the same way.
     assert "--policy" not in router_command(up.parse_args([]), ["http://a:1"], ["http://b:2"])
+
+
+def test_up_refuses_a_routing_config_before_starting_anything(capsys) -> None:
+    from kvfence.tools.up import main as up_main
+
+    assert up_main(["--router-cache-threshold", "2", "--port", str(free_port())]) == 2
+    assert "--cache-threshold 2.0: must be in [0, 1]" in capsys.readouterr().err
