@@ -261,12 +261,15 @@ class StartupError(RuntimeError):
     pass
 
 
-def wait_healthy(children: Sequence[Child], timeout: float) -> None:
-    """Returns once every child's /health is 200; raises if one exits or time runs out."""
+def wait_healthy(
+    children: Sequence[Child], timeout: float, transport: httpx.BaseTransport | None = None
+) -> None:
+    """Returns once every child's /health is 200; raises if one exits or time runs out.
+    `transport` stands in for the network in tests."""
     pending = list(children)
     last: dict[str, str] = {c.name: "not listening yet" for c in children}
     deadline = time.monotonic() + timeout
-    with httpx.Client(timeout=1.0) as client:
+    with httpx.Client(timeout=1.0, transport=transport) as client:
         while pending:
             for c in list(pending):
                 code = c.exited()
