@@ -168,6 +168,17 @@ def test_openai_client_parses_calls_and_streamed_deltas(client: TestClient) -> N
     assert [(c.function.name, c.function.arguments) for c in calls] == [
         (v["name"], v["arguments"]) for _, v in sorted(acc.items())
     ]
+    # A named call streams its arguments as they are written: pieces that add up to them.
+    kw["tool_choice"] = {"type": "function", "function": {"name": "get_weather"}}
+    body = oa.chat.completions.create(**kw).choices[0].message.tool_calls or []
+    pieces = [
+        d.function.arguments
+        for chunk in oa.chat.completions.create(stream=True, **kw)
+        if chunk.choices
+        for d in chunk.choices[0].delta.tool_calls or []
+        if d.function and d.function.arguments
+    ]
+    assert len(pieces) > 1 and json.loads("".join(pieces)) == json.loads(body[0].function.arguments)
 
 
 @pytest.mark.parametrize(

@@ -152,6 +152,7 @@ class _Stream:
     text: str = ""  # everything generated so far
     sent: int = 0  # chars of it already streamed as content
     lps: list[TokenLogprob] = field(default_factory=list)  # withheld with withheld text
+    call_open: bool = False  # named: the call's head (id, name) is out; arguments follow
 
 
 class ToolChatFormat(ChatFormat):
@@ -214,6 +215,8 @@ class ToolChatFormat(ChatFormat):
         s = self._streams.setdefault(c.index, _Stream())
         s.text += text
         s.lps.extend(lps)
+        if self.plan.mode == "named":
+            return self._named_deltas(c, s, text, finish)
         if finish is None:
             return self._content(c, s, self._held_from(s))
         content, calls = extract_calls(self.plan, s.text) if finish == "stop" else (s.text, [])
@@ -229,4 +232,22 @@ class ToolChatFormat(ChatFormat):
             lps_now, s.lps = s.lps, []
             out.append(self._chunk(c.index, {"tool_calls": [args]}, lps_now, None))
         out.append(self._chunk(c.index, {}, [], "tool_calls"))
+        return out
+
+    def _named_deltas(
+        self, c: ChoiceState, s: _Stream, text: str, finish: str | None
+    ) -> list[dict[str, Any]]:
+        """A named call's answer is its arguments: stream them as they are written."""
+        out = []
+        if not s.call_open and (text or finish == "stop"):
+            head = _call_json(ToolCall(self.plan.named or "", ""))
+            out.append(self._chunk(c.index, {"tool_calls": [{"index": 0, **head}]}, [], None))
+            s.call_open = True
+        if text or s.lps:
+            lps, s.lps = s.lps, []
+            args = {"index": 0, "function": {"arguments": text}}
+            out.append(self._chunk(c.index, {"tool_calls": [args]}, lps, None))
+        if finish is not None:
+            # A cut-off call says "length" (as OpenAI's does); a complete one "tool_calls".
+            out.append(self._chunk(c.index, {}, [], "tool_calls" if finish == "stop" else finish))
         return out
