@@ -393,6 +393,17 @@ def test_twin_without_the_mask_the_row_fails_closed_not_invalid() -> None:
     assert last.error_code == "grammar_error" and last.error_status == 400
 
 
+def test_grammar_cache_is_per_tenant(engine: Engine) -> None:
+    """A cache hit is observable by timing, so one tenant's schema never warms another's."""
+    c = Constraint(ConstraintKind.REGEX, "per-tenant-[0-9]{3}")
+    before = engine.grammars.compiles
+    engine.grammars.matcher(c, "tenant-a")
+    engine.grammars.matcher(c, "tenant-a")
+    assert engine.grammars.compiles == before + 1
+    engine.grammars.matcher(c, "tenant-b")
+    assert engine.grammars.compiles == before + 2
+
+
 def test_constraint_travels_in_reserve_sampling_params() -> None:
     """PD: prefill samples token 1, so RESERVE's sampling dict carries the constraint."""
     sp = SamplingParams(max_tokens=5, constraint=Constraint(ConstraintKind.REGEX, "[ab]+"))

@@ -177,7 +177,7 @@ class Engine:
             matcher = None
             if req.sampling.constraint is not None:
                 try:
-                    matcher = self.grammars.matcher(req.sampling.constraint)
+                    matcher = self.grammars.matcher(req.sampling.constraint, req.tenant)
                 except GrammarError as e:
                     return Rejected(req.request_id, e.code, str(e))
             self._post("add", (verdict, sink, mode, matcher))
