@@ -13,6 +13,7 @@ from typing import Any
 import jsonschema
 import openai
 import pytest
+from api_client import sse_json
 from fastapi.testclient import TestClient
 
 from kvfence.config import EngineConfig
@@ -130,6 +131,16 @@ def test_auto_reads_hermes_calls_and_leaves_plain_answers_alone(client: TestClie
     assert c["finish_reason"] == "tool_calls", c
     (tc,) = c["message"]["tool_calls"]
     assert _check_call(tc) == "add"
+    # Streamed: the call's text is held back and arrives as tool-call deltas, never as content.
+    r = client.post("/v1/chat/completions", json={**body, "stream": True})
+    chunks = [ch["choices"][0] for ch in sse_json(r.text) if ch["choices"]]
+    assert not "".join(ch["delta"].get("content") or "" for ch in chunks)
+    deltas = [d for ch in chunks for d in ch["delta"].get("tool_calls") or []]
+    assert deltas[0]["function"]["name"] == "add"
+    assert (
+        "".join(d["function"].get("arguments", "") for d in deltas) == tc["function"]["arguments"]
+    )
+    assert chunks[-1]["finish_reason"] == "tool_calls"
     body = _chat(tools=TOOLS, max_tokens=8, temperature=0, structured_outputs={"regex": "hi|yo"})
     (c,) = client.post("/v1/chat/completions", json=body).json()["choices"]
     assert c["finish_reason"] == "stop" and c["message"]["content"] in ("hi", "yo")
