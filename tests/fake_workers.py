@@ -140,6 +140,8 @@ def make_app(
 
     app.add_api_route("/v1/completions", generate, methods=["POST"])
     app.add_api_route("/v1/chat/completions", generate, methods=["POST"])
+    for path in ("/tokenize", "/detokenize"):
+        app.add_api_route(path, generate, methods=["POST"])
     return app
 
 

@@ -32,7 +32,7 @@ from kvfence.kv.prefix import PrefixCache, PrefixCacheStats, SharedPrefixes, loa
 from kvfence.kv.sizing import CapacityError, PoolPlan, plan_for_engine, require_fits
 from kvfence.model.config import ModelConfig
 from kvfence.model.loader import TORCH_DTYPES, load_model
-from kvfence.model.tokenizer import IncrementalDetokenizer, Tokenizer
+from kvfence.model.tokenizer import IncrementalDetokenizer, NoTokenizer, Tokenizer
 
 log = logging.getLogger("kvfence.engine")
 
@@ -94,7 +94,11 @@ class Engine:
             require_fits(self.plan)  # I7: refuse to start rather than silently lower the limit
         # The plan resolved the flags' defaults (context length, KV dtype); nothing re-derives them.
         self.context_length = self.plan.context_length
-        self.tokenizer = Tokenizer(cfg.model)
+        self.tokenizer: Tokenizer | NoTokenizer = (
+            NoTokenizer(self.model_config.vocab_size)
+            if cfg.skip_tokenizer_init
+            else Tokenizer(cfg.model)
+        )
         self.model = load_model(cfg.model, cfg.dtype, self.device)
         self.model.init_rope(self.context_length, self.device)
         self.prefix_caching = cfg.enable_prefix_caching

@@ -31,6 +31,7 @@ from kvfence.server.errors import (
 from kvfence.server.generate import generate, record
 from kvfence.server.httpio import ReadyServer, read_body, server_config
 from kvfence.server.metrics import RequestRecorder, ServerMetrics
+from kvfence.server.request_id import RequestIdMiddleware
 from kvfence.server.schemas import (
     COMPLETIONS_DEFAULT_MAX_TOKENS,
     MAX_CHOICES,
@@ -39,6 +40,7 @@ from kvfence.server.schemas import (
     CompletionFormat,
     CompletionRequest,
 )
+from kvfence.server.tokenize import add_tokenize_routes
 
 logger = logging.getLogger("kvfence.server")
 
@@ -64,6 +66,7 @@ def build_app(
     app.state.kvfence = state
     install_handlers(app)
     app.add_middleware(RequestRecorder, metrics=metrics)
+    app.add_middleware(RequestIdMiddleware)  # outermost: the recorder logs the checked id
 
     @app.get("/health")
     async def health() -> JSONResponse:
@@ -102,6 +105,10 @@ def build_app(
         req.check_supported()
         _check_model(engine, req.model)
         _check_choices(len(req.prompts), req.choices_per_prompt)
+        if any(isinstance(p, str) for p in req.prompts):
+            _require_text(engine, "prompt")
+        if req.stop_list:
+            _require_text(engine, "stop")
         max_tokens = COMPLETIONS_DEFAULT_MAX_TOKENS if req.max_tokens is None else req.max_tokens
         sampling = req.sampling_params(max_tokens, req.logprobs)
         prompts = await asyncio.to_thread(_encode_prompts, engine.tokenizer, req.prompts)
@@ -132,6 +139,7 @@ def build_app(
         req = _parse(ChatCompletionRequest, await read_body(request, state.max_body_bytes))
         req.check_supported()
         _check_model(engine, req.model)
+        _require_text(engine, "messages")
         sampling = req.sampling_params(req.effective_max_tokens, req.engine_logprobs)
         messages = [m.template_dict() for m in req.messages]
         prompt = await asyncio.to_thread(_render_chat, engine.tokenizer, messages)
@@ -156,6 +164,14 @@ def build_app(
             req.cache_salt,
         )
 
+    add_tokenize_routes(
+        app,
+        engine,
+        authenticate=lambda request: _authenticate(state, request),
+        read_json=lambda request, model: _read_json(state, request, model),
+        check_model=lambda name: _check_model(engine, name),
+        require_text=lambda param: _require_text(engine, param),
+    )
     return app
 
 
@@ -249,6 +265,10 @@ def _authenticate(state: AppState, request: Request) -> str:
     return tenant
 
 
+async def _read_json(state: AppState, request: Request, model: type[_M]) -> _M:
+    return _parse(model, await read_body(request, state.max_body_bytes))
+
+
 def _parse(model: type[_M], body: bytes) -> _M:
     try:
         return model.model_validate_json(body)
@@ -263,6 +283,20 @@ def _check_model(engine: RoleService, name: str) -> None:
             f"The model `{name}` does not exist. This server serves `{engine.model_name}`.",
             code="model_not_found",
             param="model",
+        )
+
+
+def _has_text(engine: RoleService) -> bool:
+    return bool(getattr(engine.tokenizer, "has_text", True))  # False: --skip-tokenizer-init
+
+
+def _require_text(engine: RoleService, param: str) -> None:
+    if not _has_text(engine):
+        raise bad_request(
+            "This server runs with --skip-tokenizer-init: send prompts as token ids "
+            "(text prompts, chat messages and stop strings need a tokenizer).",
+            code="tokenizer_disabled",
+            param=param,
         )
 
 
@@ -297,7 +331,7 @@ def _render_chat(tokenizer: TokenizerLike, messages: list[dict[str, Any]]) -> li
 
 
 def _token_text(engine: RoleService, as_ids: bool | None = False) -> Any:
-    if as_ids:
+    if as_ids or not _has_text(engine):
         return lambda token_id: f"token_id:{token_id}"
     tok = engine.tokenizer
     return lambda token_id: tok.decode([token_id])

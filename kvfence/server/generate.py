@@ -212,7 +212,10 @@ async def _sse_chunks(
             yield _sse(err.body(), include_usage=False)
             return
         finish = out.finish_reason.value if out.finish_reason is not None else None
-        for chunk in fmt.delta_chunks(choice, out.new_text, out.logprobs, offset, finish):
+        chunks = fmt.delta_chunks(
+            choice, out.new_text, out.logprobs, offset, finish, len(out.new_token_ids)
+        )
+        for chunk in chunks:
             yield _sse(chunk, include_usage)
     if include_usage:
         yield _sse(fmt.usage_chunk(progress.usage()), include_usage)

@@ -17,6 +17,7 @@ from starlette.types import Message, Receive, Scope, Send
 
 from kvfence import sse
 from kvfence.server.errors import SERVER_ERROR, APIError
+from kvfence.server.request_id import client_request_id
 from kvfence.server.router.state import RouterState, no_workers
 from kvfence.server.router.workers import Worker
 from kvfence.sse import Event, SSEParser
@@ -164,10 +165,12 @@ class Relay(Response):
             status = p.status if p.status is not None else 499  # nginx: client closed request
             self._state.metrics.requests.labels(path=self._route, status=str(status)).inc()
             logger.info(
-                "%s %s status=%d decode=%s prefill=%s client_gone=%s%s duration_s=%.4f",
+                "%s %s status=%d client_request_id=%s decode=%s prefill=%s client_gone=%s%s "
+                "duration_s=%.4f",
                 self._method,
                 self._path,
                 status,
+                client_request_id(scope),
                 p.decode.name if p.decode else "-",
                 p.prefill.name if p.prefill else "-",
                 p.client_gone,
