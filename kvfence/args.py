@@ -210,7 +210,16 @@ API_KEY_FILE = Option(
     ("--api-key-file",), "api_key_file", help="lines of `key tenant`; enables auth"
 )
 LOG_LEVEL = Option(("--log-level",), "log_level", default="info")
-SERVER_OPTIONS: tuple[Option, ...] = (HOST, PORT, API_KEY_FILE, LOG_LEVEL)
+DRAIN_TIMEOUT = Option(
+    ("--drain-timeout",),
+    "drain_timeout",
+    type=float,
+    default=30.0,  # kvfence.server.drain.DEFAULT_DRAIN_TIMEOUT_S (not imported: no FastAPI here)
+    metavar="SECONDS",
+    help="on SIGTERM: admit nothing new and give what is in flight this long to finish; the "
+    "rest gets a 503 (a second SIGTERM stops at once)",
+)
+SERVER_OPTIONS: tuple[Option, ...] = (HOST, PORT, API_KEY_FILE, LOG_LEVEL, DRAIN_TIMEOUT)
 
 # ---- a PD worker (serve; up forwards TRANSFER_OPTIONS to every worker) --------------------------
 

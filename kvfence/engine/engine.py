@@ -52,6 +52,10 @@ class HandoffHooks(Protocol):
         """A HANDOFF seq was aborted; its pages stay held until `release`."""
 
 
+DRAINING = "draining"
+DRAINING_MESSAGE = "This worker is shutting down and admits no new requests; retry on another."
+
+
 @dataclass(frozen=True)
 class EngineStats:
     pages_total: int
@@ -142,6 +146,7 @@ class Engine:
         self._seqs: dict[str, Sequence] = {}
         self._thread: threading.Thread | None = None
         self._stopping = threading.Event()
+        self._draining = threading.Event()
         self.integrity_failures = 0
 
     def _prefix_cache(self) -> PrefixCache:
@@ -175,7 +180,14 @@ class Engine:
 
     def admit(self, req: GenerateRequest) -> Admitted | Rejected:
         """The admission rule (I1) against this engine's limits, queueing nothing."""
+        if self._draining.is_set():
+            return Rejected(req.request_id, DRAINING, DRAINING_MESSAGE, status=503)
         return admit(req, self.limits, self.faults.guards())
+
+    def stop_admitting(self) -> None:
+        """Graceful drain: every later admission, at every door (HTTP, RESERVE), is a 503;
+        what was admitted runs to its end."""
+        self._draining.set()
 
     def abort(self, request_id: str) -> None:
         self._post("abort", request_id)

@@ -20,6 +20,7 @@ from kvfence.faults import Faults
 from kvfence.role import RoleService, TokenizerLike
 from kvfence.server.app_state import AppState
 from kvfence.server.auth import Authenticator, load_api_keys, single_authorization
+from kvfence.server.drain import DEFAULT_DRAIN_TIMEOUT_S, Drain, DrainingServer
 from kvfence.server.errors import (
     SERVER_ERROR,
     APIError,
@@ -29,7 +30,7 @@ from kvfence.server.errors import (
     install_handlers,
 )
 from kvfence.server.generate import generate, record
-from kvfence.server.httpio import ReadyServer, read_body, server_config
+from kvfence.server.httpio import read_body, server_config
 from kvfence.server.metrics import RequestRecorder, ServerMetrics
 from kvfence.server.request_id import RequestIdMiddleware
 from kvfence.server.schemas import (
@@ -54,14 +55,17 @@ def build_app(
     api_keys: dict[str, str] | None,
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
     faults: Faults | None = None,
+    drain: Drain | None = None,
 ) -> FastAPI:
     """The app for one role. It neither starts nor stops the role (serve() does). faults: the
-    process's fault points (the I6 twin's); no request can arm one."""
+    process's fault points (the I6 twin's); no request can arm one. drain: the node's graceful
+    drain (serve() begins it on SIGTERM)."""
     if max_body_bytes < 1:
         raise ValueError("max_body_bytes must be >= 1")
     metrics = ServerMetrics(engine)
     faults = faults if faults is not None else Faults()
-    state = AppState(engine, Authenticator(api_keys), metrics, max_body_bytes, faults)
+    drain = drain if drain is not None else Drain(engine)
+    state = AppState(engine, Authenticator(api_keys), metrics, max_body_bytes, faults, drain)
     app = FastAPI(title="kvfence", docs_url=None, redoc_url=None, openapi_url=None)
     app.state.kvfence = state
     install_handlers(app)
@@ -70,12 +74,24 @@ def build_app(
 
     @app.get("/health")
     async def health() -> JSONResponse:
-        if _engine_alive(engine):
-            return JSONResponse({"status": "ok"})
-        body = error_body(
-            "The engine loop is not running.", type=SERVER_ERROR, param=None, code="engine_dead"
-        )
-        return JSONResponse(body, status_code=503)
+        # Readiness (the router's poll, Kubernetes' readinessProbe): 503 from the moment a drain
+        # begins, so nothing new is sent here while what was admitted finishes.
+        if not _engine_alive(engine):
+            return _engine_dead()
+        if drain.draining:
+            body = error_body(
+                "This worker is draining (shutting down); it admits no new requests.",
+                type=SERVER_ERROR,
+                param=None,
+                code="draining",
+            )
+            return JSONResponse(body, status_code=503)
+        return JSONResponse({"status": "ok"})
+
+    @app.get("/live")
+    async def live() -> JSONResponse:
+        # Liveness: the engine loop runs, draining or not (a drain must not look like a hang).
+        return JSONResponse({"status": "ok"}) if _engine_alive(engine) else _engine_dead()
 
     @app.get("/pd/info")
     async def pd_info() -> JSONResponse:
@@ -205,24 +221,32 @@ def serve(
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
     log_level: str = "info",
     faults: Faults | None = None,
+    drain_timeout: float = DEFAULT_DRAIN_TIMEOUT_S,
 ) -> None:
     """Run the HTTP server until interrupted. Owns the engine's lifetime: start() before the
-    socket opens, shutdown() after the last connection closes."""
+    socket opens, shutdown() after the last connection closes. SIGTERM drains first
+    (kvfence/server/drain.py); SIGINT or a second SIGTERM stops at once."""
     # A bad key file must stop us before anything listens or allocates.
     api_keys = load_api_keys(api_key_file) if api_key_file else None
     if not logging.getLogger().handlers:
         logging.basicConfig(
             level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
         )
-    app = build_app(engine, api_keys=api_keys, max_body_bytes=max_body_bytes, faults=faults)
-    config = server_config(app, host=host, port=port, log_level=log_level)
+    drain = Drain(engine, drain_timeout)
+    app = build_app(
+        engine, api_keys=api_keys, max_body_bytes=max_body_bytes, faults=faults, drain=drain
+    )
+    # After a drain the connections are idle; the bound is for a second SIGTERM or SIGINT.
+    config = server_config(
+        app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=5
+    )
     # uvicorn drains connections on SIGINT/SIGTERM, then re-raises the signal; SIGTERM's default
     # action would kill us before the engine shuts down, so both arrive as KeyboardInterrupt.
     on_main = threading.current_thread() is threading.main_thread()
     previous = signal.signal(signal.SIGTERM, _interrupt) if on_main else None
     engine.start()
     try:
-        ReadyServer(config, lambda bound: _ready_line(engine, host, bound)).run()
+        DrainingServer(config, lambda bound: _ready_line(engine, host, bound), drain).run()
     except KeyboardInterrupt:
         logger.info("shutting down")
     finally:
@@ -244,6 +268,13 @@ def _engine_alive(engine: RoleService) -> bool:
     except Exception:
         logger.exception("engine.alive failed")
         return False
+
+
+def _engine_dead() -> JSONResponse:
+    body = error_body(
+        "The engine loop is not running.", type=SERVER_ERROR, param=None, code="engine_dead"
+    )
+    return JSONResponse(body, status_code=503)
 
 
 def _model_card(engine: RoleService) -> dict[str, Any]:

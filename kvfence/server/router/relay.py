@@ -16,6 +16,7 @@ from fastapi.responses import Response
 from starlette.types import Message, Receive, Scope, Send
 
 from kvfence import sse
+from kvfence.server.drain import NOT_ADMITTED_HEADER
 from kvfence.server.errors import SERVER_ERROR, APIError
 from kvfence.server.request_id import client_request_id
 from kvfence.server.router.state import RouterState, no_workers
@@ -55,6 +56,7 @@ _DROPPED_RESPONSE_HEADERS = frozenset(
         "content-encoding",
         "date",
         "server",
+        NOT_ADMITTED_HEADER.lower(),
     }
 )
 
@@ -152,6 +154,7 @@ class Relay(Response):
         self._paired = paired
         self._p = _Progress()
         self._held: list[Worker] = []
+        self._draining: bytes | None = None  # a draining decode's 503 body, if one refused us
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         start = time.monotonic()
@@ -209,7 +212,7 @@ class Relay(Response):
             decode = st.decode.pick(exclude=tried)
             prefill = st.prefill.pick(partner=decode) if self._paired and decode else None
             if decode is None or (self._paired and prefill is None):
-                await self._send_error(send, _unreachable() if tried else no_workers())
+                await self._give_up(send, no_workers() if not tried else _unreachable())
                 return
             p.decode, p.prefill = decode, prefill
             headers = dict(self._headers)
@@ -219,14 +222,20 @@ class Relay(Response):
             try:
                 if await self._exchange(send, decode, headers):
                     return
-                # Nothing reached that decode: safe to send the same request elsewhere, once.
+                # Nothing reached that decode's engine: safe to send the request elsewhere, once.
                 tried.append(decode)
                 if attempt == 0:
                     st.metrics.retries.inc()
                     p.extra.append(f"retried_from={decode.name}")
             finally:
                 self._release()
-        await self._send_error(send, _unreachable())
+        await self._give_up(send, _unreachable())
+
+    async def _give_up(self, send: Send, err: APIError) -> None:
+        if self._draining is not None:  # the clearer news: the worker is shutting down
+            await self._whole(send, 503, [(b"content-type", b"application/json")], self._draining)
+        else:
+            await self._send_error(send, err)
 
     def _hold(self, *workers: Worker | None) -> None:
         # The prefill is counted busy for the whole answer: the router cannot see when the
@@ -266,6 +275,17 @@ class Relay(Response):
                 ),
             )
             return True
+        if upstream.status_code == 503 and upstream.headers.get(NOT_ADMITTED_HEADER):
+            # Draining: it refused at its door, before any engine saw the request.
+            try:
+                self._draining = await upstream.aread()
+            except httpx.HTTPError:
+                self._draining = None
+            finally:
+                await upstream.aclose()
+            st.mark_down(decode, "draining (refused a request at admission)")
+            self._p.extra.append(f"draining={decode.name}")
+            return False
         try:
             await self._relay(send, decode, upstream)
         finally:
