@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import argparse
 import copy
+import json
 import re
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -19,9 +21,13 @@ from conftest import REPO, TINY_MODEL
 from fake_engine import FakeEngine
 
 from kvfence.cli import build_parser
+from kvfence.kv.prefix import PrefixCacheStats
+from kvfence.pd.stats import PHASES, TransferStats
 from kvfence.server.api import build_app
-from kvfence.server.router import build_router_app
+from kvfence.server.metrics import ServerMetrics
+from kvfence.server.router import Role, WorkerPool, build_router_app
 from kvfence.server.router.args import add_router_args
+from kvfence.server.router.metrics import RouterMetrics
 from kvfence.tools import preflight
 from kvfence.tools.leakcheck.cli import parse_args as leakcheck_args
 
@@ -203,3 +209,80 @@ def _bytes(quantity: str) -> int:
     m = re.fullmatch(r"(\d+)([KMGT]i)?", quantity)
     assert m, quantity
     return int(m[1]) * units.get(m[2] or "", 1)
+
+
+# ---- the Grafana dashboard -----------------------------------------------------------------------
+
+DASHBOARD = REPO / "deploy" / "grafana" / "kvfence.json"
+_METRIC = re.compile(r"\bkvfence_[a-z0-9_]+")
+_SUFFIXES = {"counter": ("_total",), "histogram": ("_bucket", "_sum", "_count"), "gauge": ("",)}
+
+
+class _AllMetricsEngine(FakeEngine):
+    """A role whose scrape shows every family a node can export: a prefix cache's, and a PD
+    worker's transfer families with every counter the PD code increments."""
+
+    def stats(self) -> Any:
+        return replace(super().stats(), prefix_cache=PrefixCacheStats(0, 0, 0, 0, 0))
+
+    def metrics(self) -> Any:
+        stats = TransferStats("decode")
+        for path in (REPO / "kvfence" / "pd").rglob("*.py"):
+            for name in re.findall(r"stats\.inc\(\s*\"([a-z_]+)\"", path.read_text()):
+                stats.inc(name)
+        for phase in PHASES:
+            stats.observe_phase(phase, 0.0)
+        return stats.metrics(0)
+
+
+def exported_series() -> set[str]:
+    """Every series name kvfence's scrapes can carry, from the registries the code builds."""
+    families = [*ServerMetrics(_AllMetricsEngine()).registry.collect()]
+    pools = (WorkerPool(Role.PREFILL, ["http://p:1"]), WorkerPool(Role.DECODE, ["http://d:1"]))
+    families += RouterMetrics(lambda: pools).registry.collect()
+    return {f.name + s for f in families for s in _SUFFIXES.get(f.type, ("",))}
+
+
+def dashboard_problems(dashboard: dict[str, Any], exported: set[str]) -> list[str]:
+    problems = []
+    for panel in dashboard["panels"]:
+        for target in panel.get("targets", []):
+            for name in _METRIC.findall(target["expr"]):
+                if name not in exported:
+                    problems.append(f"{panel['title']}: {name} is not exported")
+    return problems
+
+
+def test_every_dashboard_query_names_a_metric_the_code_exports() -> None:
+    dashboard = json.loads(DASHBOARD.read_text())
+    exported = exported_series()
+    assert dashboard_problems(dashboard, exported) == []
+    used = {n for p in dashboard["panels"] for t in p.get("targets", [])
+            for n in _METRIC.findall(t["expr"])}
+    # What the dashboard is for: TTFT, ITL, E2E, throughput, running/waiting, pool use,
+    # transfers by outcome and latency, guard rejections.
+    for family in ("time_to_first_token_seconds_bucket", "inter_token_latency_seconds_bucket",
+                   "e2e_request_latency_seconds_bucket", "completion_tokens_total",
+                   "requests_running", "requests_waiting", "pool_pages_used",
+                   "pd_transfers_committed_total", "pd_aborts_sent_total",
+                   "pd_transfer_seconds_bucket", "rejections_total", "kv_integrity_errors_total",
+                   "pd_checksum_mismatches_total"):
+        assert f"kvfence_{family}" in used, family
+
+
+def test_twin_a_renamed_metric_in_the_dashboard_is_caught() -> None:
+    dashboard = json.loads(DASHBOARD.read_text())
+    target = dashboard["panels"][1]["targets"][0]
+    target["expr"] = target["expr"].replace("kvfence_time_to_first_token", "kvfence_ttft")
+    assert dashboard_problems(dashboard, exported_series()) != []
+
+
+def test_dashboard_panels_have_unique_ids_and_a_datasource_variable() -> None:
+    dashboard = json.loads(DASHBOARD.read_text())
+    ids = [p["id"] for p in dashboard["panels"]]
+    assert len(ids) == len(set(ids))
+    variables = {v["name"] for v in dashboard["templating"]["list"]}
+    assert {"datasource", "job"} <= variables
+    for p in dashboard["panels"]:
+        if p["type"] != "row":
+            assert p["datasource"]["uid"] == "${datasource}"
