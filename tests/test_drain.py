@@ -20,9 +20,12 @@ from api_client import MODEL, sse_data
 from conftest import TINY_MODEL
 from fake_engine import FakeEngine
 from fake_workers import ServerThread, free_port, make_app, stop_all
+from pd_harness import PDPair, Result, finished_ok
 from procs import serve
 from waiting import wait_for
 
+from kvfence.engine.admission import Rejected
+from kvfence.engine.request import SamplingParams
 from kvfence.server.api import build_app
 from kvfence.server.drain import NOT_ADMITTED_HEADER, Drain
 from kvfence.server.router import build_router_app
@@ -98,6 +101,33 @@ def test_router_retries_a_draining_decodes_refusal_on_another(held) -> None:
         assert NOT_ADMITTED_HEADER.lower() not in r.headers
     finally:
         stop_all([router, prefill, other])
+
+
+def test_pd_drain_refuses_new_rooms_with_a_503_and_finishes_admitted_ones() -> None:
+    pair = PDPair(str(TINY_MODEL), kv_pool_tokens=2048, context_length=512,
+                  attention_backend="torch", linear_backend="torch")
+    try:
+        tok = pair.decode.engine.tokenizer
+        prompt = tok.encode("name: Ada\ncode: X7qPz91LmWk2\ncode:")
+        params = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
+        _, admitted = pair.submit(prompt, params)
+        assert isinstance(admitted, Result)
+        wait_for(lambda: admitted.token_ids, 60, "the admitted request never started decoding")
+        pair.prefill.stop_admitting()
+        # A new room: decode admits and reserves, prefill refuses it at its door with a 503.
+        _, refused = pair.submit(prompt, params)
+        assert isinstance(refused, Result) and refused.done.wait(60)
+        assert refused.final is not None and refused.token_ids == []
+        assert (refused.final.error_status, refused.final.error_code) == (503, "draining")
+        pair.decode.stop_admitting()
+        _, at_door = pair.submit(prompt, params)
+        assert isinstance(at_door, Rejected) and (at_door.status, at_door.code) == (503, "draining")
+        assert admitted.done.wait(60) and finished_ok(admitted)
+        assert len(admitted.token_ids) == 24
+        assert pair.wait_idle(), f"pages still held: {pair.pages_used()}"
+        assert not Drain(pair.decode).busy() and not Drain(pair.prefill).busy()
+    finally:
+        pair.close()
 
 
 def test_sigterm_lets_admitted_streams_finish_then_exits(tmp_path: Path) -> None:
@@ -176,9 +206,14 @@ def test_rolling_restart_under_load_loses_no_request(tmp_path: Path) -> None:
         for t in threads:
             t.join(120)
         assert failures == []
+        refusals: dict[str, int] = {}
         for status, text in results:
             if status == 503:
-                assert json.loads(text)["error"]["code"] in ("draining", "no_workers")
+                # Clear 503s: a draining worker's door; a prefill that left before the router's
+                # next health poll (the request reached decode's engine, so it is not retried).
+                code = json.loads(text)["error"]["code"]
+                assert code in ("draining", "no_workers", "prefill_unavailable"), text
+                refusals[code] = refusals.get(code, 0) + 1
                 continue
             assert status == 200, text
             if text.startswith("data: "):
@@ -189,6 +224,6 @@ def test_rolling_restart_under_load_loses_no_request(tmp_path: Path) -> None:
                 assert json.loads(text)["usage"]["completion_tokens"] == 12
         ok = sum(1 for s, _ in results if s == 200)
         print(f"rolling restart under load: {len(results)} answers, {ok} full, "
-              f"{len(results) - ok} clear 503s")
+              f"{len(results) - ok} clear 503s {refusals}")
         wait_for(lambda: cluster.pages_used() == baseline, 60, "pages did not come back")
         assert all(w["healthy"] for w in cluster.workers())
