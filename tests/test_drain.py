@@ -227,3 +227,55 @@ def test_rolling_restart_under_load_loses_no_request(tmp_path: Path) -> None:
               f"{len(results) - ok} clear 503s {refusals}")
         wait_for(lambda: cluster.pages_used() == baseline, 60, "pages did not come back")
         assert all(w["healthy"] for w in cluster.workers())
+
+
+def test_up_sighup_restarts_each_worker_in_turn_and_keeps_serving(tmp_path: Path) -> None:
+    from test_up import Up, alive
+
+    up = Up(tmp_path, "--served-model-name", "demo")
+    try:
+        up.wait_line("kvfence up: ready on")
+        before = up.pids()
+        up.proc.send_signal(signal.SIGHUP)
+        up.wait_line("kvfence up: rolling restart done", timeout=120)
+        after = up.pids()
+        restarted = [ln for ln in up.lines if "rolling restart: draining" in ln]
+        assert [ln.split("draining ")[1].split()[0] for ln in restarted] == [
+            "decode-0", "prefill-0"]  # decodes first, one at a time
+        for name in ("decode-0", "prefill-0"):
+            assert after[name] != before[name] and not alive(before[name])
+        assert after["router"] == before["router"]
+        r = httpx.post(f"http://127.0.0.1:{up.port}/v1/completions",
+                       json={"model": "demo", "prompt": "hi"}, timeout=10)
+        assert r.status_code == 200 and r.json()["worker"].startswith("decode@")
+        up.proc.send_signal(signal.SIGTERM)
+        code, _ = up.finish()
+        assert code == 0
+        assert [n for n, pid in up.pids().items() if alive(pid)] == []
+    finally:
+        up.kill()
+
+
+
+@pytest.mark.parametrize("prompt", ["prefill-draining", "prefill-gone"])
+def test_router_takes_a_prefill_a_decode_reports_gone_out_of_rotation_at_once(prompt) -> None:
+    prefills = [ServerThread(make_app("prefill", f"prefill-{i}", bootstrap_port=free_port()))
+                .start() for i in range(2)]
+    decode = make_app("decode", "decode-0")
+    servers = [*prefills, ServerThread(decode).start()]
+    app = build_router_app([p.url for p in prefills], [servers[-1].url], api_keys=None,
+                           health_interval=3600)  # only the relay can take it out here
+    servers.append(ServerThread(app).start())
+    try:
+        url, state = servers[-1].url, app.state.router
+        r = httpx.post(url + "/v1/completions", json={"model": MODEL, "prompt": prompt})
+        assert r.status_code == 503  # it reached decode's engine: passed on, not retried
+        gone = decode.state.fake.requests[-1]["headers"]["x-kvfence-prefill"]
+        down = [w for w in state.prefill.workers if not w.healthy]
+        assert [w.bootstrap for w in down] == [gone]
+        for _ in range(3):
+            ok = httpx.post(url + "/v1/completions", json={"model": MODEL, "prompt": "x"})
+            assert ok.status_code == 200
+            assert decode.state.fake.requests[-1]["headers"]["x-kvfence-prefill"] != gone
+    finally:
+        stop_all(servers)

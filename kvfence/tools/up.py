@@ -499,10 +499,13 @@ def rolling_restart(
     return True
 
 
-def wait_in_rotation(router_url: str, worker_url: str, timeout: float) -> None:
-    """Until the router's /health lists worker_url as healthy (its next health poll)."""
+def wait_in_rotation(
+    router_url: str, worker_url: str, timeout: float, headers: dict[str, str] | None = None
+) -> None:
+    """Until the router's /health lists worker_url as healthy (its next health poll). headers:
+    whatever the router wants before it shows its workers' detail."""
     deadline = time.monotonic() + timeout
-    with httpx.Client(timeout=2.0) as client:
+    with httpx.Client(timeout=2.0, headers=headers) as client:
         while True:
             try:
                 workers = client.get(router_url + "/health").json().get("workers", [])

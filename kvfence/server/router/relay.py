@@ -61,6 +61,11 @@ _DROPPED_RESPONSE_HEADERS = frozenset(
 )
 
 
+# A decode's 503 codes that mean its paired prefill refused the room because it is draining, or
+# could not be reached at all.
+_PREFILL_GONE = frozenset({"draining", "prefill_unavailable"})
+
+
 def _unreachable() -> APIError:
     return _upstream_error(502, "Could not connect to a decode worker.", "upstream_unreachable")
 
@@ -313,6 +318,8 @@ class Relay(Response):
                 )
                 return
             self._release()
+            if upstream.status_code == 503:
+                self._note_prefill_gone(body)
             await self._whole(send, upstream.status_code, headers, body)
             return
         p.sse = True
@@ -340,6 +347,19 @@ class Relay(Response):
             )
         )
         await self._end_stream(send, tail)
+
+    def _note_prefill_gone(self, body: bytes) -> None:
+        """The decode says its prefill is draining or gone: out of rotation now, not at the next
+        health poll, so the requests behind this one pair elsewhere. The poll brings it back."""
+        prefill = self._p.prefill
+        if prefill is None:
+            return
+        try:
+            code = json.loads(body)["error"]["code"]
+        except (ValueError, KeyError, TypeError):
+            return
+        if code in _PREFILL_GONE:
+            self._state.mark_down(prefill, f"a decode reported {code}")
 
     async def _start(self, send: Send, status: int, headers: list[tuple[bytes, bytes]]) -> None:
         self._p.status = status
