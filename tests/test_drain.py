@@ -62,19 +62,24 @@ def test_what_outlives_the_drain_timeout_ends_in_an_error_never_a_partial_200(he
     engine, drain, server = held
     engine.hold = False
     engine.step_delay = 0.01
-    got: dict[str, httpx.Response] = {}
+    got: dict[str, object] = {"text": ""}
+    started = threading.Event()
 
     def stream() -> None:
         body = {"model": MODEL, "prompt": "abc", "max_tokens": 500, "stream": True}
-        got["r"] = httpx.post(server.url + "/v1/completions", json=body, timeout=30)
+        with httpx.stream("POST", server.url + "/v1/completions", json=body, timeout=30) as r:
+            got["status"] = r.status_code
+            for chunk in r.iter_text():
+                got["text"] = str(got["text"]) + chunk
+                started.set()
 
     t = threading.Thread(target=stream)
     t.start()
-    wait_for(lambda: engine.submitted, 10, "the stream was never admitted")
+    assert started.wait(30), "the stream never started"
     asyncio.run(drain.run())  # timeout 0: abort at once
     t.join(30)
-    assert got["r"].status_code == 200  # its first token went out before the drain
-    data = sse_data(got["r"].text)
+    assert got["status"] == 200  # its first token went out before the drain
+    data = sse_data(str(got["text"]))
     assert "[DONE]" not in data
     assert json.loads(data[-1])["error"]["code"] == "request_aborted"
     assert engine.aborted == [engine.submitted[0].request_id]
@@ -135,7 +140,7 @@ def test_sigterm_lets_admitted_streams_finish_then_exits(tmp_path: Path) -> None
     try:
         node.wait_healthy()
         body = {"model": "kvfence-tiny", "prompt": "name: Ada\ncode: X7qPz91LmWk2\ncode:",
-                "max_tokens": 128, "temperature": 0, "ignore_eos": True, "stream": True}
+                "max_tokens": 64, "temperature": 0, "ignore_eos": True, "stream": True}
         first = [threading.Event() for _ in range(2)]
         texts: list[str] = ["", ""]
 
@@ -160,13 +165,37 @@ def test_sigterm_lets_admitted_streams_finish_then_exits(tmp_path: Path) -> None
         for text in texts:
             data = sse_data(text)
             assert data[-1] == "[DONE]", data[-3:]
-            assert sum(1 for d in data[:-1] if json.loads(d)["choices"]) == 128
+            assert sum(1 for d in data[:-1] if json.loads(d)["choices"]) == 64
         assert node.p.wait(60) == 0
         log = node.log.read_text()
         assert re.search(r"drained in .*2 request\(s\) in flight at SIGTERM, 2 finished, "
                          r"0 aborted .*pages still held: 0", log), log[-2000:]
     finally:
         node.stop()
+
+
+@pytest.mark.parametrize("prompt", ["prefill-draining", "prefill-gone"])
+def test_router_takes_a_prefill_a_decode_reports_gone_out_of_rotation_at_once(prompt) -> None:
+    prefills = [ServerThread(make_app("prefill", f"prefill-{i}", bootstrap_port=free_port()))
+                .start() for i in range(2)]
+    decode = make_app("decode", "decode-0")
+    servers = [*prefills, ServerThread(decode).start()]
+    app = build_router_app([p.url for p in prefills], [servers[-1].url], api_keys=None,
+                           health_interval=3600)  # only the relay can take it out here
+    servers.append(ServerThread(app).start())
+    try:
+        url, state = servers[-1].url, app.state.router
+        r = httpx.post(url + "/v1/completions", json={"model": MODEL, "prompt": prompt})
+        assert r.status_code == 503  # it reached decode's engine: passed on, not retried
+        gone = decode.state.fake.requests[-1]["headers"]["x-kvfence-prefill"]
+        down = [w for w in state.prefill.workers if not w.healthy]
+        assert [w.bootstrap for w in down] == [gone]
+        for _ in range(3):
+            ok = httpx.post(url + "/v1/completions", json={"model": MODEL, "prompt": "x"})
+            assert ok.status_code == 200
+            assert decode.state.fake.requests[-1]["headers"]["x-kvfence-prefill"] != gone
+    finally:
+        stop_all(servers)
 
 
 # ---- the rolling restart of `kvfence up` under load (slow) -------------------------------------
@@ -229,6 +258,7 @@ def test_rolling_restart_under_load_loses_no_request(tmp_path: Path) -> None:
         assert all(w["healthy"] for w in cluster.workers())
 
 
+@pytest.mark.skipif(not os.environ.get("RUN_SLOW"), reason="three processes restarted: RUN_SLOW=1")
 def test_up_sighup_restarts_each_worker_in_turn_and_keeps_serving(tmp_path: Path) -> None:
     from test_up import Up, alive
 
@@ -254,28 +284,3 @@ def test_up_sighup_restarts_each_worker_in_turn_and_keeps_serving(tmp_path: Path
         assert [n for n, pid in up.pids().items() if alive(pid)] == []
     finally:
         up.kill()
-
-
-
-@pytest.mark.parametrize("prompt", ["prefill-draining", "prefill-gone"])
-def test_router_takes_a_prefill_a_decode_reports_gone_out_of_rotation_at_once(prompt) -> None:
-    prefills = [ServerThread(make_app("prefill", f"prefill-{i}", bootstrap_port=free_port()))
-                .start() for i in range(2)]
-    decode = make_app("decode", "decode-0")
-    servers = [*prefills, ServerThread(decode).start()]
-    app = build_router_app([p.url for p in prefills], [servers[-1].url], api_keys=None,
-                           health_interval=3600)  # only the relay can take it out here
-    servers.append(ServerThread(app).start())
-    try:
-        url, state = servers[-1].url, app.state.router
-        r = httpx.post(url + "/v1/completions", json={"model": MODEL, "prompt": prompt})
-        assert r.status_code == 503  # it reached decode's engine: passed on, not retried
-        gone = decode.state.fake.requests[-1]["headers"]["x-kvfence-prefill"]
-        down = [w for w in state.prefill.workers if not w.healthy]
-        assert [w.bootstrap for w in down] == [gone]
-        for _ in range(3):
-            ok = httpx.post(url + "/v1/completions", json={"model": MODEL, "prompt": "x"})
-            assert ok.status_code == 200
-            assert decode.state.fake.requests[-1]["headers"]["x-kvfence-prefill"] != gone
-    finally:
-        stop_all(servers)
