@@ -19,6 +19,7 @@ from kvfence import sse
 from kvfence.server.drain import NOT_ADMITTED_HEADER
 from kvfence.server.errors import SERVER_ERROR, APIError
 from kvfence.server.request_id import client_request_id
+from kvfence.server.router.prefix_index import PrefixKey
 from kvfence.server.router.state import RouterState, no_workers
 from kvfence.server.router.workers import Worker
 from kvfence.sse import Event, SSEParser
@@ -148,6 +149,7 @@ class Relay(Response):
         *,
         paired: bool,
         route: str | None = None,
+        prefix: PrefixKey | None = None,
     ) -> None:
         super().__init__()
         self._state = state
@@ -157,6 +159,7 @@ class Relay(Response):
         self._body = body
         self._headers = headers
         self._paired = paired
+        self._prefix = prefix
         self._p = _Progress()
         self._held: list[Worker] = []
         self._draining: bytes | None = None  # a draining decode's 503 body, if one refused us
@@ -214,10 +217,9 @@ class Relay(Response):
         st, p = self._state, self._p
         tried: list[Worker] = []
         for attempt in range(2):
-            decode = st.decode.pick(exclude=tried)
-            prefill = st.prefill.pick(partner=decode) if self._paired and decode else None
-            if decode is None or (self._paired and prefill is None):
-                await self._give_up(send, no_workers() if not tried else _unreachable())
+            decode, prefill = self._pick(tried)
+            if decode is None:
+                await self._give_up(send, _unreachable() if tried else no_workers())
                 return
             p.decode, p.prefill = decode, prefill
             headers = dict(self._headers)
@@ -241,6 +243,14 @@ class Relay(Response):
             await self._whole(send, 503, [(b"content-type", b"application/json")], self._draining)
         else:
             await self._send_error(send, err)
+
+    def _pick(self, tried: list[Worker]) -> tuple[Worker | None, Worker | None]:
+        """A decode and the prefill it pairs with, by the routing policy; or a decode alone."""
+        st = self._state
+        if not self._paired:
+            return st.decode.pick(exclude=tried), None
+        pair = st.routing.pick_pair(self._prefix, exclude=tried)
+        return (pair.decode.worker, pair.prefill.worker) if pair else (None, None)
 
     def _hold(self, *workers: Worker | None) -> None:
         # The prefill is counted busy for the whole answer: the router cannot see when the
