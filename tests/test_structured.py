@@ -404,6 +404,15 @@ def test_grammar_cache_is_per_tenant(engine: Engine) -> None:
     assert engine.grammars.compiles == before + 2
 
 
+def test_no_tokenizer_means_no_grammar() -> None:
+    """--skip-tokenizer-init: nothing maps a grammar to tokens, so a constraint is a 400."""
+    from kvfence.structured.grammar import GrammarError, Grammars
+
+    with pytest.raises(GrammarError) as err:
+        Grammars(None, 2048, [2]).matcher(Constraint(ConstraintKind.REGEX, "a"), "t")
+    assert err.value.code == "unsupported_parameter"
+
+
 def test_constraint_travels_in_reserve_sampling_params() -> None:
     """PD: prefill samples token 1, so RESERVE's sampling dict carries the constraint."""
     sp = SamplingParams(max_tokens=5, constraint=Constraint(ConstraintKind.REGEX, "[ab]+"))

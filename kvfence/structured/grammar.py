@@ -73,7 +73,9 @@ class Matcher:
 class Grammars:
     """Compiles constraints for one tokenizer/vocabulary and caches the results (LRU)."""
 
-    def __init__(self, tokenizer_json: str, vocab_size: int, eos_token_ids: list[int]) -> None:
+    def __init__(
+        self, tokenizer_json: str | None, vocab_size: int, eos_token_ids: list[int]
+    ) -> None:
         self._tokenizer_json = tokenizer_json
         self.vocab_size = vocab_size
         self._eos = sorted(eos_token_ids)
@@ -90,6 +92,12 @@ class Grammars:
         """A fresh matcher for c; compiles (bounded) on a cache miss. Raises GrammarError.
         The cache is per tenant: a hit is ~30x faster than a compile, and one tenant must not
         learn by timing which schemas another sends (the prefix cache's rule, DESIGN.md)."""
+        if self._tokenizer_json is None:
+            raise GrammarError(
+                "structured outputs need the model's tokenizer; this server runs with "
+                "--skip-tokenizer-init",
+                "unsupported_parameter",
+            )
         key = (tenant, c)
         with self._lock:
             pristine = self._cache.get(key)
@@ -120,6 +128,7 @@ class Grammars:
     def _tokenizer(self) -> llguidance.LLTokenizer:
         with self._lock:
             if self._tok is None:  # ~0.5 s for a large vocabulary: only when first needed
+                assert self._tokenizer_json is not None
                 self._tok = llguidance.LLTokenizer(
                     self._tokenizer_json, n_vocab=self.vocab_size, eos_token=self._eos
                 )
