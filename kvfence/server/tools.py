@@ -211,6 +211,7 @@ class ToolChatFormat(ChatFormat):
         lps: tuple[TokenLogprob, ...],
         offset: int,
         finish: str | None,
+        new_tokens: int = 0,  # held-back tokens get no empty chunk here: a call is one unit
     ) -> list[dict[str, Any]]:
         s = self._streams.setdefault(c.index, _Stream())
         s.text += text
