@@ -79,6 +79,18 @@ class ModelConfig:
         return self._params()[1]
 
     @property
+    def token_intermediate_size(self) -> int:
+        """The widest MLP intermediate one token holds in any layer: a dense layer's, or an
+        expert layer's top-k routed plus shared experts'."""
+        widths = [self.intermediate_size] if self.moe is None or any(
+            not self.is_sparse(i) for i in range(self.num_layers)
+        ) else []
+        if self.moe is not None:
+            m = self.moe
+            widths.append(m.top_k * m.expert_intermediate_size + m.shared_intermediate_size)
+        return max(widths)
+
+    @property
     def num_embedding_params(self) -> int:
         return self.vocab_size * self.hidden_size * (1 if self.tie_word_embeddings else 2)
 
