@@ -1,8 +1,9 @@
 """The mixture-of-experts block: a router per family and the experts, batched over tokens.
 
 A step's (token, expert) assignments are sorted by expert once; each active expert then runs
-one gate_up and one down matmul over its contiguous rows, and the weighted outputs are summed
-back per token with one index_add_. The Python loop is over active experts, never over tokens.
+one gate_up and one down matmul over its contiguous rows, and the weighted outputs are gathered
+back to token-major order and summed over the top-k. Python loops are over active experts and
+over k, never over tokens.
 Module names mirror Hugging Face's checkpoints (per-expert `experts.{e}.{gate,up,down}`); after
 fuse() the per-expert weights are views of one stacked, transposed tensor per kind.
 """
@@ -113,23 +114,27 @@ class SparseMoE(nn.Module):
         t, h = x.shape
         weights, experts = self.gate(x)
         k = experts.shape[1]
+        # Each token's experts in ascending order, so its sum below runs in the order
+        # transformers' loop over experts adds them (the same bits, not just close).
+        experts, perm = experts.sort(dim=1)
+        weights = weights.gather(1, perm)
         flat = experts.flatten()
-        # Stable: a token's rows keep expert order, so index_add_ below sums each token's experts
-        # in ascending expert order, as transformers' loop over experts does.
-        order = torch.argsort(flat, stable=True)
+        order = torch.argsort(flat, stable=True)  # (token, expert) rows grouped by expert
         counts = torch.bincount(flat, minlength=self.moe.num_experts).tolist()  # one host sync
-        rows = order // k  # the token of each grouped assignment
-        xs = x.index_select(0, rows)
-        out = torch.empty_like(xs)
-        start = 0
+        xs = x.index_select(0, order // k)
+        outs, start = [], 0
         for e, n in enumerate(counts):
             if n:
-                out[start : start + n] = self._expert(e, xs[start : start + n], epilogue)
+                outs.append(self._expert(e, xs[start : start + n], epilogue))
                 start += n
-        w = weights.flatten().index_select(0, order).unsqueeze(1)
-        if self.moe.weights_in_input_dtype:
-            w = w.to(x.dtype)
-        y = torch.zeros_like(x).index_add_(0, rows, (out * w).to(x.dtype))
+        grouped = outs[0] if len(outs) == 1 else torch.cat(outs)
+        # Back to token-major rows (a gather, not a scatter-add: index_add_ on CPU wakes the
+        # thread pool for a few rows, which dominated a loaded machine's decode profile).
+        w = weights if not self.moe.weights_in_input_dtype else weights.to(x.dtype)
+        parts = grouped.index_select(0, torch.argsort(order)).view(t, k, h) * w.unsqueeze(-1)
+        y = parts[:, 0].to(x.dtype)
+        for j in range(1, k):  # top_k adds of [T, hidden]: a loop over k, not over tokens
+            y = y + parts[:, j].to(x.dtype)
         if self.shared_experts is not None:
             y = y + self.shared_experts(x, epilogue)
         return y
