@@ -90,12 +90,14 @@ class BlockTimer:
 
 
 def decode_steps(
-    model: Path, batch: int, steps: int, timer: BlockTimer | None, profile: bool = False
+    model: Path, batch: int, steps: int, timer: BlockTimer | None, profile: bool = False,
+    linear_backend: str = "auto",
 ) -> dict:
     from kvfence.engine.llm import LLM
     from kvfence.engine.request import GenerateRequest, SamplingParams
 
-    llm = LLM(str(model), kv_pool_tokens=batch * 64 + 256, context_length=64 + steps + 8)
+    llm = LLM(str(model), kv_pool_tokens=batch * 64 + 256, context_length=64 + steps + 8,
+              linear_backend=linear_backend)
     engine = llm.engine
     params = SamplingParams(max_tokens=steps + 4, temperature=0.0, ignore_eos=True)
     vocab = engine.model.config.vocab_size
@@ -146,6 +148,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--batches", default="1,8")
     p.add_argument("--steps", type=int, default=32)
     p.add_argument("--profile", action="store_true", help="torch profiler table of MoE steps")
+    p.add_argument("--linear-backend", default="auto", choices=["auto", "torch", "native"])
     p.add_argument("--out", default=str(RESULTS))
     p.add_argument("--name", default="moe_step")
     a = p.parse_args(argv)
@@ -158,8 +161,8 @@ def main(argv: list[str] | None = None) -> int:
     timer = BlockTimer()
     rows = []
     for b in (int(x) for x in a.batches.split(",")):
-        m = decode_steps(moe, b, a.steps, timer, a.profile)
-        d = decode_steps(dense, b, a.steps, None)
+        m = decode_steps(moe, b, a.steps, timer, a.profile, a.linear_backend)
+        d = decode_steps(dense, b, a.steps, None, linear_backend=a.linear_backend)
         rows.append({"batch": b, "moe": m, "dense": d,
                      "moe_over_dense": m["step_ms_median"] / d["step_ms_median"]})
         print(f"batch {b}: MoE {m['step_ms_median']:.2f} ms/step, dense same bytes/token "
@@ -168,7 +171,7 @@ def main(argv: list[str] | None = None) -> int:
               f"matmuls {m['expert_matmul_share']:.0%}")
     write_json(Path(a.out) / f"{a.name}.json", {
         "command": cmd, "machine": machine(), "torch_threads": torch.get_num_threads(),
-        "shape": shape, "rows": rows,
+        "shape": shape, "linear_backend": a.linear_backend, "rows": rows,
     })
     return 0
 

