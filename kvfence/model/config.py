@@ -105,7 +105,7 @@ class ModelConfig:
             attn += 2 * self.head_dim
         total = active = self.num_embedding_params + h
         for layer in range(self.num_layers):
-            if self.moe is not None and layer in self.moe.sparse_layers:
+            if self.moe is not None and self.is_sparse(layer):
                 block_total, block_active = self.moe.block_params(h)
             else:
                 block_total = block_active = 3 * h * i

@@ -122,7 +122,7 @@ class DecoderLayer(nn.Module):
         super().__init__()
         self.self_attn = Attention(mc)
         ffn: FFN
-        if mc.moe is not None and index in mc.moe.sparse_layers:
+        if mc.moe is not None and mc.is_sparse(index):
             ffn, self.ffn_name = SparseMoE(mc.hidden_size, mc.moe), mc.moe.block_name
         else:
             ffn, self.ffn_name = MLP(mc.hidden_size, mc.intermediate_size), "mlp"
@@ -202,12 +202,7 @@ class CausalLM(nn.Module):
             for proj in (attn.qkv, attn.o):
                 assert proj is not None, "fuse_projections() before pack_projections()"
                 proj.pack(gemm)
-            if isinstance(ffn, SparseMoE):
-                ffn.pack(gemm)
-            else:
-                for proj in ffn.projections():
-                    assert proj is not None, "fuse_projections() before pack_projections()"
-                    proj.pack(gemm)
+            ffn.pack(gemm)
             for m in (attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj, *ffn.linears()):
                 _release(m.weight)
         self.head = Projection(self.lm_head.weight.detach().t())

@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kvfence.model.kernels import FusedEpilogue
+from kvfence.model.kernels import FusedEpilogue, PackedGemm
 from kvfence.model.linear import Projection, fuse_transposed
 
 HF_NAMES = ("gate_proj", "up_proj", "down_proj")
@@ -38,6 +38,11 @@ class MLP(nn.Module):
         gate, up, down = self.linears()
         self.gate_up = Projection(fuse_transposed([gate.weight, up.weight]))
         self.down = Projection(fuse_transposed([down.weight]))
+
+    def pack(self, gemm: PackedGemm) -> None:
+        for proj in self.projections():
+            assert proj is not None, "fuse() before pack()"
+            proj.pack(gemm)
 
     def forward(self, x: torch.Tensor, epilogue: FusedEpilogue | None = None) -> torch.Tensor:
         if self.gate_up is None or self.down is None:
