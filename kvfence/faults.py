@@ -33,6 +33,8 @@ GUARD_POINTS = {
     "prefix_cache_ignore_namespace": "prefix_namespace",
     # A cached page is reused on a key match alone, its stored tokens not compared (I2).
     "prefix_cache_skip_token_compare": "prefix_token_compare",
+    # PD prefill takes RESERVE's cached-prefix claim without recomputing its digest (I2, I3).
+    "skip_prefix_digest": "prefix_digest",
 }
 # Points that make a component misbehave.
 ACTION_POINTS = frozenset(
@@ -47,6 +49,8 @@ ACTION_POINTS = frozenset(
         "kill_decode",  # the decode process crashes right after applying a room's first page
         "client_disconnect",  # decode's client goes away right after its RESERVE was sent
         "write_sealed_page",  # the scheduler points a request's new tokens at a sealed page (I2)
+        "stale_cached_page",  # a PD decode's cached prefix page changes under a room after its
+        #                       RESERVE went out (I3: the read-back covers cached pages too)
     }
 )
 POINTS = frozenset(GUARD_POINTS) | ACTION_POINTS

@@ -19,6 +19,10 @@ GUARDS = frozenset(
         "credential_tenant",  # the tenant comes from the API key alone (I6)
         "prefix_namespace",  # prefix-cache keys and sealed-page reads carry the namespace (I2)
         "prefix_token_compare",  # a cached page is reused only if its stored tokens match (I2)
+        "prefix_digest",  # PD prefill recomputes what decode's cached prefix must hold (I2, I3)
+        # A cached page a live room references is never evicted (I4; the model checker's
+        # twin: the runtime's references are the prefix cache's refcounts).
+        "prefix_pin",
     }
 )
 

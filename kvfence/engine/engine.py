@@ -317,6 +317,9 @@ class Engine:
             # I2 before a single token is shown: the transferred pages must be this grant's.
             self._fail_integrity(seq)
             return
+        # The verified prompt pages pass to decode's prefix cache now (a 1-token answer never
+        # reaches a decode step, where the rest of a sequence's pages are sealed).
+        self.scheduler.seal(seq)
         seq.token_ids.append(first_token)
         if seq.admitted.request.sampling.logprobs is not None and first_logprobs:
             top = tuple((int(t), float(v)) for t, v in first_logprobs.get("top", ()))

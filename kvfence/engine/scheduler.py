@@ -141,10 +141,12 @@ class Scheduler:
         return chunks
 
     def _lookup(self, seq: Sequence) -> list[int]:
-        """The cached pages seq may start from (none outside FULL mode or without a cache). At
-        least its last token is always computed: that step samples the next one."""
+        """The cached pages seq may start from (none without a cache). At least its last token
+        is always computed (by prefill, in PD): that step samples the next one. PD roles look up
+        like a unified engine: prefill computes only beyond its own hit, decode reserves only
+        beyond its own (RESERVE tells prefill how many pages it holds)."""
         prefix = self.pool.prefix
-        if prefix is None or seq.mode is not SeqMode.FULL:
+        if prefix is None:
             return []
         if seq.chain is None:
             ns = Namespace.of_tenant(seq.tenant, seq.admitted.request.cache_salt)
@@ -157,6 +159,8 @@ class Scheduler:
     def _awaits_twin(self, seq: Sequence, n_hit: int) -> bool:
         if seq.chain is None or n_hit >= (len(seq.token_ids) - 1) // self.pool.page_size:
             return False
+        if _by_transfer(seq):
+            return False  # its twin's pages arrive after a whole transfer: not worth the wait
         return self.inflight.get(seq.chain.keys[n_hit], seq) is not seq
 
     def _forget_inflight(self, seq: Sequence) -> None:
@@ -180,7 +184,7 @@ class Scheduler:
             seq.pages[n_hit] = shared[-1]
         seq.num_sealed = n_hit
         seq.may_seal = True
-        if seq.chain is not None:
+        if seq.chain is not None and not _by_transfer(seq):
             for key in seq.chain.keys[n_hit:]:
                 self.inflight.setdefault(key, seq)
         seq.num_computed = n_hit * self.pool.page_size
@@ -245,3 +249,8 @@ class Scheduler:
         seq.pages = []
         seq.num_sealed = 0
         seq.grant = None
+
+
+def _by_transfer(seq: Sequence) -> bool:
+    """A decode sequence whose prompt KV still has to arrive from prefill."""
+    return seq.mode is SeqMode.DECODE_ONLY and not seq.output_ids

@@ -23,6 +23,7 @@ from kvfence.engine.request import GenerateRequest
 from kvfence.engine.sequence import SeqMode, Sequence
 from kvfence.faults import Faults
 from kvfence.kv.pool import Grant
+from kvfence.kv.prefix import held_digest
 from kvfence.pd import auth, glue, kvio, wire
 from kvfence.pd import protocol as p
 from kvfence.pd.ioloop import IOLoop
@@ -42,10 +43,17 @@ _RUNS_IN_FLIGHT = 2
 class _Room:
     state: p.DecodeRoom
     peer: str
-    pages: list[int]
+    pages: list[int]  # every page of the prompt: the cached prefix's, then the reserved ones
     grant: Grant
     deadline: float
     started: float
+    cached: int = 0  # leading pages from decode's prefix cache (referenced, never written)
+    prefix_sums: list[int] = field(default_factory=list)  # theirs when RESERVE went out
+
+    @property
+    def reserved(self) -> list[int]:
+        """The pages prefill writes (PageRun.first counts from the first of them)."""
+        return self.pages[self.cached :]
 
 
 @dataclass
@@ -137,16 +145,34 @@ class DecodeService(EngineRole):
     def on_reserved(self, seq: Sequence) -> None:
         req = seq.admitted.request
         assert seq.grant is not None and req.peer is not None
+        cached = seq.num_sealed  # the scheduler's hit: cache pages the sequence references
         reserve = p.Reserve(
             room=seq.request_id,
             tenant=req.tenant,
             prompt=req.prompt_token_ids,
             sampling=req.sampling.to_dict(),
             max_tokens=seq.admitted.max_tokens,
-            dst_pages=tuple(seq.pages),
+            dst_pages=tuple(seq.pages[cached:]),
             grant=seq.grant.grant_id,
+            cache_salt=req.cache_salt or "",
+            cached_tokens=cached * self.engine.pool.page_size,
+            prefix_digest=self._held_digest(seq.pages[:cached]) if cached else "",
         )
-        self.loop.call_soon_threadsafe(self._reserve, reserve, req.peer, seq.grant)
+        self.loop.call_soon_threadsafe(
+            self._reserve, reserve, req.peer, seq.grant, list(seq.pages), cached
+        )
+
+    def _held_digest(self, pages: list[int]) -> str:
+        """What these cache pages hold, as the cache recorded it when they were sealed (engine
+        thread: the cache's bookkeeping is the engine's)."""
+        prefix = self.engine.pool.prefix
+        assert prefix is not None
+        entries = [prefix.entry(page) for page in pages]
+        assert all(e is not None for e in entries), "a referenced page left the cache"
+        return held_digest(
+            ((e.namespace, e.tokens) for e in entries if e is not None),
+            self.faults.guards().on("prefix_namespace"),
+        )
 
     def on_prefilled(self, seq: Sequence) -> None:  # pragma: no cover - prefill only
         raise AssertionError("a decode engine never prefills for a transfer")
@@ -156,17 +182,33 @@ class DecodeService(EngineRole):
 
     # ---- rooms ----------------------------------------------------------------------------------
 
-    def _reserve(self, r: p.Reserve, peer_addr: str, grant: Grant) -> None:
+    def _reserve(
+        self, r: p.Reserve, peer_addr: str, grant: Grant, pages: list[int], cached: int
+    ) -> None:
         self.transfer_stats.inc("reserved")
-        room = p.DecodeRoom(r.room, len(r.prompt), len(r.dst_pages))
+        pool = self.engine.pool
+        room = p.DecodeRoom(
+            r.room, len(r.prompt), len(pages), cached_pages=cached, cached_tokens=r.cached_tokens
+        )
+        # The cached prefix as it is now: the read-back at DONE must find it unchanged.
+        sums = kvio.pool_checksums(pool, pages[:cached], r.cached_tokens) if cached else []
         self.rooms[r.room] = _Room(
             room,
             peer_addr,
-            list(r.dst_pages),
+            pages,
             grant,
             time.monotonic() + self.timeout_s,
             time.monotonic(),
+            cached,
+            sums,
         )
+        self.transfer_stats.inc("prompt_tokens", len(r.prompt))
+        self.transfer_stats.inc("prefix_cached_tokens", r.cached_tokens)
+        self.transfer_stats.inc(
+            "bytes_not_transferred", cached * kvio.payload_size(pool, pool.page_size)
+        )
+        if cached and self.faults.active("stale_cached_page"):
+            kvio.corrupt_page(pool, pages[0])
         asyncio.ensure_future(self._send_reserve(r, peer_addr))
 
     async def _send_reserve(self, r: p.Reserve, peer_addr: str) -> None:
@@ -195,9 +237,7 @@ class DecodeService(EngineRole):
     async def _connect(self, addr: str, peer: _Peer) -> None:
         try:
             host, port = addr.rsplit(":", 1)
-            conn = await Connection.open(
-                host, int(port), self.timeout_s, self.secret, self.faults
-            )
+            conn = await Connection.open(host, int(port), self.timeout_s, self.secret, self.faults)
             client_nonce = auth.new_nonce()
             hello = {**self.pairing, **self.link.hello_info(), "nonce": client_nonce}
             await conn.send(wire.Hello(hello))
@@ -286,16 +326,17 @@ class DecodeService(EngineRole):
         pool = self.engine.pool
         n = len(run.checksums)
         expected = self.link.payload_bytes(pool, n, run.n_tokens)
+        reserved = room.reserved
         ok_shape = (
             0 <= run.first
-            and run.first + n <= len(room.pages)
+            and run.first + n <= len(reserved)
             and 0 < run.n_tokens <= pool.page_size
             and payload.nbytes == expected
         )
         if not ok_shape:
             self._run_applied(run, [False] * n, 0, 0)
             return None
-        pages = room.pages[run.first : run.first + n]
+        pages = reserved[run.first : run.first + n]
         check = self.faults.guards().on("checksum")  # off: mutation twin, the bytes as they come
         return self.link.apply(
             conn,
@@ -380,12 +421,16 @@ class DecodeService(EngineRole):
             marks.observe_phase("receive", end - first)
 
     def _pool_matches(self, room: _Room, done: p.Done) -> bool:
-        """Read the pages back from the pool and hash them: what decode will attend to must be
-        exactly what prefill computed, whatever wrote it (late, foreign or one-sided writes)."""
+        """Read every page decode will attend to back from the pool and hash it: the sent ones
+        must be exactly what prefill computed, whatever wrote them (late, foreign or one-sided
+        writes), and the cached prefix exactly what it held when RESERVE went out."""
         if done.n_tokens != room.state.n_tokens or done.n_pages != len(room.pages):
             return False
         sums = kvio.pool_checksums(self.engine.pool, room.pages, done.n_tokens)
-        return p.digest_of(tuple(enumerate(sums)), done.n_tokens) == done.digest
+        k = room.cached
+        if sums[:k] != room.prefix_sums:
+            return False
+        return p.digest_of(tuple(enumerate(sums[k:])), done.n_tokens) == done.digest
 
     def _feed(self, rid: str, event: Any, reason: str | None = None) -> None:
         """reason: why the connection was lost, for the client's error message."""
@@ -420,7 +465,7 @@ class DecodeService(EngineRole):
         asyncio.ensure_future(go())
 
     def _committed(self, rid: str, room: _Room, first_token: int, first_logprobs: dict) -> None:
-        self.link.committed(self.engine.pool, room.pages, room.grant)
+        self.link.committed(self.engine.pool, room.reserved, room.grant)
         self.transfer_stats.inc("transfers_committed")
         self.transfer_stats.observe_latency(time.monotonic() - room.started)
         self.engine.commit(rid, first_token, first_logprobs)
