@@ -63,6 +63,10 @@ def test_no_fifo_keeps_safety_over_tcp_but_not_progress() -> None:
         ("checksum", "tcp", {"I3", "I2", "I5"}),  # corrupted page commits and is read
         ("abort_ack", "tcp", {"L"}),  # every abort then waits for a timeout
         ("tag_check", "tcp", {"I4", "I2", "I5"}),  # a late page lands in a reused page
+        # A cached page a live room references is evicted under it (I4), then read (I2).
+        ("prefix_pin", "tcp", {"I4", "I2"}),
+        # Decode's cache hands r0 other KV; prefill takes the claim: committed and read.
+        ("prefix_digest", "tcp", {"I3", "I2", "I5"}),
         # Only a one-sided write cannot be vetoed by the receiver: that is where it matters.
         ("deferred_release", "mooncake", {"I4", "I2", "I5"}),
     ],

@@ -94,6 +94,11 @@ def test_pd_multi_turn_two_tenants_reuses_decode_kv_and_stays_exact(
     assert cached[4:] == [0, 0]
     assert stats.get("prefix_cached_tokens") >= cached[2] + cached[3]
     assert stats.get("bytes_not_transferred") > 0
+    # Each worker's /metrics: its own hit rate (prefill computed less too), bytes not sent.
+    for svc in (pair.prefill, pair.decode):
+        metrics = {m.name: m.samples[0].value for m in svc.metrics()}
+        assert 0 < metrics["kvfence_pd_prefix_hit_rate"] < 1
+        assert metrics["kvfence_pd_bytes_not_transferred"] > 0
     assert_baseline(pair)
 
 

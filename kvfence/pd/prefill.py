@@ -278,6 +278,8 @@ class PrefillService(EngineRole):
             return
         room.seq = seq
         room.first_token = seq.token_ids[-1]
+        self.transfer_stats.inc("prompt_tokens", seq.prompt_len)
+        self.transfer_stats.inc("prefix_cached_tokens", seq.cached_tokens)
         self._feed(seq.request_id, p.Prefilled())
 
     # ---- the state machine ----------------------------------------------------------------------

@@ -10,7 +10,16 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-TWINS = ("admission", "count_check", "checksum", "deferred_release", "abort_ack", "tag_check")
+TWINS = (
+    "admission",
+    "count_check",
+    "checksum",
+    "deferred_release",
+    "abort_ack",
+    "tag_check",
+    "prefix_pin",
+    "prefix_digest",
+)
 
 
 def _formal() -> tuple[Any, Any]:
