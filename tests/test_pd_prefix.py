@@ -58,11 +58,33 @@ def assert_baseline(pair: PDPair) -> None:
         assert prefix.num_evictable == prefix.num_cached  # no reference left anywhere
 
 
+@pytest.mark.parametrize("backend", ["tcp", "mooncake"])
 def test_pd_multi_turn_two_tenants_reuses_decode_kv_and_stays_exact(
-    pair: PDPair, unified: LLM, model_dir: str
+    backend: str, pair: PDPair, unified: LLM, model_dir: str
 ) -> None:
+    if backend == "tcp":
+        multi_turn(pair, unified, model_dir)
+        return
+    from kvfence.pd.transport import mooncake
+
+    if not mooncake.available():
+        pytest.skip("mooncake transfer engine not installed (pip install 'kvfence[mooncake]')")
+    pd = PDPair(
+        model_dir,
+        backend="mooncake",
+        kv_pool_tokens=1024,
+        context_length=CTX,
+        chunked_prefill_size=64,
+    )
+    try:
+        multi_turn(pd, unified, model_dir)
+    finally:
+        pd.close()
+
+
+def multi_turn(pair: PDPair, unified: LLM, model_dir: str) -> None:
     flush(pair)
-    stats = pair.decode.transfer_stats
+    stats, sender = pair.decode.transfer_stats, pair.prefill.transfer_stats
     # Both tenants open with the same system prompt: identical first turns.
     opening = random_prompts([40], vocab=256, seed=5)[0]
     users = random_prompts([9, 12, 7, 11], vocab=256, seed=6)
@@ -73,13 +95,13 @@ def test_pd_multi_turn_two_tenants_reuses_decode_kv_and_stays_exact(
             flush(pair)  # forced eviction mid-conversation: the next turn starts cold
         for t, tenant in enumerate(("A", "B")):
             prompt = history[tenant] + (users[2 * t + turn % 2] if turn else [])
-            before = stats.get("bytes_received")
+            before = sender.get("bytes_sent")
             r = ask(pair, prompt, tenant)
             assert finished_ok(r), r.final
             prompts.append(prompt)
             got.append(r.token_ids)
             cached.append(r.final.cached_tokens)
-            sent.append(stats.get("bytes_received") - before)
+            sent.append(sender.get("bytes_sent") - before)
             history[tenant] = prompt + r.token_ids
     want = [o.token_ids for o in unified.generate(prompts, GREEDY)]
     assert got == want == hf_greedy(model_dir, prompts, GREEDY.max_tokens)
