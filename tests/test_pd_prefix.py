@@ -9,6 +9,7 @@ from __future__ import annotations
 import pytest
 from conftest import hf_greedy, random_prompts
 from pd_harness import PDPair, Result, finished_ok
+from waiting import wait_for
 
 from kvfence.engine.llm import LLM
 from kvfence.engine.request import FinishReason, SamplingParams
@@ -243,3 +244,31 @@ def test_i3_twin_without_checksums_the_stale_cached_page_is_committed(
     pair: PDPair, unified: LLM
 ) -> None:
     _stale_cached_page(pair, unified, guard_off=True)
+
+
+def test_pd_eviction_racing_a_transfer_never_takes_a_pinned_page(
+    pair: PDPair, unified: LLM
+) -> None:
+    """Forced eviction on decode while a room that references cached pages is in flight: the
+    room's pages stay cached (pinned by its reference), and the answer stays exact."""
+    flush(pair)
+    first = random_prompts([40], vocab=256, seed=23)[0]
+    assert finished_ok(ask(pair, first, "A"))
+    second = first + random_prompts([6], vocab=256, seed=24)[0]
+    stall, pair.faults.stall_s = pair.faults.stall_s, 0.5
+    try:
+        with pair.faults.injected("stall_transfer"):
+            _, r = pair.submit(second, GREEDY, "A")
+            assert isinstance(r, Result), r
+            wait_for(lambda: pair.decode.rooms, 10, "decode never opened the room")
+            room = next(iter(pair.decode.rooms.values()))
+            held = room.pages[: room.cached]
+            prefix = pair.decode.engine.pool.prefix
+            evicted = pair.decode.engine.pool.evict_unreferenced()  # the engine is idle
+            assert held and all(prefix.is_cached(pg) for pg in held), (evicted, held)
+            assert r.done.wait(60), "request did not finish"
+    finally:
+        pair.faults.stall_s = stall
+    assert finished_ok(r) and r.final.cached_tokens == len(held) * PAGE
+    assert r.token_ids == unified.generate([second], GREEDY)[0].token_ids
+    assert_baseline(pair)
