@@ -237,7 +237,9 @@ class DecodeService(EngineRole):
     async def _connect(self, addr: str, peer: _Peer) -> None:
         try:
             host, port = addr.rsplit(":", 1)
-            conn = await Connection.open(host, int(port), self.timeout_s, self.secret, self.faults)
+            conn = await Connection.open(
+                host, int(port), self.timeout_s, self.secret, self.faults
+            )
             client_nonce = auth.new_nonce()
             hello = {**self.pairing, **self.link.hello_info(), "nonce": client_nonce}
             await conn.send(wire.Hello(hello))
