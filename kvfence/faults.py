@@ -35,6 +35,8 @@ GUARD_POINTS = {
     "prefix_cache_skip_token_compare": "prefix_token_compare",
     # PD prefill takes RESERVE's cached-prefix claim without recomputing its digest (I2, I3).
     "skip_prefix_digest": "prefix_digest",
+    # The router's prefix index keys every tenant's prompts alike: B is routed by A's prefixes.
+    "router_ignore_tenant": "router_tenant",
 }
 # Points that make a component misbehave.
 ACTION_POINTS = frozenset(

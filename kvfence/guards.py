@@ -23,6 +23,7 @@ GUARDS = frozenset(
         # A cached page a live room references is never evicted (I4; the model checker's
         # twin: the runtime's references are the prefix cache's refcounts).
         "prefix_pin",
+        "router_tenant",  # the router routes a tenant by its own prefixes only (I6)
     }
 )
 
