@@ -222,10 +222,42 @@ TRANSFER_BACKEND = Option(
     default="tcp",
     choices=("tcp", "mooncake"),
 )
-CLUSTER_SECRET_FILE = Option(
-    ("--cluster-secret-file",),
-    "cluster_secret_file",
-    help="secret shared by all PD workers (or KVFENCE_CLUSTER_SECRET); authenticates transfers",
+# I8: every PD connection is mutual TLS 1.3 with certificates of the cluster CA (pd/tls.py).
+# Per worker, so `up` makes its own for each and does not forward these.
+TLS_CERT = Option(
+    ("--tls-cert",),
+    "tls_cert",
+    metavar="PEM",
+    help="this worker's certificate (its role: prefill or decode) from the cluster CA",
+)
+TLS_KEY = Option(("--tls-key",), "tls_key", metavar="PEM", help="its private key (mode 0600)")
+TLS_CA = Option(
+    ("--tls-ca",),
+    "tls_ca",
+    metavar="PEM",
+    help="the cluster CA: peers must hold a certificate it issued (or KVFENCE_TLS_DIR)",
+)
+TLS_FILE_OPTIONS: tuple[Option, ...] = (TLS_CERT, TLS_KEY, TLS_CA)
+TLS_HANDSHAKE_TIMEOUT = Option(
+    ("--tls-handshake-timeout",),
+    "tls_handshake_timeout",
+    type=float,
+    default=10.0,
+    help="seconds an unauthenticated peer has to complete its TLS handshake",
+)
+MAX_PENDING_HANDSHAKES = Option(
+    ("--max-pending-handshakes",),
+    "max_pending_handshakes",
+    type=int,
+    default=64,
+    help="connections the bootstrap port lets handshake at once; more are closed on accept",
+)
+PD_IDLE_TIMEOUT = Option(
+    ("--pd-idle-timeout",),
+    "pd_idle_timeout",
+    type=float,
+    default=300.0,
+    help="seconds a decode keeps a prefill connection that carries no transfer",
 )
 DISAGGREGATION_TIMEOUT = Option(
     ("--disaggregation-timeout",),
@@ -236,7 +268,14 @@ DISAGGREGATION_TIMEOUT = Option(
 )
 TRANSFER_OPTIONS: tuple[Option, ...] = (
     TRANSFER_BACKEND,
-    CLUSTER_SECRET_FILE,
     DISAGGREGATION_TIMEOUT,
+    TLS_HANDSHAKE_TIMEOUT,
+    MAX_PENDING_HANDSHAKES,
+    PD_IDLE_TIMEOUT,
 )
-PD_OPTIONS: tuple[Option, ...] = (DISAGGREGATION_MODE, BOOTSTRAP_PORT, *TRANSFER_OPTIONS)
+PD_OPTIONS: tuple[Option, ...] = (
+    DISAGGREGATION_MODE,
+    BOOTSTRAP_PORT,
+    *TRANSFER_OPTIONS,
+    *TLS_FILE_OPTIONS,
+)
