@@ -43,6 +43,10 @@ _RUNS_IN_FLIGHT = 2
 UNAVAILABLE = "prefill unavailable"
 
 
+class _Unpaired(ConnectionError):
+    """The prefill and this decode disagree on a pairing fact (I7)."""
+
+
 @dataclass
 class _Room:
     state: p.DecodeRoom
@@ -224,21 +228,23 @@ class DecodeService(EngineRole):
             if isinstance(msg, wire.HelloRefused):
                 self.transfer_stats.inc("pairing_refused")
                 self.pairing_errors[addr] = msg.reason
-                raise ConnectionError(f"prefill {addr} refused to pair: {msg.reason}")
+                raise _Unpaired(f"prefill refused to pair: {msg.reason}")
             if not isinstance(msg, wire.HelloOk):
                 raise wire.WireError("expected HelloOk")
             problem = pairing_problem(self.pairing, msg.info, self.faults.guards())
             if problem is not None:
                 self.transfer_stats.inc("pairing_refused")
                 self.pairing_errors[addr] = problem
-                raise ConnectionError(f"refusing to pair with prefill {addr}: {problem}")
+                raise _Unpaired(f"refusing to pair with the prefill: {problem}")
             self.pairing_errors.pop(addr, None)
             peer.conn = conn
         except (TimeoutError, OSError, ConnectionError, ValueError) as e:
             log.error("cannot use prefill %s: %s", addr, e)
             if conn is not None:
                 conn.close()
-            peer.error = UNAVAILABLE  # the detail is the operator's (log, pairing_errors)
+            # A pairing mismatch (I7) is configuration the client may see; a failed dial says
+            # nothing more: the resolver's and the socket's words are the operator's (log).
+            peer.error = f"{UNAVAILABLE}: {e}" if isinstance(e, _Unpaired) else UNAVAILABLE
             self.peers.pop(key, None)  # the next request tries again
             peer.ready.set()
             return
