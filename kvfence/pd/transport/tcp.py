@@ -104,6 +104,7 @@ class Connection:
         self._spares: list[bytearray] = []  # payload buffers, reused once handed back
         self._lent: bytearray | None = None
         self._lowat = 1
+        self._want_write = False
         self._waiters: set[asyncio.Future] = set()
         try:
             self.peer = sock.getpeername()
@@ -205,39 +206,51 @@ class Connection:
         dst[:got] = self._stage[self._lo : self._lo + got]
         self._lo += got
         while got < dst.nbytes:
-            if dst.nbytes - got >= _STAGE:  # big: decrypted straight into its destination
-                got += await self._recv_into(dst[got:], dst.nbytes - got)
+            # A record at most per call: read synchronously while records are there, and go
+            # back to the loop only when OpenSSL wants more bytes from the socket.
+            big = dst.nbytes - got >= _STAGE  # big: decrypted straight into its destination
+            n = self._try_recv(dst[got:] if big else memoryview(self._stage))
+            if n is None:
+                await self._wait_readable(dst.nbytes - got)
                 continue
-            n = await self._recv_into(memoryview(self._stage), dst.nbytes - got)
+            if big:
+                got += n
+                continue
             take = min(n, dst.nbytes - got)
             dst[got : got + take] = self._stage[:take]
             self._lo, self._hi = take, n
             got += take
 
-    async def _recv_into(self, buf: memoryview, need: int) -> int:
-        """Some bytes into buf; `need` (what the frame being read still owes) is how many to
-        wait for before the loop wakes this reader again."""
-        while True:
-            if self.closed:
-                raise ConnectionError("connection closed")
-            try:
-                n = self.sock.recv_into(buf)
-            except ssl.SSLWantWriteError:
-                await self._ready(self._loop.add_writer, self._loop.remove_writer)
-                continue
-            except _WANT:
-                self._set_lowat(min(need, _LOWAT) - _RECORD_SLACK)
-                await self._ready(self._loop.add_reader, self._loop.remove_reader)
-                continue
-            except ssl.SSLError as e:
-                if isinstance(e, ssl.SSLEOFError):
-                    raise ConnectionError("peer closed the connection") from e
-                raise RecordError(f"bad TLS record: {e}") from e
-            except OSError as e:
-                raise ConnectionError(f"receive failed: {e}") from e
-            if n == 0:
-                raise ConnectionError("peer closed the connection")
-            return n
+    def _try_recv(self, buf: memoryview) -> int | None:
+        """Bytes read into buf, or None when none can be read without waiting."""
+        if self.closed:
+            raise ConnectionError("connection closed")
+        try:
+            n = self.sock.recv_into(buf)
+        except ssl.SSLWantWriteError:
+            self._want_write = True
+            return None
+        except _WANT:
+            return None
+        except ssl.SSLError as e:
+            if isinstance(e, ssl.SSLEOFError):
+                raise ConnectionError("peer closed the connection") from e
+            raise RecordError(f"bad TLS record: {e}") from e
+        except OSError as e:
+            raise ConnectionError(f"receive failed: {e}") from e
+        if n == 0:
+            raise ConnectionError("peer closed the connection")
+        return n
+
+    async def _wait_readable(self, need: int) -> None:
+        """Until the socket has bytes; `need` (what the frame being read still owes) is how
+        many to wait for before the loop wakes this reader again."""
+        if self._want_write:  # OpenSSL must write before it can read (not in TLS 1.3 data)
+            self._want_write = False
+            await self._ready(self._loop.add_writer, self._loop.remove_writer)
+            return
+        self._set_lowat(min(need, _LOWAT) - _RECORD_SLACK)
+        await self._ready(self._loop.add_reader, self._loop.remove_reader)
 
     def _set_lowat(self, n: int) -> None:
         n = max(1, n)
