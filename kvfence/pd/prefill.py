@@ -282,7 +282,7 @@ class PrefillService(EngineRole):
             self._feed(rid, p.ComputeFailed("kv_integrity_error", "KV source check failed"))
             return
         pool = self.engine.pool
-        runs = kvio.runs(pool, n_tokens)
+        runs = kvio.runs(pool, n_tokens, self.link.run_bytes)
         if self.faults.active("truncate_transfer"):
             first_count = min(n_tokens, pool.page_size)
             runs, n_tokens = [(0, 1, first_count)], first_count

@@ -25,6 +25,11 @@ R = TypeVar("R")
 
 class TcpSender(PageSender):
     backend = "tcp"
+    # Over TLS, runs of 1 MiB pipeline: run i + 1 is gathered and hashed while run i is
+    # encrypted, and decode checks and writes run i while run i + 1 is decrypted. One 8 MiB run
+    # serialised them (2 shared cores, in-process sweep, best of 8: 8 MiB 39 ms, 1 MiB 23 ms,
+    # 512 KiB 23 ms, 256 KiB 31 ms, 128 KiB 46 ms per 8 MiB prompt; see benchmarks/RESULTS.md).
+    run_bytes = 1 << 20
 
     def __init__(self) -> None:
         self._bufs: list[bytearray] = []  # gather buffers, reused across rooms
@@ -44,7 +49,7 @@ class TcpSender(PageSender):
         pending: asyncio.Future | None = None  # the next run's gather and checksums
         sums: list[tuple[int, int]] = []
         try:
-            size = max(kvio.RUN_BYTES, *(kvio.payload_size(pool, c) for _, _, c in runs))
+            size = max(self.run_bytes, *(kvio.payload_size(pool, c) for _, _, c in runs))
             for _ in range(2):
                 fits = [b for b in self._bufs if len(b) >= size]
                 if fits:
