@@ -260,8 +260,17 @@ def main(argv: list[str] | None = None) -> int:
         tls_sink.close()
         raw_sink.close()
     med = {k: _median(v) / 1e6 for k, v in rates.items()}
+    # Repeat by repeat (each pair ran back to back, so under a shared machine's load swings the
+    # paired ratio is steadier than a ratio of medians).
+    paired = {
+        f"{x}_over_{y}_paired_median": _median(
+            [p / q for p, q in zip(rates[x], rates[y], strict=True)]
+        )
+        for x, y in (("after", "tls_ceiling"), ("after", "before"))
+    }
     summary = {
         **{f"{k}_median_MBps": v for k, v in med.items()},
+        **paired,
         "after_over_tls_ceiling": med["after"] / med["tls_ceiling"],
         "after_over_before": med["after"] / med["before"],
         "before_over_raw_tcp": med["before"] / med["raw_tcp"],
