@@ -31,6 +31,7 @@ from kvfence.args import (
     KV_POOL_TOKENS,
     LOG_LEVEL,
     PORT,
+    ROUTING_OPTIONS,
     SERVER_OPTIONS,
     TLS_CA,
     TLS_CERT,
@@ -39,6 +40,7 @@ from kvfence.args import (
     add_options,
     command_line,
 )
+from kvfence.config import ConfigError, RoutingConfig
 from kvfence.pd import certs
 from kvfence.pd.certs import TlsFiles
 
@@ -106,6 +108,8 @@ def add_up_args(p: argparse.ArgumentParser) -> None:
     )
     # Certificates are not among them: up makes a cluster CA and one certificate per worker.
     add_options(p, TRANSFER_OPTIONS)
+    # The router's policy, as `kvfence router` takes it (--router-policy etc. read better here).
+    add_options(p.add_argument_group("the router's routing policy"), ROUTING_OPTIONS)
     p.add_argument(
         "--prefill-kv-pool-tokens",
         type=int,
@@ -187,7 +191,7 @@ def router_command(
     cmd = _prefix(args.router_cmd_prefix, [sys.executable, "-m", "kvfence.cli", "router"])
     cmd += ["--prefill", *prefill_urls, "--decode", *decode_urls]
     cmd += HOST.argv(args.host) + PORT.argv(args.port)
-    return cmd + command_line(args, (API_KEY_FILE, LOG_LEVEL))
+    return cmd + command_line(args, (API_KEY_FILE, LOG_LEVEL, *ROUTING_OPTIONS))
 
 
 # ---- processes ---------------------------------------------------------------------------------
@@ -273,12 +277,15 @@ class StartupError(RuntimeError):
     pass
 
 
-def wait_healthy(children: Sequence[Child], timeout: float) -> None:
-    """Returns once every child's /health is 200; raises if one exits or time runs out."""
+def wait_healthy(
+    children: Sequence[Child], timeout: float, transport: httpx.BaseTransport | None = None
+) -> None:
+    """Returns once every child's /health is 200; raises if one exits or time runs out.
+    `transport` stands in for the network in tests."""
     pending = list(children)
     last: dict[str, str] = {c.name: "not listening yet" for c in children}
     deadline = time.monotonic() + timeout
-    with httpx.Client(timeout=1.0) as client:
+    with httpx.Client(timeout=1.0, transport=transport) as client:
         while pending:
             for c in list(pending):
                 code = c.exited()
@@ -344,6 +351,11 @@ def run_up(args: argparse.Namespace) -> int:
             "kvfence up: --port must be a fixed port (1-65535): it is the address we print",
             err=True,
         )
+        return 2
+    try:
+        RoutingConfig.from_args(args)  # refused here, not after every worker has started
+    except ConfigError as e:
+        say(f"kvfence up: {e}", err=True)
         return 2
     if not Path(args.model).is_dir():
         say(f"kvfence up: model directory {args.model} does not exist (--model)", err=True)

@@ -12,6 +12,8 @@ from urllib.parse import quote
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
+from kvfence.config import RoutingConfig
+from kvfence.faults import Faults
 from kvfence.server.auth import single_authorization
 from kvfence.server.errors import APIError, install_handlers
 from kvfence.server.httpio import read_body
@@ -57,6 +59,8 @@ def build_router_app(
     request_timeout: float = DEFAULT_REQUEST_TIMEOUT_S,
     connect_timeout: float = DEFAULT_CONNECT_TIMEOUT_S,
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+    routing: RoutingConfig | None = None,
+    faults: Faults | None = None,
 ) -> FastAPI:
     """The router app. Its lifespan opens the HTTP clients, runs one health round, then polls."""
     prefill = [normalize_url(u) for u in prefill_urls]
@@ -72,8 +76,9 @@ def build_router_app(
         request_timeout=request_timeout,
         connect_timeout=connect_timeout,
         max_body_bytes=max_body_bytes,
+        routing=routing or RoutingConfig(),
     )
-    state = RouterState(prefill, decode, api_keys, settings)
+    state = RouterState(prefill, decode, api_keys, settings, faults)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> Any:
@@ -99,17 +104,21 @@ def build_router_app(
         data, content_type = state.metrics.render()
         return Response(data, media_type=content_type)
 
-    def authenticate(request: Request) -> None:
+    def authenticate(request: Request) -> str:
         # First door: a bad key never costs a worker anything; two keys are refused, so the
         # worker sees the one key that was checked here (I6).
-        state.auth.tenant_for(single_authorization(request.headers.getlist("authorization")))
+        return state.auth.tenant_for(single_authorization(request.headers.getlist("authorization")))
 
     # Only the routes below are relayed, each to a path built here, never the client's path.
     def relay_post(path: str) -> Any:
         async def handler(request: Request) -> Response:
-            authenticate(request)
+            tenant = authenticate(request)
             body = await read_body(request, settings.max_body_bytes)
-            return Relay(state, "POST", path, body, request_headers(request), paired=True)
+            # The tenant that routes the request is the key's, the same the worker will find.
+            key = state.routing.key(tenant, path, body)
+            return Relay(
+                state, "POST", path, body, request_headers(request), paired=True, prefix=key
+            )
 
         return handler
 

@@ -17,6 +17,7 @@ from starlette.types import Message, Receive, Scope, Send
 
 from kvfence import sse
 from kvfence.server.errors import SERVER_ERROR, APIError
+from kvfence.server.router.prefix_index import PrefixKey
 from kvfence.server.router.state import RouterState, no_workers
 from kvfence.server.router.workers import Worker
 from kvfence.sse import Event, SSEParser
@@ -140,6 +141,7 @@ class Relay(Response):
         *,
         paired: bool,
         route: str | None = None,
+        prefix: PrefixKey | None = None,
     ) -> None:
         super().__init__()
         self._state = state
@@ -149,6 +151,7 @@ class Relay(Response):
         self._body = body
         self._headers = headers
         self._paired = paired
+        self._prefix = prefix
         self._p = _Progress()
         self._held: list[Worker] = []
 
@@ -203,9 +206,8 @@ class Relay(Response):
         st, p = self._state, self._p
         tried: list[Worker] = []
         for attempt in range(2):
-            decode = st.decode.pick(exclude=tried)
-            prefill = st.prefill.pick(partner=decode) if self._paired and decode else None
-            if decode is None or (self._paired and prefill is None):
+            decode, prefill = self._pick(tried)
+            if decode is None:
                 await self._send_error(send, _unreachable() if tried else no_workers())
                 return
             p.decode, p.prefill = decode, prefill
@@ -224,6 +226,14 @@ class Relay(Response):
             finally:
                 self._release()
         await self._send_error(send, _unreachable())
+
+    def _pick(self, tried: list[Worker]) -> tuple[Worker | None, Worker | None]:
+        """A decode and the prefill it pairs with, by the routing policy; or a decode alone."""
+        st = self._state
+        if not self._paired:
+            return st.decode.pick(exclude=tried), None
+        pair = st.routing.pick_pair(self._prefix, exclude=tried)
+        return (pair.decode.worker, pair.prefill.worker) if pair else (None, None)
 
     def _hold(self, *workers: Worker | None) -> None:
         # The prefill is counted busy for the whole answer: the router cannot see when the
