@@ -187,13 +187,20 @@ PREFIX_CACHE_TTL = _engine(
     metavar="SECONDS",
     help="an unused cached page leaves the cache after this long (default: only for space)",
 )
+SKIP_TOKENIZER_INIT = _engine(
+    "--skip-tokenizer-init",
+    "skip_tokenizer_init",
+    switch=True,
+    help="load no tokenizer (the model dir may have none): serve token-id prompts only; outputs "
+    "are token ids (logprobs with return_tokens_as_token_ids) and empty text",
+)
 
 ENGINE_OPTIONS: tuple[Option, ...] = (
     MODEL, SERVED_MODEL_NAME, DEVICE, DTYPE, KV_CACHE_DTYPE, CONTEXT_LENGTH, PAGE_SIZE,
     KV_POOL_TOKENS, MEM_FRACTION_STATIC, CHUNKED_PREFILL_SIZE, DECODE_STEP_PREFILL_BUDGET,
     ATTENTION_BACKEND, LINEAR_BACKEND, MAX_RUNNING_REQUESTS, THREADS, SEED,
     UNSAFE_SKIP_PREFLIGHT, KV_POISON_ON_FREE, ENABLE_PREFIX_CACHING, SHARED_PREFIX_FILE,
-    PREFIX_CACHE_TTL,
+    PREFIX_CACHE_TTL, SKIP_TOKENIZER_INIT,
 )  # fmt: skip
 # What sizes a node's pool (kv/sizing.plan_for_engine reads these fields): `kvfence preflight`
 # takes exactly these, so it plans what `serve` would build.
@@ -210,7 +217,16 @@ API_KEY_FILE = Option(
     ("--api-key-file",), "api_key_file", help="lines of `key tenant`; enables auth"
 )
 LOG_LEVEL = Option(("--log-level",), "log_level", default="info")
-SERVER_OPTIONS: tuple[Option, ...] = (HOST, PORT, API_KEY_FILE, LOG_LEVEL)
+DRAIN_TIMEOUT = Option(
+    ("--drain-timeout",),
+    "drain_timeout",
+    type=float,
+    default=30.0,  # kvfence.server.drain.DEFAULT_DRAIN_TIMEOUT_S (not imported: no FastAPI here)
+    metavar="SECONDS",
+    help="on SIGTERM: admit nothing new and give what is in flight this long to finish; the "
+    "rest gets a 503 (a second SIGTERM stops at once)",
+)
+SERVER_OPTIONS: tuple[Option, ...] = (HOST, PORT, API_KEY_FILE, LOG_LEVEL, DRAIN_TIMEOUT)
 
 # ---- a PD worker (serve; up forwards TRANSFER_OPTIONS to every worker) --------------------------
 

@@ -73,6 +73,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
             args.api_key_file,
             log_level=args.log_level,
             faults=faults,
+            drain_timeout=args.drain_timeout,
         )
     except CapacityError as e:
         print(f"kvfence: refusing to start: {e}", file=sys.stderr)
