@@ -187,13 +187,20 @@ PREFIX_CACHE_TTL = _engine(
     metavar="SECONDS",
     help="an unused cached page leaves the cache after this long (default: only for space)",
 )
+SKIP_TOKENIZER_INIT = _engine(
+    "--skip-tokenizer-init",
+    "skip_tokenizer_init",
+    switch=True,
+    help="load no tokenizer (the model dir may have none): serve token-id prompts only; outputs "
+    "are token ids (logprobs with return_tokens_as_token_ids) and empty text",
+)
 
 ENGINE_OPTIONS: tuple[Option, ...] = (
     MODEL, SERVED_MODEL_NAME, DEVICE, DTYPE, KV_CACHE_DTYPE, CONTEXT_LENGTH, PAGE_SIZE,
     KV_POOL_TOKENS, MEM_FRACTION_STATIC, CHUNKED_PREFILL_SIZE, DECODE_STEP_PREFILL_BUDGET,
     ATTENTION_BACKEND, LINEAR_BACKEND, MAX_RUNNING_REQUESTS, THREADS, SEED,
     UNSAFE_SKIP_PREFLIGHT, KV_POISON_ON_FREE, ENABLE_PREFIX_CACHING, SHARED_PREFIX_FILE,
-    PREFIX_CACHE_TTL,
+    PREFIX_CACHE_TTL, SKIP_TOKENIZER_INIT,
 )  # fmt: skip
 # What sizes a node's pool (kv/sizing.plan_for_engine reads these fields): `kvfence preflight`
 # takes exactly these, so it plans what `serve` would build.
@@ -210,7 +217,16 @@ API_KEY_FILE = Option(
     ("--api-key-file",), "api_key_file", help="lines of `key tenant`; enables auth"
 )
 LOG_LEVEL = Option(("--log-level",), "log_level", default="info")
-SERVER_OPTIONS: tuple[Option, ...] = (HOST, PORT, API_KEY_FILE, LOG_LEVEL)
+DRAIN_TIMEOUT = Option(
+    ("--drain-timeout",),
+    "drain_timeout",
+    type=float,
+    default=30.0,  # kvfence.server.drain.DEFAULT_DRAIN_TIMEOUT_S (not imported: no FastAPI here)
+    metavar="SECONDS",
+    help="on SIGTERM: admit nothing new and give what is in flight this long to finish; the "
+    "rest gets a 503 (a second SIGTERM stops at once)",
+)
+SERVER_OPTIONS: tuple[Option, ...] = (HOST, PORT, API_KEY_FILE, LOG_LEVEL, DRAIN_TIMEOUT)
 
 # ---- a PD worker (serve; up forwards TRANSFER_OPTIONS to every worker) --------------------------
 
@@ -229,10 +245,42 @@ TRANSFER_BACKEND = Option(
     default="tcp",
     choices=("tcp", "mooncake"),
 )
-CLUSTER_SECRET_FILE = Option(
-    ("--cluster-secret-file",),
-    "cluster_secret_file",
-    help="secret shared by all PD workers (or KVFENCE_CLUSTER_SECRET); authenticates transfers",
+# I8: every PD connection is mutual TLS 1.3 with certificates of the cluster CA (pd/tls.py).
+# Per worker, so `up` makes its own for each and does not forward these.
+TLS_CERT = Option(
+    ("--tls-cert",),
+    "tls_cert",
+    metavar="PEM",
+    help="this worker's certificate (its role: prefill or decode) from the cluster CA",
+)
+TLS_KEY = Option(("--tls-key",), "tls_key", metavar="PEM", help="its private key (mode 0600)")
+TLS_CA = Option(
+    ("--tls-ca",),
+    "tls_ca",
+    metavar="PEM",
+    help="the cluster CA: peers must hold a certificate it issued (or KVFENCE_TLS_DIR)",
+)
+TLS_FILE_OPTIONS: tuple[Option, ...] = (TLS_CERT, TLS_KEY, TLS_CA)
+TLS_HANDSHAKE_TIMEOUT = Option(
+    ("--tls-handshake-timeout",),
+    "tls_handshake_timeout",
+    type=float,
+    default=10.0,
+    help="seconds an unauthenticated peer has to complete its TLS handshake",
+)
+MAX_PENDING_HANDSHAKES = Option(
+    ("--max-pending-handshakes",),
+    "max_pending_handshakes",
+    type=int,
+    default=64,
+    help="connections the bootstrap port lets handshake at once; more are closed on accept",
+)
+PD_IDLE_TIMEOUT = Option(
+    ("--pd-idle-timeout",),
+    "pd_idle_timeout",
+    type=float,
+    default=300.0,
+    help="seconds a decode keeps a prefill connection that carries no transfer",
 )
 DISAGGREGATION_TIMEOUT = Option(
     ("--disaggregation-timeout",),
@@ -243,11 +291,17 @@ DISAGGREGATION_TIMEOUT = Option(
 )
 TRANSFER_OPTIONS: tuple[Option, ...] = (
     TRANSFER_BACKEND,
-    CLUSTER_SECRET_FILE,
     DISAGGREGATION_TIMEOUT,
+    TLS_HANDSHAKE_TIMEOUT,
+    MAX_PENDING_HANDSHAKES,
+    PD_IDLE_TIMEOUT,
 )
-PD_OPTIONS: tuple[Option, ...] = (DISAGGREGATION_MODE, BOOTSTRAP_PORT, *TRANSFER_OPTIONS)
-
+PD_OPTIONS: tuple[Option, ...] = (
+    DISAGGREGATION_MODE,
+    BOOTSTRAP_PORT,
+    *TRANSFER_OPTIONS,
+    *TLS_FILE_OPTIONS,
+)
 # ---- the router's routing policy (router; `up` hands them to its router) ------------------------
 # Each has SGLang's router spelling first (what the router's command line gets) and a --router-*
 # one that reads clearly among `up`'s worker flags. Defaults live on RoutingConfig's fields.

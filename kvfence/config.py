@@ -49,6 +49,9 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     shared_prefix_file: str | None = None
     prefix_cache_ttl: float | None = None  # seconds an unused cached page may stay
+    # vLLM's --skip-tokenizer-init: no tokenizer is loaded (the model dir may have none); only
+    # token-id prompts are served and outputs carry token ids with empty text.
+    skip_tokenizer_init: bool = False
 
     def __post_init__(self) -> None:
         if self.device != "cpu" and not self.device.startswith("cuda"):

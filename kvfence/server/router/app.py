@@ -17,6 +17,7 @@ from kvfence.faults import Faults
 from kvfence.server.auth import single_authorization
 from kvfence.server.errors import APIError, install_handlers
 from kvfence.server.httpio import read_body
+from kvfence.server.request_id import RequestIdMiddleware
 from kvfence.server.router.args import (
     DEFAULT_CONNECT_TIMEOUT_S,
     DEFAULT_HEALTH_INTERVAL_S,
@@ -93,6 +94,7 @@ def build_router_app(
     )
     app.state.router = state
     install_handlers(app)
+    app.add_middleware(RequestIdMiddleware)
 
     @app.get("/health")
     async def health() -> JSONResponse:
@@ -110,14 +112,14 @@ def build_router_app(
         return state.auth.tenant_for(single_authorization(request.headers.getlist("authorization")))
 
     # Only the routes below are relayed, each to a path built here, never the client's path.
-    def relay_post(path: str) -> Any:
+    def relay_post(path: str, *, paired: bool = True) -> Any:
         async def handler(request: Request) -> Response:
             tenant = authenticate(request)
             body = await read_body(request, settings.max_body_bytes)
             # The tenant that routes the request is the key's, the same the worker will find.
-            key = state.routing.key(tenant, path, body)
+            key = state.routing.key(tenant, path, body) if paired else None
             return Relay(
-                state, "POST", path, body, request_headers(request), paired=True, prefix=key
+                state, "POST", path, body, request_headers(request), paired=paired, prefix=key
             )
 
         return handler
@@ -141,6 +143,9 @@ def build_router_app(
 
     for path in ("/v1/completions", "/v1/chat/completions"):
         app.add_api_route(path, relay_post(path), methods=["POST"])
+    for path in ("/tokenize", "/detokenize"):
+        # Tokenizer only: any healthy decode answers, no prefill is involved.
+        app.add_api_route(path, relay_post(path, paired=False), methods=["POST"])
     app.add_api_route("/v1/models", list_models, methods=["GET"])
     app.add_api_route("/v1/models/{model_id:path}", get_model, methods=["GET"])
     return app

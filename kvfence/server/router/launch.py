@@ -51,9 +51,10 @@ def run_router(args: argparse.Namespace) -> int:
         host=args.host,
         port=args.port,
         log_level=args.log_level,
-        # Closing what is still open after the grace is safe: a closed upstream connection is
-        # how a decode learns to abort its transfer with acknowledgement.
-        timeout_graceful_shutdown=DEFAULT_GRACEFUL_SHUTDOWN_S,
+        # On SIGTERM uvicorn stops accepting and lets open relays finish within the drain
+        # timeout; closing what is still open then is safe: a closed upstream connection is how
+        # a decode learns to abort its transfer with acknowledgement.
+        timeout_graceful_shutdown=max(DEFAULT_GRACEFUL_SHUTDOWN_S, args.drain_timeout),
     )
     server = ReadyServer(config, ready)
     server.run()
