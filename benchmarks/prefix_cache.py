@@ -31,16 +31,15 @@ from benchmarks.common import (  # noqa: E402
     RESULTS,
     Server,
     bench_model,
-    free_port,
     interleaved_pairs,
     kvfence_server,
     log_command,
     machine,
     ratio_ci,
     this_command,
+    vllm_server,
     write_json,
 )
-from benchmarks.vs_engines import VLLM_ENV  # noqa: E402
 
 TENANTS = 8
 KEYS = [f"bench-key-{i}" for i in range(TENANTS)]
@@ -99,11 +98,7 @@ def start(engine: str, a: argparse.Namespace, model: Path, tmp: Path, shared: Pa
         if engine == "kvfence-shared":
             extra += ["--shared-prefix-file", str(shared)]
         return kvfence_server("serve", model, a.context_length, a.pool_tokens, log, extra=extra)
-    port = free_port()
-    argv = [a.vllm_python, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model),
-            "--port", str(port), "--dtype", "float32", "--enforce-eager",
-            "--enable-prefix-caching", "--max-model-len", str(a.context_length)]
-    return Server(argv, port, VLLM_ENV, log=log)
+    return vllm_server(a.vllm_python, model, a.context_length, log, prefix_caching=True)
 
 
 def shared_prompt_file(a: argparse.Namespace, path: Path, seed: int) -> None:
