@@ -197,13 +197,21 @@ MIN_PREFILL_CHUNK = _engine(
     help="prefill tokens a step that also decodes always takes, whatever the time target "
     "(the TTFT side)",
 )
+PREFILL_BACKLOG_STEPS = _engine(
+    "--prefill-backlog-steps",
+    "prefill_backlog_steps",
+    type=int,
+    metavar="STEPS",
+    help="a step that also decodes takes at least 1/STEPS of the prompt tokens waiting, so a "
+    "burst of prompts drains in about STEPS steps (the TTFT side; lower: earlier first tokens)",
+)
 
 ENGINE_OPTIONS: tuple[Option, ...] = (
     MODEL, SERVED_MODEL_NAME, DEVICE, DTYPE, KV_CACHE_DTYPE, CONTEXT_LENGTH, PAGE_SIZE,
     KV_POOL_TOKENS, MEM_FRACTION_STATIC, CHUNKED_PREFILL_SIZE, DECODE_STEP_PREFILL_BUDGET,
     ATTENTION_BACKEND, LINEAR_BACKEND, MAX_RUNNING_REQUESTS, THREADS, SEED,
     UNSAFE_SKIP_PREFLIGHT, KV_POISON_ON_FREE, ENABLE_PREFIX_CACHING, SHARED_PREFIX_FILE,
-    PREFIX_CACHE_TTL, MAX_DECODE_STEP_MS, MIN_PREFILL_CHUNK,
+    PREFIX_CACHE_TTL, MAX_DECODE_STEP_MS, MIN_PREFILL_CHUNK, PREFILL_BACKLOG_STEPS,
 )  # fmt: skip
 # What sizes a node's pool (kv/sizing.plan_for_engine reads these fields): `kvfence preflight`
 # takes exactly these, so it plans what `serve` would build.

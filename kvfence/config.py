@@ -55,6 +55,8 @@ class EngineConfig:
     # tight the target (ITL).
     max_decode_step_ms: float | None = None
     min_prefill_chunk: int = 32
+    # ... and at least 1/N of the prompt tokens waiting, so a burst drains in about N steps.
+    prefill_backlog_steps: int = 16
 
     def __post_init__(self) -> None:
         if self.device != "cpu" and not self.device.startswith("cuda"):
@@ -100,6 +102,8 @@ class EngineConfig:
             raise ConfigError("--shared-prefix-file needs --enable-prefix-caching")
         if self.max_decode_step_ms is not None and not self.max_decode_step_ms >= 0:
             raise ConfigError(f"--max-decode-step-ms {self.max_decode_step_ms}: must be >= 0")
+        if self.prefill_backlog_steps < 1:
+            raise ConfigError(f"--prefill-backlog-steps {self.prefill_backlog_steps}: must be >= 1")
         if self.min_prefill_chunk < 1:
             raise ConfigError(f"--min-prefill-chunk {self.min_prefill_chunk}: must be >= 1")
         if self.max_running_requests < 1:

@@ -118,3 +118,14 @@ def test_step_budget_learns_from_observed_steps() -> None:
         budget.observe(p, d, ms)
     assert budget.for_step(8) == 54
     assert budget.for_step(0) == 512
+
+
+def test_budget_takes_a_share_of_the_backlog() -> None:
+    policy = BudgetPolicy(max_chunk=512, min_chunk=16, max_decode_step_ms=120.0, backlog_steps=16)
+    assert prefill_budget(policy, COST, 8, backlog=256) == 54  # 16 a step: the target's 54 wins
+    assert prefill_budget(policy, COST, 8, backlog=3200) == 200  # a burst drains in ~16 steps
+    assert prefill_budget(policy, COST, 8, backlog=3201) == 201  # rounded up, never stalls
+    assert prefill_budget(policy, COST, 8, backlog=100_000) == 512  # never above the chunk
+    capped = BudgetPolicy(512, 16, 120.0, token_cap=64, backlog_steps=16)
+    assert prefill_budget(capped, COST, 8, backlog=3200) == 64  # the cap over the backlog
+    assert prefill_budget(policy, None, 8, backlog=3200) == 200  # before any measurement too

@@ -126,6 +126,7 @@ class Engine:
                     min_chunk=cfg.min_prefill_chunk,
                     max_decode_step_ms=cfg.max_decode_step_ms,
                     token_cap=cfg.decode_step_prefill_budget,
+                    backlog_steps=cfg.prefill_backlog_steps,
                 ),
             ),
             self.faults,

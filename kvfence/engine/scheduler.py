@@ -104,7 +104,7 @@ class Scheduler:
         # Prefill tokens to compute this step: the whole chunk size when nothing decodes, else
         # what the step-time target leaves beside these decodes. Only computed tokens are
         # charged: a prompt's cached prefix is skipped by _enter before its chunk is sized.
-        budget = self.step_budget.for_step(len(chunks))
+        budget = self.step_budget.for_step(len(chunks), self._backlog() if chunks else 0)
         for seq in self.running:
             if budget == 0:
                 break
@@ -144,6 +144,12 @@ class Scheduler:
             chunks.append(ScheduledChunk(seq, seq.num_computed, n))
             budget -= n
         return chunks
+
+    def _backlog(self) -> int:
+        """Prompt tokens waiting to be computed: the rest of the running prefills, and the
+        waiting prompts whole (their cached prefix is only looked up when they enter)."""
+        running = sum(s.num_uncomputed for s in self.running if not s.in_decode)
+        return running + sum(len(s.token_ids) for s in self.waiting)
 
     def _lookup(self, seq: Sequence) -> list[int]:
         """The cached pages seq may start from (none outside FULL mode or without a cache). At

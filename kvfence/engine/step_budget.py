@@ -11,9 +11,15 @@ kept non-negative, then refit without the steps whose residual is far out: a ste
 neighbour's burst of work must not shrink every later budget). The target is either absolute
 (`--max-decode-step-ms`) or, by default, AUTO_STEP_FACTOR times the predicted decode-only step of
 the rows now running, which keeps the budget the same whatever the hardware or the machine's
-load (both sides of the ratio slow down together). A minimum chunk keeps prefills moving when
-the target leaves no room; `--decode-step-prefill-budget` stays a hard cap on top. A step with
-no decode is not bounded here: it takes the whole `--chunked-prefill-size`.
+load (both sides of the ratio slow down together). A step with no decode is not bounded here:
+it takes the whole `--chunked-prefill-size`.
+
+Two floors keep prompts moving (the TTFT side). A minimum chunk, when the target leaves no
+room. And the backlog: a step takes at least 1/`--prefill-backlog-steps` of the prompt tokens
+waiting to be computed. Without it the auto target feeds on itself under load: prompts queue,
+fewer streams decode, the decode step gets shorter, so does the budget, and more prompts queue;
+with it a burst drains in about that many steps and the decode batch stays full.
+`--decode-step-prefill-budget` stays a hard cap on top of everything.
 
 Tokens served from the prefix cache are never computed, so they never count: the scheduler
 charges a chunk's computed tokens only. This module is arithmetic only (no clock, no engine):
@@ -57,17 +63,24 @@ class BudgetPolicy:
     min_chunk: int  # --min-prefill-chunk: a mixed step's floor, so prefills never starve
     max_decode_step_ms: float | None = None
     token_cap: int | None = None  # --decode-step-prefill-budget: a hard cap in mixed steps
+    backlog_steps: int | None = None  # --prefill-backlog-steps: drain the backlog in about this
 
 
-def prefill_budget(policy: BudgetPolicy, cost: StepCost | None, decode_rows: int) -> int:
-    """Prefill tokens a step with `decode_rows` decodes may add. The minimum chunk wins over the
-    time target (prefills progress), the token cap over both (an operator's hard limit)."""
+def prefill_budget(
+    policy: BudgetPolicy, cost: StepCost | None, decode_rows: int, backlog: int = 0
+) -> int:
+    """Prefill tokens a step with `decode_rows` decodes may add, `backlog` prompt tokens waiting
+    to be computed. The floors (minimum chunk, share of the backlog) win over the time target
+    (prefills progress), the token cap over everything (an operator's hard limit)."""
     cap = policy.max_chunk if policy.token_cap is None else min(policy.token_cap, policy.max_chunk)
     if decode_rows == 0:
         return policy.max_chunk
     if policy.max_decode_step_ms == 0:
         return cap
-    floor = min(policy.min_chunk, cap)
+    floor = policy.min_chunk
+    if policy.backlog_steps:
+        floor = max(floor, -(-backlog // policy.backlog_steps))
+    floor = min(floor, cap)
     if cost is None or cost.b <= 0:
         return floor  # nothing measured yet: the smallest step that still makes progress
     decode_ms = cost.predict(0, decode_rows)
@@ -189,8 +202,8 @@ class StepBudget:
         self.policy = policy
         self.model = model if model is not None else StepCostModel()
 
-    def for_step(self, decode_rows: int) -> int:
-        return prefill_budget(self.policy, self.model.cost(), decode_rows)
+    def for_step(self, decode_rows: int, backlog: int = 0) -> int:
+        return prefill_budget(self.policy, self.model.cost(), decode_rows, backlog)
 
     def observe(self, prefill_tokens: int, decode_rows: int, ms: float) -> None:
         self.model.observe(prefill_tokens, decode_rows, ms)
