@@ -136,8 +136,11 @@ def main(argv: list[str] | None = None) -> int:
         help="another kvfence server of this tree with these flags (repeatable)",
     )
     p.add_argument("--no-vllm", action="store_true")
-    p.add_argument("--clients", default="kvfence,vllm")
-    p.add_argument("--concurrency", default="8,32")
+    p.add_argument(
+        "--runs",
+        default="8:kvfence,8:vllm,32:kvfence,32:vllm",
+        help="CONCURRENCY:CLIENT pairs, each run on every server per repeat",
+    )
     p.add_argument("--repeats", type=int, default=2)
     p.add_argument("--num-prompts", type=int, default=64)
     p.add_argument("--input-len", type=int, default=256)
@@ -181,38 +184,46 @@ def main(argv: list[str] | None = None) -> int:
     try:
         for srv in servers.values():
             srv.wait_ready(timeout=900)
+        plan = [(int(c), client) for c, _, client in (r.partition(":") for r in a.runs.split(","))]
         for rep in range(a.repeats):
             k = rep % len(names)
             order = names[k:] + names[:k]
-            for c in (int(x) for x in a.concurrency.split(",")):
-                for client in a.clients.split(","):
-                    for name in order:
-                        srv = servers[name]
-                        seed = 100 + rep
+            for c, client in plan:
+                for name in order:
+                    srv, seed = servers[name], 100 + rep
+                    try:
                         res = (
                             kvfence_client(srv, a, c, vocab, seed)
                             if client == "kvfence"
                             else vllm_client(srv, a, c, model, seed)
                         )
+                    except Exception as ex:  # noqa: BLE001 - recorded; the other runs go on
                         runs.append(
                             {
                                 "repeat": rep,
                                 "concurrency": c,
                                 "client": client,
                                 "server": name,
-                                **res,
+                                "error": f"{type(ex).__name__}: {ex}",
                             }
                         )
-                        print(
-                            f"rep {rep} C={c} {client:>7} client {name:>14}: "
-                            + " ".join(f"{m}={res[m]:.1f}" for m in METRICS),
-                            flush=True,
-                        )
+                        print(f"rep {rep} C={c} {client} {name}: {runs[-1]['error']}", flush=True)
+                        continue
+                    runs.append(
+                        {"repeat": rep, "concurrency": c, "client": client, "server": name, **res}
+                    )
+                    print(
+                        f"rep {rep} C={c} {client:>7} client {name:>14}: "
+                        + " ".join(f"{m}={res[m]:.1f}" for m in METRICS),
+                        flush=True,
+                    )
     finally:
         for srv in servers.values():
             srv.stop()
     summary: dict[str, dict] = {}
     for r in runs:
+        if "error" in r:
+            continue
         key = f"C{r['concurrency']}/{r['client']}/{r['server']}"
         summary.setdefault(key, {m: [] for m in METRICS})
         for m in METRICS:
