@@ -9,12 +9,14 @@ figures reproduce session 4's measured ones (C=8: 484 vs 491 tok/s, ITL p99 607 
     .venv/bin/python benchmarks/step_budget_sim.py
 """
 
+import argparse
 import statistics
 import sys
 from pathlib import Path
 
 sys.path.append(str(Path(__file__).resolve().parent.parent))  # after PYTHONPATH
 
+from benchmarks.common import RESULTS, machine, this_command, write_json  # noqa: E402
 from kvfence.engine.step_budget import BudgetPolicy, StepCost, prefill_budget  # noqa: E402
 
 COST = StepCost(a=33.0, b=1.1, c=1.8)  # ms
@@ -87,15 +89,36 @@ def sim(C, n_prompts, lin=256, lout=64, policy=None, fixed=None):
     )
 
 
-for C in (8, 32):
-    for n in (48, 64):
-        print(f"C={C} n={n}")
-        print("  base(512)", {k: round(v) for k, v in sim(C, n, fixed=512).items()})
-        print("  fixed 64 ", {k: round(v) for k, v in sim(C, n, fixed=64).items()})
-        for H in (4, 8, 16, 32, None):
-            for f_min in (32,):
-                pol = BudgetPolicy(max_chunk=512, min_chunk=f_min, backlog_steps=H)
-                print(
-                    f"  auto H={H} min={f_min}",
-                    {k: round(v) for k, v in sim(C, n, policy=pol).items()},
-                )
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__)
+    p.add_argument("--out", default=str(RESULTS))
+    p.add_argument("--name", default="step_budget_sim")
+    a = p.parse_args(argv)
+    rows: list[dict] = []
+    for c in (8, 32):
+        for n in (48, 64):
+            cases: list[tuple[str, dict]] = [
+                ("main (512 beside decodes)", {"fixed": 512}),
+                ("fixed 64-token cap", {"fixed": 64}),
+            ]
+            for h in (4, 8, 16, 32, None):
+                pol = BudgetPolicy(max_chunk=512, min_chunk=32, backlog_steps=h)
+                cases.append((f"auto, backlog/{h}", {"policy": pol}))
+            for label, kw in cases:
+                r = sim(c, n, **kw)
+                rows.append({"concurrency": c, "prompts": n, "policy": label, **r})
+                print(f"C={c} n={n} {label:<28}", {k: round(v) for k, v in r.items()}, flush=True)
+    write_json(
+        Path(a.out) / f"{a.name}.json",
+        {
+            "command": this_command(),
+            "machine": machine(),
+            "cost_ms": {"a": COST.a, "b": COST.b, "c": COST.c},
+            "rows": rows,
+        },
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
