@@ -22,13 +22,14 @@ from kvfence.engine.engine import Engine
 from kvfence.engine.request import GenerateRequest, RequestOutput, SamplingParams
 from kvfence.engine.sequence import SeqMode, Sequence
 from kvfence.faults import Faults
-from kvfence.pd import auth, glue, kvio, wire
+from kvfence.pd import glue, kvio, wire
 from kvfence.pd import protocol as p
 from kvfence.pd.ioloop import IOLoop
 from kvfence.pd.pairing import model_fingerprint, node_info, pairing_problem
 from kvfence.pd.stats import TransferStats
+from kvfence.pd.tls import TlsConfig
 from kvfence.pd.transport.link import RoomSend, page_sender
-from kvfence.pd.transport.tcp import Connection, Listener
+from kvfence.pd.transport.tcp import Connection, LinkLimits, Listener, RecordError
 from kvfence.role import EngineRole
 
 log = logging.getLogger("kvfence.pd.prefill")
@@ -55,12 +56,16 @@ class PrefillService(EngineRole):
         port: int,
         timeout_s: float = 30.0,
         backend: str = "tcp",
-        secret: bytes = b"",
+        tls: TlsConfig | None = None,
         faults: Faults | None = None,
+        limits: LinkLimits | None = None,
     ) -> None:
         self.faults = faults if faults is not None else Faults()
+        if tls is None or tls.role != "prefill":
+            raise ValueError("a prefill worker needs its prefill TLS certificate (I8)")
         super().__init__(Engine(cfg, self.faults, hooks=self))
-        self.secret = secret  # I8: every frame is MACed under keys derived from it
+        self.tls = tls  # I8: every connection is mutual TLS with decode certificates
+        self.limits = limits or LinkLimits()
         self.host, self.port = host, port
         # What decode workers should dial: the bind address unless it is a wildcard.
         self.advertise_host = "127.0.0.1" if host in ("0.0.0.0", "") else host
@@ -90,7 +95,14 @@ class PrefillService(EngineRole):
 
     async def _listen(self) -> None:
         self._server = await Listener.start(
-            self.host, self.port, self._serve_conn, self.secret, self.faults
+            self.host,
+            self.port,
+            self._serve_conn,
+            self.tls,
+            self.faults,
+            max_pending=self.limits.max_pending_handshakes,
+            handshake_timeout=self.limits.handshake_timeout_s,
+            on_refused=lambda reason: self.transfer_stats.inc(f"handshakes_refused_{reason}"),
         )
         self.port = self._server.port
         asyncio.ensure_future(self._expire())
@@ -152,8 +164,9 @@ class PrefillService(EngineRole):
         except asyncio.CancelledError:
             pass  # shutting down: asyncio would log a cancelled connection callback as an error
         except (ConnectionError, wire.WireError, asyncio.IncompleteReadError, TimeoutError) as e:
-            if isinstance(e, wire.WireError):
-                # Forged, replayed or malformed: counted, the connection dropped, nothing else.
+            if isinstance(e, (wire.WireError, RecordError)):
+                # Malformed, or a record TLS refused (forged, replayed, injected): counted, the
+                # connection dropped, nothing else.
                 self.transfer_stats.inc("bad_frames")
                 log.warning("dropping connection from %s: %s", conn.peer, e)
         finally:
@@ -165,6 +178,8 @@ class PrefillService(EngineRole):
                     self._feed(rid, p.ConnectionLost())
 
     async def _handshake(self, conn: Connection) -> bool:
+        """The pairing facts (I7), exchanged inside this connection's TLS session: the decode
+        proved its certificate before a byte of this was read."""
         msg, _ = await asyncio.wait_for(conn.recv(), self.timeout_s)
         if not isinstance(msg, wire.Hello):
             raise wire.WireError("expected Hello")
@@ -175,9 +190,7 @@ class PrefillService(EngineRole):
             await conn.send(wire.HelloRefused(problem))
             return False
         self.link.peer_joined(conn, msg.info)
-        server_nonce = auth.new_nonce()
-        await conn.send(wire.HelloOk({**self.pairing, "nonce": server_nonce}))
-        conn.start_session(str(msg.info.get("nonce", "")), server_nonce)
+        await conn.send(wire.HelloOk(dict(self.pairing)))
         return True
 
     def _on_message(self, conn: Connection, msg: wire.Frame) -> None:
@@ -220,7 +233,7 @@ class PrefillService(EngineRole):
             verdict = self.engine.submit(one, _ignore, SeqMode.PREFILL_ONLY)
         if isinstance(verdict, Rejected):
             self.transfer_stats.inc("rejected")
-            event = p.ReserveArrived(False, verdict.code, verdict.message, 400)
+            event = p.ReserveArrived(False, verdict.code, verdict.message, verdict.status)
         else:
             event = p.ReserveArrived(True)
         # Nothing of a room being opened is in flight yet: its sends need no fence.
@@ -269,7 +282,7 @@ class PrefillService(EngineRole):
             self._feed(rid, p.ComputeFailed("kv_integrity_error", "KV source check failed"))
             return
         pool = self.engine.pool
-        runs = kvio.runs(pool, n_tokens)
+        runs = kvio.runs(pool, n_tokens, self.link.run_bytes)
         if self.faults.active("truncate_transfer"):
             first_count = min(n_tokens, pool.page_size)
             runs, n_tokens = [(0, 1, first_count)], first_count
