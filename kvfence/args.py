@@ -133,8 +133,8 @@ DECODE_STEP_PREFILL_BUDGET = _engine(
     "--decode-step-prefill-budget",
     "decode_step_prefill_budget",
     type=int,
-    help="prefill tokens per step while requests decode (default: --chunked-prefill-size); "
-    "lower trades throughput for a shorter decode stall (p99 ITL)",
+    help="hard cap on the prefill tokens of a step that also decodes (default: none beyond "
+    "--max-decode-step-ms)",
 )
 ATTENTION_BACKEND = _engine(
     "--attention-backend",
@@ -187,6 +187,31 @@ PREFIX_CACHE_TTL = _engine(
     metavar="SECONDS",
     help="an unused cached page leaves the cache after this long (default: only for space)",
 )
+MAX_DECODE_STEP_MS = _engine(
+    "--max-decode-step-ms",
+    "max_decode_step_ms",
+    type=float,
+    metavar="MS",
+    help="time target of a step that also decodes (the ITL side): prefill beside decodes is "
+    "sized from the measured step cost to fit it (default: auto, 2x the decode-only step; "
+    "0: no time bound)",
+)
+MIN_PREFILL_CHUNK = _engine(
+    "--min-prefill-chunk",
+    "min_prefill_chunk",
+    type=int,
+    metavar="TOKENS",
+    help="prefill tokens a step that also decodes always takes, whatever the time target "
+    "(the TTFT side)",
+)
+PREFILL_BACKLOG_STEPS = _engine(
+    "--prefill-backlog-steps",
+    "prefill_backlog_steps",
+    type=int,
+    metavar="STEPS",
+    help="a step that also decodes takes at least 1/STEPS of the prompt tokens waiting, so a "
+    "burst of prompts drains in about STEPS steps (the TTFT side; lower: earlier first tokens)",
+)
 SKIP_TOKENIZER_INIT = _engine(
     "--skip-tokenizer-init",
     "skip_tokenizer_init",
@@ -200,7 +225,8 @@ ENGINE_OPTIONS: tuple[Option, ...] = (
     KV_POOL_TOKENS, MEM_FRACTION_STATIC, CHUNKED_PREFILL_SIZE, DECODE_STEP_PREFILL_BUDGET,
     ATTENTION_BACKEND, LINEAR_BACKEND, MAX_RUNNING_REQUESTS, THREADS, SEED,
     UNSAFE_SKIP_PREFLIGHT, KV_POISON_ON_FREE, ENABLE_PREFIX_CACHING, SHARED_PREFIX_FILE,
-    PREFIX_CACHE_TTL, SKIP_TOKENIZER_INIT,
+    PREFIX_CACHE_TTL, SKIP_TOKENIZER_INIT, MAX_DECODE_STEP_MS, MIN_PREFILL_CHUNK,
+    PREFILL_BACKLOG_STEPS,
 )  # fmt: skip
 # What sizes a node's pool (kv/sizing.plan_for_engine reads these fields): `kvfence preflight`
 # takes exactly these, so it plans what `serve` would build.

@@ -1,7 +1,8 @@
 """Scheduler: continuous batching with chunked prefill, FIFO entry to the pool, and preemption
 by recompute (newest first) when a running sequence needs a page and none is free. With the
 prefix cache, a sequence enters holding the cached pages that start its tokens and computes only
-the rest; its full pages are sealed into the cache as they fill."""
+the rest; its full pages are sealed into the cache as they fill. How many prefill tokens a step
+that also decodes may carry is the step-time budget's call (kvfence/engine/step_budget.py)."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ from collections import deque
 from dataclasses import dataclass
 
 from kvfence.engine.sequence import SeqMode, SeqStatus, Sequence
+from kvfence.engine.step_budget import BudgetPolicy, StepBudget
 from kvfence.faults import Faults
 from kvfence.kv.pool import KVPool, OwnershipError
 from kvfence.kv.prefix import Namespace
@@ -33,7 +35,7 @@ class ScheduledChunk:
 class SchedulerLimits:
     chunked_prefill_size: int
     max_running_requests: int
-    decode_step_prefill_budget: int  # the prefill budget of a step that also decodes
+    step: BudgetPolicy  # the prefill budget of a step that also decodes
 
 
 class Scheduler:
@@ -41,6 +43,8 @@ class Scheduler:
         self.pool = pool
         self.faults = faults if faults is not None else Faults()
         self.limits = limits
+        # The engine feeds it each step's measured time; it sizes prefill beside decodes.
+        self.step_budget = StepBudget(limits.step)
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []  # arrival order
         self.handoff: dict[str, Sequence] = {}  # pages held for a KV transfer
@@ -97,9 +101,10 @@ class Scheduler:
                 continue  # preempted by an earlier sequence in this loop
             if self._ensure_slot(seq):
                 chunks.append(ScheduledChunk(seq, seq.num_computed, 1))
-        budget = self.limits.chunked_prefill_size
-        if chunks:  # decodes share this step: a smaller prefill keeps their stall short
-            budget = min(budget, self.limits.decode_step_prefill_budget)
+        # Prefill tokens to compute this step: the whole chunk size when nothing decodes, else
+        # what the step-time target leaves beside these decodes. Only computed tokens are
+        # charged: a prompt's cached prefix is skipped by _enter before its chunk is sized.
+        budget = self.step_budget.for_step(len(chunks), self._backlog() if chunks else 0)
         for seq in self.running:
             if budget == 0:
                 break
@@ -139,6 +144,12 @@ class Scheduler:
             chunks.append(ScheduledChunk(seq, seq.num_computed, n))
             budget -= n
         return chunks
+
+    def _backlog(self) -> int:
+        """Prompt tokens waiting to be computed: the rest of the running prefills, and the
+        waiting prompts whole (their cached prefix is only looked up when they enter)."""
+        running = sum(s.num_uncomputed for s in self.running if not s.in_decode)
+        return running + sum(len(s.token_ids) for s in self.waiting)
 
     def _lookup(self, seq: Sequence) -> list[int]:
         """The cached pages seq may start from (none without a cache). At least its last token
