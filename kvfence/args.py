@@ -10,7 +10,14 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from kvfence.config import DTYPES, KERNEL_BACKENDS, KV_CACHE_DTYPES, EngineConfig
+from kvfence.config import (
+    DTYPES,
+    KERNEL_BACKENDS,
+    KV_CACHE_DTYPES,
+    ROUTING_POLICIES,
+    EngineConfig,
+    RoutingConfig,
+)
 
 
 class Parser(Protocol):
@@ -126,8 +133,8 @@ DECODE_STEP_PREFILL_BUDGET = _engine(
     "--decode-step-prefill-budget",
     "decode_step_prefill_budget",
     type=int,
-    help="prefill tokens per step while requests decode (default: --chunked-prefill-size); "
-    "lower trades throughput for a shorter decode stall (p99 ITL)",
+    help="hard cap on the prefill tokens of a step that also decodes (default: none beyond "
+    "--max-decode-step-ms)",
 )
 ATTENTION_BACKEND = _engine(
     "--attention-backend",
@@ -180,13 +187,46 @@ PREFIX_CACHE_TTL = _engine(
     metavar="SECONDS",
     help="an unused cached page leaves the cache after this long (default: only for space)",
 )
+MAX_DECODE_STEP_MS = _engine(
+    "--max-decode-step-ms",
+    "max_decode_step_ms",
+    type=float,
+    metavar="MS",
+    help="time target of a step that also decodes (the ITL side): prefill beside decodes is "
+    "sized from the measured step cost to fit it (default: auto, 2x the decode-only step; "
+    "0: no time bound)",
+)
+MIN_PREFILL_CHUNK = _engine(
+    "--min-prefill-chunk",
+    "min_prefill_chunk",
+    type=int,
+    metavar="TOKENS",
+    help="prefill tokens a step that also decodes always takes, whatever the time target "
+    "(the TTFT side)",
+)
+PREFILL_BACKLOG_STEPS = _engine(
+    "--prefill-backlog-steps",
+    "prefill_backlog_steps",
+    type=int,
+    metavar="STEPS",
+    help="a step that also decodes takes at least 1/STEPS of the prompt tokens waiting, so a "
+    "burst of prompts drains in about STEPS steps (the TTFT side; lower: earlier first tokens)",
+)
+SKIP_TOKENIZER_INIT = _engine(
+    "--skip-tokenizer-init",
+    "skip_tokenizer_init",
+    switch=True,
+    help="load no tokenizer (the model dir may have none): serve token-id prompts only; outputs "
+    "are token ids (logprobs with return_tokens_as_token_ids) and empty text",
+)
 
 ENGINE_OPTIONS: tuple[Option, ...] = (
     MODEL, SERVED_MODEL_NAME, DEVICE, DTYPE, KV_CACHE_DTYPE, CONTEXT_LENGTH, PAGE_SIZE,
     KV_POOL_TOKENS, MEM_FRACTION_STATIC, CHUNKED_PREFILL_SIZE, DECODE_STEP_PREFILL_BUDGET,
     ATTENTION_BACKEND, LINEAR_BACKEND, MAX_RUNNING_REQUESTS, THREADS, SEED,
     UNSAFE_SKIP_PREFLIGHT, KV_POISON_ON_FREE, ENABLE_PREFIX_CACHING, SHARED_PREFIX_FILE,
-    PREFIX_CACHE_TTL,
+    PREFIX_CACHE_TTL, SKIP_TOKENIZER_INIT, MAX_DECODE_STEP_MS, MIN_PREFILL_CHUNK,
+    PREFILL_BACKLOG_STEPS,
 )  # fmt: skip
 # What sizes a node's pool (kv/sizing.plan_for_engine reads these fields): `kvfence preflight`
 # takes exactly these, so it plans what `serve` would build.
@@ -203,7 +243,16 @@ API_KEY_FILE = Option(
     ("--api-key-file",), "api_key_file", help="lines of `key tenant`; enables auth"
 )
 LOG_LEVEL = Option(("--log-level",), "log_level", default="info")
-SERVER_OPTIONS: tuple[Option, ...] = (HOST, PORT, API_KEY_FILE, LOG_LEVEL)
+DRAIN_TIMEOUT = Option(
+    ("--drain-timeout",),
+    "drain_timeout",
+    type=float,
+    default=30.0,  # kvfence.server.drain.DEFAULT_DRAIN_TIMEOUT_S (not imported: no FastAPI here)
+    metavar="SECONDS",
+    help="on SIGTERM: admit nothing new and give what is in flight this long to finish; the "
+    "rest gets a 503 (a second SIGTERM stops at once)",
+)
+SERVER_OPTIONS: tuple[Option, ...] = (HOST, PORT, API_KEY_FILE, LOG_LEVEL, DRAIN_TIMEOUT)
 
 # ---- a PD worker (serve; up forwards TRANSFER_OPTIONS to every worker) --------------------------
 
@@ -222,10 +271,42 @@ TRANSFER_BACKEND = Option(
     default="tcp",
     choices=("tcp", "mooncake"),
 )
-CLUSTER_SECRET_FILE = Option(
-    ("--cluster-secret-file",),
-    "cluster_secret_file",
-    help="secret shared by all PD workers (or KVFENCE_CLUSTER_SECRET); authenticates transfers",
+# I8: every PD connection is mutual TLS 1.3 with certificates of the cluster CA (pd/tls.py).
+# Per worker, so `up` makes its own for each and does not forward these.
+TLS_CERT = Option(
+    ("--tls-cert",),
+    "tls_cert",
+    metavar="PEM",
+    help="this worker's certificate (its role: prefill or decode) from the cluster CA",
+)
+TLS_KEY = Option(("--tls-key",), "tls_key", metavar="PEM", help="its private key (mode 0600)")
+TLS_CA = Option(
+    ("--tls-ca",),
+    "tls_ca",
+    metavar="PEM",
+    help="the cluster CA: peers must hold a certificate it issued (or KVFENCE_TLS_DIR)",
+)
+TLS_FILE_OPTIONS: tuple[Option, ...] = (TLS_CERT, TLS_KEY, TLS_CA)
+TLS_HANDSHAKE_TIMEOUT = Option(
+    ("--tls-handshake-timeout",),
+    "tls_handshake_timeout",
+    type=float,
+    default=10.0,
+    help="seconds an unauthenticated peer has to complete its TLS handshake",
+)
+MAX_PENDING_HANDSHAKES = Option(
+    ("--max-pending-handshakes",),
+    "max_pending_handshakes",
+    type=int,
+    default=64,
+    help="connections the bootstrap port lets handshake at once; more are closed on accept",
+)
+PD_IDLE_TIMEOUT = Option(
+    ("--pd-idle-timeout",),
+    "pd_idle_timeout",
+    type=float,
+    default=300.0,
+    help="seconds a decode keeps a prefill connection that carries no transfer",
 )
 DISAGGREGATION_TIMEOUT = Option(
     ("--disaggregation-timeout",),
@@ -236,7 +317,74 @@ DISAGGREGATION_TIMEOUT = Option(
 )
 TRANSFER_OPTIONS: tuple[Option, ...] = (
     TRANSFER_BACKEND,
-    CLUSTER_SECRET_FILE,
     DISAGGREGATION_TIMEOUT,
+    TLS_HANDSHAKE_TIMEOUT,
+    MAX_PENDING_HANDSHAKES,
+    PD_IDLE_TIMEOUT,
 )
-PD_OPTIONS: tuple[Option, ...] = (DISAGGREGATION_MODE, BOOTSTRAP_PORT, *TRANSFER_OPTIONS)
+PD_OPTIONS: tuple[Option, ...] = (
+    DISAGGREGATION_MODE,
+    BOOTSTRAP_PORT,
+    *TRANSFER_OPTIONS,
+    *TLS_FILE_OPTIONS,
+)
+# ---- the router's routing policy (router; `up` hands them to its router) ------------------------
+# Each has SGLang's router spelling first (what the router's command line gets) and a --router-*
+# one that reads clearly among `up`'s worker flags. Defaults live on RoutingConfig's fields.
+
+_ROUTING_DEFAULTS = {f.name: f.default for f in dataclasses.fields(RoutingConfig)}
+
+
+def _routing(names: tuple[str, ...], dest: str, **kw: Any) -> Option:
+    return Option(names, dest, default=_ROUTING_DEFAULTS[dest], **kw)
+
+
+ROUTER_POLICY = _routing(
+    ("--policy", "--router-policy"),
+    "policy",
+    choices=ROUTING_POLICIES,
+    help="cache_aware: the prefill and decode holding the longest prefix of the tenant's prompt "
+    "(its own prefixes only), unless that worker is too busy; least_loaded; round_robin",
+)
+CACHE_THRESHOLD = _routing(
+    ("--cache-threshold", "--router-cache-threshold"),
+    "cache_threshold",
+    type=float,
+    help="cache_aware: share of the prompt a worker's predicted prefix must cover (0..1)",
+)
+BALANCE_ABS_THRESHOLD = _routing(
+    ("--balance-abs-threshold", "--router-balance-abs-threshold"),
+    "balance_abs_threshold",
+    type=int,
+    help="cache_aware: the prefix's worker is too busy with more than this many requests above "
+    "the least-loaded one ...",
+)
+BALANCE_REL_THRESHOLD = _routing(
+    ("--balance-rel-threshold", "--router-balance-rel-threshold"),
+    "balance_rel_threshold",
+    type=float,
+    help="... and more than this many times its load",
+)
+PREFIX_INDEX_MAX_ENTRIES = _routing(
+    ("--prefix-index-max-entries", "--router-prefix-index-max-entries"),
+    "prefix_index_max_entries",
+    type=int,
+    help="cache_aware: prefix chunks (~16 tokens each) the router remembers, all tenants",
+)
+PREFIX_INDEX_MAX_ENTRIES_PER_TENANT = _routing(
+    ("--prefix-index-max-entries-per-tenant", "--router-prefix-index-max-entries-per-tenant"),
+    "prefix_index_max_entries_per_tenant",
+    type=int,
+    help="cache_aware: ... per tenant (one tenant's prompts never push out more than this)",
+)
+PREFIX_INDEX_TTL = _routing(
+    ("--prefix-index-ttl", "--router-prefix-index-ttl"),
+    "prefix_index_ttl",
+    type=float,
+    metavar="SECONDS",
+    help="cache_aware: how long a prefix sent to a worker stays predicted there",
+)
+ROUTING_OPTIONS: tuple[Option, ...] = (
+    ROUTER_POLICY, CACHE_THRESHOLD, BALANCE_ABS_THRESHOLD, BALANCE_REL_THRESHOLD,
+    PREFIX_INDEX_MAX_ENTRIES, PREFIX_INDEX_MAX_ENTRIES_PER_TENANT, PREFIX_INDEX_TTL,
+)  # fmt: skip

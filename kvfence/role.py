@@ -41,6 +41,10 @@ class RoleService(Protocol):
 
     def start(self) -> None: ...
     def shutdown(self) -> None: ...
+    def stop_admitting(self) -> None:
+        """Graceful drain: admit nothing new (a 503 at every door); finish what is admitted."""
+        ...
+
     def submit(
         self, req: GenerateRequest, sink: Callable[[RequestOutput], None]
     ) -> Admitted | Rejected: ...
@@ -80,8 +84,17 @@ class EngineRole:
     def abort(self, request_id: str) -> None:
         self.engine.abort(request_id)
 
+    def stop_admitting(self) -> None:
+        self.engine.stop_admitting()
+
     def stats(self) -> EngineStats:
         return self.engine.stats()
+
+    @property
+    def prefix_caching(self) -> bool:
+        """Answers report usage.prompt_tokens_details.cached_tokens: the tokens this engine's
+        cache held for the request (a PD decode's: what prefill did not have to send)."""
+        return self.engine.prefix_caching
 
 
 class UnifiedService(EngineRole):
@@ -97,12 +110,6 @@ class UnifiedService(EngineRole):
         self, req: GenerateRequest, sink: Callable[[RequestOutput], None]
     ) -> Admitted | Rejected:
         return self.engine.submit(req, sink)
-
-    @property
-    def prefix_caching(self) -> bool:
-        """Answers report usage.prompt_tokens_details.cached_tokens (the PD roles, whose cache
-        is inert for now, do not)."""
-        return self.engine.prefix_caching
 
     def info(self) -> dict[str, Any]:
         return {

@@ -12,6 +12,7 @@ import json
 import logging
 import queue
 import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -26,13 +27,14 @@ from kvfence.engine.request import FinishReason, GenerateRequest, RequestOutput,
 from kvfence.engine.runner import ModelRunner, StepResult
 from kvfence.engine.scheduler import ScheduledChunk, Scheduler, SchedulerLimits
 from kvfence.engine.sequence import SeqMode, SeqStatus, Sequence
+from kvfence.engine.step_budget import BudgetPolicy
 from kvfence.faults import Faults
 from kvfence.kv.pool import KVPool
 from kvfence.kv.prefix import PrefixCache, PrefixCacheStats, SharedPrefixes, load_shared_prefixes
 from kvfence.kv.sizing import CapacityError, PoolPlan, plan_for_engine, require_fits
 from kvfence.model.config import ModelConfig
 from kvfence.model.loader import TORCH_DTYPES, load_model
-from kvfence.model.tokenizer import IncrementalDetokenizer, Tokenizer
+from kvfence.model.tokenizer import IncrementalDetokenizer, NoTokenizer, Tokenizer
 
 log = logging.getLogger("kvfence.engine")
 
@@ -50,6 +52,10 @@ class HandoffHooks(Protocol):
 
     def on_abort(self, seq: Sequence) -> None:
         """A HANDOFF seq was aborted; its pages stay held until `release`."""
+
+
+DRAINING = "draining"
+DRAINING_MESSAGE = "This worker is shutting down and admits no new requests; retry on another."
 
 
 @dataclass(frozen=True)
@@ -94,7 +100,11 @@ class Engine:
             require_fits(self.plan)  # I7: refuse to start rather than silently lower the limit
         # The plan resolved the flags' defaults (context length, KV dtype); nothing re-derives them.
         self.context_length = self.plan.context_length
-        self.tokenizer = Tokenizer(cfg.model)
+        self.tokenizer: Tokenizer | NoTokenizer = (
+            NoTokenizer(self.model_config.vocab_size)
+            if cfg.skip_tokenizer_init
+            else Tokenizer(cfg.model)
+        )
         self.model = load_model(cfg.model, cfg.dtype, self.device)
         self.model.init_rope(self.context_length, self.device)
         self.prefix_caching = cfg.enable_prefix_caching
@@ -119,7 +129,13 @@ class Engine:
             SchedulerLimits(
                 cfg.chunked_prefill_size,
                 cfg.max_running_requests,
-                cfg.decode_step_prefill_budget or cfg.chunked_prefill_size,
+                BudgetPolicy(
+                    max_chunk=cfg.chunked_prefill_size,
+                    min_chunk=cfg.min_prefill_chunk,
+                    max_decode_step_ms=cfg.max_decode_step_ms,
+                    token_cap=cfg.decode_step_prefill_budget,
+                    backlog_steps=cfg.prefill_backlog_steps,
+                ),
             ),
             self.faults,
         )
@@ -138,6 +154,7 @@ class Engine:
         self._seqs: dict[str, Sequence] = {}
         self._thread: threading.Thread | None = None
         self._stopping = threading.Event()
+        self._draining = threading.Event()
         self.integrity_failures = 0
 
     def _prefix_cache(self) -> PrefixCache:
@@ -171,7 +188,14 @@ class Engine:
 
     def admit(self, req: GenerateRequest) -> Admitted | Rejected:
         """The admission rule (I1) against this engine's limits, queueing nothing."""
+        if self._draining.is_set():
+            return Rejected(req.request_id, DRAINING, DRAINING_MESSAGE, status=503)
         return admit(req, self.limits, self.faults.guards())
+
+    def stop_admitting(self) -> None:
+        """Graceful drain: every later admission, at every door (HTTP, RESERVE), is a 503;
+        what was admitted runs to its end."""
+        self._draining.set()
 
     def abort(self, request_id: str) -> None:
         self._post("abort", request_id)
@@ -254,8 +278,14 @@ class Engine:
         self._hand_off_reserved()
         if not chunks:
             return
+        decode_rows = sum(c.seq.in_decode for c in chunks)
+        prefill_tokens = sum(c.length for c in chunks if not c.seq.in_decode)
+        t0 = time.perf_counter()
         result = self.runner.run(chunks)
         self._postprocess(chunks, result)
+        # What a stream waits between two tokens: the forward and everything after it.
+        ms = (time.perf_counter() - t0) * 1000
+        self.scheduler.step_budget.observe(prefill_tokens, decode_rows, ms)
 
     def _drain_inbox(self) -> None:
         while True:
@@ -317,6 +347,9 @@ class Engine:
             # I2 before a single token is shown: the transferred pages must be this grant's.
             self._fail_integrity(seq)
             return
+        # The verified prompt pages pass to decode's prefix cache now (a 1-token answer never
+        # reaches a decode step, where the rest of a sequence's pages are sealed).
+        self.scheduler.seal(seq)
         seq.token_ids.append(first_token)
         if seq.admitted.request.sampling.logprobs is not None and first_logprobs:
             top = tuple((int(t), float(v)) for t, v in first_logprobs.get("top", ()))

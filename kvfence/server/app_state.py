@@ -17,6 +17,7 @@ from kvfence.engine.request import GenerateRequest, RequestOutput
 from kvfence.faults import Faults
 from kvfence.role import RoleService
 from kvfence.server.auth import Authenticator
+from kvfence.server.drain import Drain
 from kvfence.server.metrics import ServerMetrics
 
 
@@ -27,6 +28,7 @@ class AppState:
     metrics: ServerMetrics
     max_body_bytes: int
     faults: Faults
+    drain: Drain
 
 
 _CLIENT_GONE = object()
@@ -39,8 +41,14 @@ class Generation:
     (choice index, output) events. close() aborts whatever has not finished; it is idempotent
     and every exit path calls it, so a client that goes away never leaves work in the engine."""
 
-    def __init__(self, engine: RoleService, requests: list[GenerateRequest]) -> None:
+    def __init__(
+        self,
+        engine: RoleService,
+        requests: list[GenerateRequest],
+        on_close: Callable[[Generation], None] | None = None,
+    ) -> None:
         self.engine = engine
+        self._on_close = on_close
         self.requests = requests
         self._index = {r.request_id: i for i, r in enumerate(requests)}
         self._loop = asyncio.get_running_loop()
@@ -132,3 +140,5 @@ class Generation:
             self._watcher.cancel()
             self._watcher = None
         self.close_engine_side()
+        if self._on_close is not None:
+            self._on_close(self)

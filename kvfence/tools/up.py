@@ -1,5 +1,7 @@
 """`kvfence up`: the one-box PD demo. Starts N prefill + M decode workers and a router, each its own
-process group, prefixes their logs by role, and stops them all together (no orphans)."""
+process group, prefixes their logs by role, and stops them all together (no orphans). SIGHUP is a
+rolling restart: one worker at a time is drained (SIGTERM), restarted on its ports and waited for
+until the router has it back in rotation, decodes first."""
 
 from __future__ import annotations
 
@@ -26,18 +28,24 @@ from kvfence.args import (
     API_KEY_FILE,
     BOOTSTRAP_PORT,
     DISAGGREGATION_MODE,
+    DRAIN_TIMEOUT,
     ENGINE_OPTIONS,
     HOST,
     KV_POOL_TOKENS,
     LOG_LEVEL,
     PORT,
+    ROUTING_OPTIONS,
     SERVER_OPTIONS,
+    TLS_CA,
+    TLS_CERT,
+    TLS_KEY,
     TRANSFER_OPTIONS,
     add_options,
     command_line,
 )
-from kvfence.env import cluster_secret
-from kvfence.pd import auth
+from kvfence.config import ConfigError, RoutingConfig
+from kvfence.pd import certs
+from kvfence.pd.certs import TlsFiles
 
 BUNDLED_MODEL = Path(__file__).resolve().parents[2] / "models" / "kvfence-tiny"
 DEFAULT_STARTUP_TIMEOUT_S = 300.0
@@ -101,13 +109,10 @@ def add_up_args(p: argparse.ArgumentParser) -> None:
         default="127.0.0.1",
         help="address the workers bind (HTTP and bootstrap); keep it private",
     )
-    add_options(
-        p,
-        TRANSFER_OPTIONS,
-        cluster_secret_file={
-            "help": "secret the workers share (default: KVFENCE_CLUSTER_SECRET, else a new one)"
-        },
-    )
+    # Certificates are not among them: up makes a cluster CA and one certificate per worker.
+    add_options(p, TRANSFER_OPTIONS)
+    # The router's policy, as `kvfence router` takes it (--router-policy etc. read better here).
+    add_options(p.add_argument_group("the router's routing policy"), ROUTING_OPTIONS)
     p.add_argument(
         "--prefill-kv-pool-tokens",
         type=int,
@@ -130,7 +135,7 @@ def add_up_args(p: argparse.ArgumentParser) -> None:
         "--shutdown-grace",
         type=float,
         default=DEFAULT_SHUTDOWN_GRACE_S,
-        help="seconds each stage of shutdown gets before SIGKILL",
+        help="seconds each stage of shutdown gets, after --drain-timeout, before SIGKILL",
     )
     # Tests swap the real processes for fakes; not a user-facing knob.
     p.add_argument("--worker-cmd-prefix", default=None, help=argparse.SUPPRESS)
@@ -146,7 +151,7 @@ def worker_args(args: argparse.Namespace, role: str) -> list[str]:
     out = command_line(args, engine)
     if role_pool is not None:
         out += KV_POOL_TOKENS.argv(role_pool)
-    out += command_line(args, (API_KEY_FILE, LOG_LEVEL, *TRANSFER_OPTIONS))
+    out += command_line(args, (API_KEY_FILE, LOG_LEVEL, DRAIN_TIMEOUT, *TRANSFER_OPTIONS))
     out += DISAGGREGATION_MODE.argv(role)
     return out
 
@@ -156,13 +161,31 @@ def _prefix(given: str | None, default: list[str]) -> list[str]:
 
 
 def worker_command(
-    args: argparse.Namespace, role: str, port: int, bootstrap_port: int | None = None
+    args: argparse.Namespace,
+    role: str,
+    port: int,
+    bootstrap_port: int | None = None,
+    tls: TlsFiles | None = None,
 ) -> list[str]:
+    """tls: the worker's own certificate files (I8), when it has some."""
     cmd = _prefix(args.worker_cmd_prefix, [sys.executable, "-m", "kvfence.cli", "serve"])
     cmd += HOST.argv(args.worker_host) + PORT.argv(port)
     if bootstrap_port is not None:
         cmd += BOOTSTRAP_PORT.argv(bootstrap_port)
+    if tls is not None:
+        cmd += TLS_CERT.argv(tls.cert) + TLS_KEY.argv(tls.key) + TLS_CA.argv(tls.ca)
     return cmd + worker_args(args, role)
+
+
+def make_certificates(state: Path, host: str, n_prefill: int, n_decode: int) -> list[TlsFiles]:
+    """I8: a fresh cluster CA in `state` and a short-lived certificate per worker (prefill-0..,
+    then decode-0..), keys 0600. The CA key is deleted once they are signed: nothing can issue
+    another certificate of this cluster afterwards."""
+    certs.make_ca(state)
+    out = [certs.issue(state, "prefill", state, f"prefill-{i}", (host,)) for i in range(n_prefill)]
+    out += [certs.issue(state, "decode", state, f"decode-{i}", (host,)) for i in range(n_decode)]
+    (state / "ca.key").unlink()
+    return out
 
 
 def router_command(
@@ -171,7 +194,7 @@ def router_command(
     cmd = _prefix(args.router_cmd_prefix, [sys.executable, "-m", "kvfence.cli", "router"])
     cmd += ["--prefill", *prefill_urls, "--decode", *decode_urls]
     cmd += HOST.argv(args.host) + PORT.argv(args.port)
-    return cmd + command_line(args, (API_KEY_FILE, LOG_LEVEL))
+    return cmd + command_line(args, (API_KEY_FILE, LOG_LEVEL, DRAIN_TIMEOUT, *ROUTING_OPTIONS))
 
 
 # ---- processes ---------------------------------------------------------------------------------
@@ -257,12 +280,15 @@ class StartupError(RuntimeError):
     pass
 
 
-def wait_healthy(children: Sequence[Child], timeout: float) -> None:
-    """Returns once every child's /health is 200; raises if one exits or time runs out."""
+def wait_healthy(
+    children: Sequence[Child], timeout: float, transport: httpx.BaseTransport | None = None
+) -> None:
+    """Returns once every child's /health is 200; raises if one exits or time runs out.
+    `transport` stands in for the network in tests."""
     pending = list(children)
     last: dict[str, str] = {c.name: "not listening yet" for c in children}
     deadline = time.monotonic() + timeout
-    with httpx.Client(timeout=1.0) as client:
+    with httpx.Client(timeout=1.0, transport=transport) as client:
         while pending:
             for c in list(pending):
                 code = c.exited()
@@ -329,6 +355,11 @@ def run_up(args: argparse.Namespace) -> int:
             err=True,
         )
         return 2
+    try:
+        RoutingConfig.from_args(args)  # refused here, not after every worker has started
+    except ConfigError as e:
+        say(f"kvfence up: {e}", err=True)
+        return 2
     if not Path(args.model).is_dir():
         say(f"kvfence up: model directory {args.model} does not exist (--model)", err=True)
         return 2
@@ -336,16 +367,10 @@ def run_up(args: argparse.Namespace) -> int:
     args.model = str(Path(args.model).resolve())
     if args.api_key_file:
         args.api_key_file = str(Path(args.api_key_file).resolve())
-    secret_dir = None
-    if args.cluster_secret_file:
-        args.cluster_secret_file = str(Path(args.cluster_secret_file).resolve())
-    elif not cluster_secret():
-        # I8: the workers of this cluster share a fresh secret nobody else knows.
-        secret_dir = tempfile.TemporaryDirectory(prefix="kvfence-up-")
-        path = Path(secret_dir.name) / "cluster-secret"
-        path.touch(mode=0o600)
-        path.write_text(auth.new_secret())
-        args.cluster_secret_file = str(path)
+    # I8: this cluster's CA and certificates, in a state directory only this user can read,
+    # gone when up exits.
+    state_dir = tempfile.TemporaryDirectory(prefix="kvfence-up-")
+    tls = make_certificates(Path(state_dir.name), args.worker_host, args.prefill, args.decode)
 
     if not _can_bind(args.host, args.port):
         # Else an old server still on the port could answer our router's health check for it.
@@ -364,7 +389,11 @@ def run_up(args: argparse.Namespace) -> int:
         if args.linear_backend != "torch":
             kernels.packed_gemm()
 
-    previous = {s: signal.signal(s, _interrupt) for s in (signal.SIGTERM, signal.SIGHUP)}
+    restart = threading.Event()
+    previous = {
+        signal.SIGTERM: signal.signal(signal.SIGTERM, _interrupt),
+        signal.SIGHUP: signal.signal(signal.SIGHUP, lambda *_: restart.set()),
+    }
     prefills: list[Child] = []
     decodes: list[Child] = []
     routers: list[Child] = []
@@ -376,7 +405,7 @@ def run_up(args: argparse.Namespace) -> int:
         ports = _free_ports(wh, 2 * args.prefill + args.decode)
         for i in range(args.prefill):
             port, bootstrap = ports.pop(), ports.pop()
-            cmd = worker_command(args, "prefill", port, bootstrap)
+            cmd = worker_command(args, "prefill", port, bootstrap, tls[i])
             prefills.append(
                 _start(
                     f"prefill-{i}",
@@ -387,7 +416,7 @@ def run_up(args: argparse.Namespace) -> int:
             )
         for i in range(args.decode):
             port = ports.pop()
-            cmd = worker_command(args, "decode", port)
+            cmd = worker_command(args, "decode", port, tls=tls[args.prefill + i])
             decodes.append(_start(f"decode-{i}", cmd, f"http://{_hostport(wh, port)}"))
         wait_healthy(prefills + decodes, args.startup_timeout)
         cmd = router_command(args, [c.url for c in prefills], [c.url for c in decodes])
@@ -396,7 +425,14 @@ def run_up(args: argparse.Namespace) -> int:
         wait_healthy(routers, args.startup_timeout)
         for line in ready_lines(args, _model_name(args, decodes[0].url)):
             say(line)
-        return _watch(prefills + decodes + routers)
+        say(f"kvfence up: SIGHUP (kill -HUP {os.getpid()}) restarts the workers one at a time")
+        while True:
+            code = _watch(prefills + decodes + routers, restart)
+            if code is not None:
+                return code
+            restart.clear()
+            if not rolling_restart(args, (decodes, prefills), routers[0].url):
+                return 1
     except StartupError as e:
         say(f"kvfence up: start-up failed: {e}", err=True)
         return 1
@@ -404,7 +440,8 @@ def run_up(args: argparse.Namespace) -> int:
         say("kvfence up: stopping")
         return 0
     finally:
-        stop_all(stages, args.shutdown_grace)
+        # A worker drains for up to --drain-timeout before it exits on its own.
+        stop_all(stages, args.shutdown_grace + args.drain_timeout)
         for s, handler in previous.items():
             signal.signal(s, handler)
 
@@ -439,15 +476,68 @@ def _start(name: str, cmd: list[str], url: str, extra: str = "") -> Child:
     return child
 
 
-def _watch(children: Sequence[Child]) -> int:
-    """Until a signal: any child ending now is a failure of the whole set."""
-    while True:
+def _watch(children: Sequence[Child], restart: threading.Event) -> int | None:
+    """Until a signal: any child ending now is a failure of the whole set (1); None when a
+    rolling restart is asked for."""
+    while not restart.is_set():
         for c in children:
             code = c.exited()
             if code is not None:
                 c.report(f"exited unexpectedly with code {code}; stopping everything")
                 return 1
         time.sleep(_POLL_S)
+    return None
+
+
+def rolling_restart(
+    args: argparse.Namespace, pools: Sequence[list[Child]], router_url: str
+) -> bool:
+    """Each worker in turn: SIGTERM (it drains: the router stops sending to it, what it admitted
+    finishes), wait for it to exit, start it again with the same command and ports, and wait
+    until the router has it back in rotation before touching the next, so capacity never drops
+    by more than one worker. False if one cannot be brought back."""
+    for pool in pools:
+        for i, old in enumerate(pool):
+            say(f"kvfence up: rolling restart: draining {old.name} (pid {old.pid})")
+            old.signal_group(signal.SIGTERM)
+            try:
+                code = old.proc.wait(timeout=args.drain_timeout + args.shutdown_grace)
+            except subprocess.TimeoutExpired:
+                say(f"kvfence up: {old.name} did not exit after draining; killing it", err=True)
+                old.signal_group(signal.SIGKILL)
+                code = old.proc.wait()
+            old.finish()
+            say(f"kvfence up: {old.name} exited with code {code}; starting it again")
+            new = _start(old.name, old.cmd, old.url)
+            pool[i] = new
+            try:
+                wait_healthy([new], args.startup_timeout)
+                wait_in_rotation(router_url, new.url, args.startup_timeout)
+            except StartupError as e:
+                say(f"kvfence up: rolling restart failed: {e}", err=True)
+                return False
+            say(f"kvfence up: {new.name} is back in rotation")
+    say("kvfence up: rolling restart done")
+    return True
+
+
+def wait_in_rotation(
+    router_url: str, worker_url: str, timeout: float, headers: dict[str, str] | None = None
+) -> None:
+    """Until the router's /health lists worker_url as healthy (its next health poll). headers:
+    whatever the router wants before it shows its workers' detail."""
+    deadline = time.monotonic() + timeout
+    with httpx.Client(timeout=2.0, headers=headers) as client:
+        while True:
+            try:
+                workers = client.get(router_url + "/health").json().get("workers", [])
+                if any(w.get("url") == worker_url and w.get("healthy") for w in workers):
+                    return
+            except (httpx.HTTPError, ValueError, AttributeError):
+                pass
+            if time.monotonic() > deadline:
+                raise StartupError(f"the router did not take {worker_url} back in {timeout:g} s")
+            time.sleep(_POLL_S)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
