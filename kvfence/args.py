@@ -180,13 +180,27 @@ PREFIX_CACHE_TTL = _engine(
     metavar="SECONDS",
     help="an unused cached page leaves the cache after this long (default: only for space)",
 )
+MAX_RUNNING_REQUESTS_PER_TENANT = _engine(
+    "--max-running-requests-per-tenant",
+    "max_running_requests_per_tenant",
+    type=int,
+    help="running slots one tenant may hold (default: no cap; a free slot always goes to the "
+    "waiting tenant holding the fewest)",
+)
+SPECIAL_TOKENS_IN_CHAT = _engine(
+    "--special-tokens-in-chat",
+    "special_tokens_in_chat",
+    switch=True,
+    help="let control-token text typed in chat messages (<|eos|>, <|system|>) act as control "
+    "tokens; off by default, so a user cannot forge a turn or an end of text",
+)
 
 ENGINE_OPTIONS: tuple[Option, ...] = (
     MODEL, SERVED_MODEL_NAME, DEVICE, DTYPE, KV_CACHE_DTYPE, CONTEXT_LENGTH, PAGE_SIZE,
     KV_POOL_TOKENS, MEM_FRACTION_STATIC, CHUNKED_PREFILL_SIZE, DECODE_STEP_PREFILL_BUDGET,
     ATTENTION_BACKEND, LINEAR_BACKEND, MAX_RUNNING_REQUESTS, THREADS, SEED,
     UNSAFE_SKIP_PREFLIGHT, KV_POISON_ON_FREE, ENABLE_PREFIX_CACHING, SHARED_PREFIX_FILE,
-    PREFIX_CACHE_TTL,
+    PREFIX_CACHE_TTL, MAX_RUNNING_REQUESTS_PER_TENANT, SPECIAL_TOKENS_IN_CHAT,
 )  # fmt: skip
 # What sizes a node's pool (kv/sizing.plan_for_engine reads these fields): `kvfence preflight`
 # takes exactly these, so it plans what `serve` would build.

@@ -94,7 +94,7 @@ class Engine:
             require_fits(self.plan)  # I7: refuse to start rather than silently lower the limit
         # The plan resolved the flags' defaults (context length, KV dtype); nothing re-derives them.
         self.context_length = self.plan.context_length
-        self.tokenizer = Tokenizer(cfg.model)
+        self.tokenizer = Tokenizer(cfg.model, special_tokens_in_chat=cfg.special_tokens_in_chat)
         self.model = load_model(cfg.model, cfg.dtype, self.device)
         self.model.init_rope(self.context_length, self.device)
         self.prefix_caching = cfg.enable_prefix_caching
@@ -120,6 +120,7 @@ class Engine:
                 cfg.chunked_prefill_size,
                 cfg.max_running_requests,
                 cfg.decode_step_prefill_budget or cfg.chunked_prefill_size,
+                cfg.max_running_requests_per_tenant,
             ),
             self.faults,
         )
