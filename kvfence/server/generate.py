@@ -126,7 +126,7 @@ async def generate(
         for p, prompt in enumerate(prompts)
         for j in range(n)
     ]
-    gen = Generation(state.engine, reqs)
+    gen = Generation(state.engine, reqs, state.faults)
     handed_off = False
     try:
         rejected = await gen.submit()
