@@ -217,7 +217,14 @@ API_KEY_FILE = Option(
     ("--api-key-file",), "api_key_file", help="lines of `key tenant`; enables auth"
 )
 LOG_LEVEL = Option(("--log-level",), "log_level", default="info")
-SERVER_OPTIONS: tuple[Option, ...] = (HOST, PORT, API_KEY_FILE, LOG_LEVEL)
+ADMIN_API_KEY_FILE = Option(
+    ("--admin-api-key-file",),
+    "admin_api_key_file",
+    metavar="FILE",
+    help="the operator key (or KVFENCE_ADMIN_API_KEY), separate from tenant keys: it alone "
+    "reads /metrics, /pd/info and /health's detail, and signs the router's word to a decode",
+)
+SERVER_OPTIONS: tuple[Option, ...] = (HOST, PORT, API_KEY_FILE, LOG_LEVEL, ADMIN_API_KEY_FILE)
 
 # ---- a PD worker (serve; up forwards TRANSFER_OPTIONS to every worker) --------------------------
 

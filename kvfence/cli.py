@@ -67,6 +67,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
             args.api_key_file,
             log_level=args.log_level,
             faults=faults,
+            admin_api_key_file=args.admin_api_key_file,
         )
     except CapacityError as e:
         print(f"kvfence: refusing to start: {e}", file=sys.stderr)

@@ -218,7 +218,9 @@ class DecodeService(EngineRole):
             peer.conn = conn
         except (TimeoutError, OSError, ConnectionError, ValueError) as e:
             log.error("cannot use prefill %s: %s", addr, e)
-            peer.error = str(e) or type(e).__name__
+            # The client learns only that; the resolver's and the socket's words are the
+            # operator's (this log, and /pd/info's pairing errors).
+            peer.error = "prefill unavailable"
             self.peers.pop(addr, None)  # the next request tries again
             peer.ready.set()
             return

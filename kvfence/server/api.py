@@ -29,8 +29,10 @@ from kvfence.server.errors import (
     install_handlers,
 )
 from kvfence.server.generate import generate, record
+from kvfence.server.hop import HopVerifier
 from kvfence.server.httpio import ReadyServer, read_body, server_config
 from kvfence.server.metrics import RequestRecorder, ServerMetrics
+from kvfence.server.operator import OperatorGate, load_operator_key
 from kvfence.server.schemas import (
     COMPLETIONS_DEFAULT_MAX_TOKENS,
     MAX_CHOICES,
@@ -52,14 +54,25 @@ def build_app(
     api_keys: dict[str, str] | None,
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
     faults: Faults | None = None,
+    operator_key: str | None = None,
 ) -> FastAPI:
     """The app for one role. It neither starts nor stops the role (serve() does). faults: the
-    process's fault points (the I6 twin's); no request can arm one."""
+    process's fault points (the I6 twin's); no request can arm one. operator_key: the one
+    credential that reads /metrics and /pd/info (server/operator.py) and checks the router's
+    signed prefill address (server/hop.py)."""
     if max_body_bytes < 1:
         raise ValueError("max_body_bytes must be >= 1")
     metrics = ServerMetrics(engine)
     faults = faults if faults is not None else Faults()
-    state = AppState(engine, Authenticator(api_keys), metrics, max_body_bytes, faults)
+    state = AppState(
+        engine,
+        Authenticator(api_keys),
+        metrics,
+        max_body_bytes,
+        faults,
+        OperatorGate(operator_key, api_keys is not None, faults),
+        HopVerifier(operator_key, faults),
+    )
     app = FastAPI(title="kvfence", docs_url=None, redoc_url=None, openapi_url=None)
     app.state.kvfence = state
     install_handlers(app)
@@ -74,13 +87,17 @@ def build_app(
         )
         return JSONResponse(body, status_code=503)
 
+    # Anonymous /health says up or down, nothing else; what follows names rooms, tenants and
+    # their counts, so only the operator reads it.
     @app.get("/pd/info")
-    async def pd_info() -> JSONResponse:
+    async def pd_info(request: Request) -> JSONResponse:
         # The router learns each worker's role and bootstrap address here.
+        state.operator.require(request.headers)
         return JSONResponse(engine.info())
 
     @app.get("/metrics")
-    async def metrics_route() -> Response:
+    async def metrics_route(request: Request) -> Response:
+        state.operator.require(request.headers)
         data, content_type = metrics.render()
         return Response(data, media_type=content_type)
 
@@ -189,16 +206,30 @@ def serve(
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
     log_level: str = "info",
     faults: Faults | None = None,
+    admin_api_key_file: str | None = None,
 ) -> None:
     """Run the HTTP server until interrupted. Owns the engine's lifetime: start() before the
     socket opens, shutdown() after the last connection closes."""
     # A bad key file must stop us before anything listens or allocates.
     api_keys = load_api_keys(api_key_file) if api_key_file else None
+    operator_key = load_operator_key(admin_api_key_file)
+    if operator_key is None and engine.info()["role"] == "decode":
+        raise ValueError(
+            "a decode worker dials only the prefill its router signed for: give it the "
+            "router's operator key (--admin-api-key-file or KVFENCE_ADMIN_API_KEY; "
+            "`kvfence up` makes one)"
+        )
     if not logging.getLogger().handlers:
         logging.basicConfig(
             level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
         )
-    app = build_app(engine, api_keys=api_keys, max_body_bytes=max_body_bytes, faults=faults)
+    app = build_app(
+        engine,
+        api_keys=api_keys,
+        max_body_bytes=max_body_bytes,
+        faults=faults,
+        operator_key=operator_key,
+    )
     config = server_config(app, host=host, port=port, log_level=log_level)
     # uvicorn drains connections on SIGINT/SIGTERM, then re-raises the signal; SIGTERM's default
     # action would kill us before the engine shuts down, so both arrive as KeyboardInterrupt.

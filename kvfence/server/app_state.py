@@ -17,7 +17,9 @@ from kvfence.engine.request import FinishReason, GenerateRequest, RequestOutput
 from kvfence.faults import Faults
 from kvfence.role import RoleService
 from kvfence.server.auth import Authenticator
+from kvfence.server.hop import HopVerifier
 from kvfence.server.metrics import ServerMetrics
+from kvfence.server.operator import OperatorGate
 
 
 @dataclass
@@ -27,6 +29,8 @@ class AppState:
     metrics: ServerMetrics
     max_body_bytes: int
     faults: Faults
+    operator: OperatorGate
+    hop: HopVerifier
 
 
 _CLIENT_GONE = object()

@@ -57,8 +57,11 @@ def build_router_app(
     request_timeout: float = DEFAULT_REQUEST_TIMEOUT_S,
     connect_timeout: float = DEFAULT_CONNECT_TIMEOUT_S,
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+    operator_key: str | None = None,
 ) -> FastAPI:
-    """The router app. Its lifespan opens the HTTP clients, runs one health round, then polls."""
+    """The router app. Its lifespan opens the HTTP clients, runs one health round, then polls.
+    operator_key: reads the workers' /pd/info and /health, signs the prefill address each
+    decode is given, and alone reads this router's /metrics and /health detail."""
     prefill = [normalize_url(u) for u in prefill_urls]
     decode = [normalize_url(u) for u in decode_urls]
     if not prefill or not decode:
@@ -73,7 +76,7 @@ def build_router_app(
         connect_timeout=connect_timeout,
         max_body_bytes=max_body_bytes,
     )
-    state = RouterState(prefill, decode, api_keys, settings)
+    state = RouterState(prefill, decode, api_keys, settings, operator_key)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> Any:
@@ -90,12 +93,15 @@ def build_router_app(
     install_handlers(app)
 
     @app.get("/health")
-    async def health() -> JSONResponse:
-        ok, body = state.health()
+    async def health(request: Request) -> JSONResponse:
+        # Workers, their addresses and the bootstrap ports are the operator's to see.
+        detail = state.operator.is_operator(request.headers)
+        ok, body = state.health() if detail else state.public_health()
         return JSONResponse(body, status_code=200 if ok else 503)
 
     @app.get("/metrics")
-    async def metrics() -> Response:
+    async def metrics(request: Request) -> Response:
+        state.operator.require(request.headers)
         data, content_type = state.metrics.render()
         return Response(data, media_type=content_type)
 
