@@ -5,6 +5,7 @@ read names another tenant. Twin: skip_operator_check (they were open to anyone).
 
 from __future__ import annotations
 
+import httpx
 import pytest
 from fake_engine import FakeEngine
 from fastapi.testclient import TestClient
@@ -107,3 +108,55 @@ def test_operator_key_file_is_checked(tmp_path, monkeypatch) -> None:
     assert load_operator_key(str(short)) == OPERATOR_KEY
     monkeypatch.setenv("KVFENCE_ADMIN_API_KEY", OPERATOR_KEY)
     assert load_operator_key(None) == OPERATOR_KEY
+
+
+class _RoleEngine(FakeEngine):
+    """The fake engine as a PD worker would describe itself in /pd/info."""
+
+    def __init__(self, role: str) -> None:
+        super().__init__()
+        self.role = role
+        self.bootstrap_port = free_port() if role == "prefill" else None
+
+    def info(self) -> dict:
+        return {**super().info(), "role": self.role, "bootstrap_port": self.bootstrap_port}
+
+
+def test_the_router_reads_its_workers_and_signs_the_hop_with_the_operator_key() -> None:
+    """Real worker apps holding the operator key: the router's health poll gets past their
+    operator-only /pd/info, and the decode accepts the prefill address the router signed. A router
+    holding another key is refused at both."""
+    from fake_workers import ServerThread, stop_all
+
+    engines = [_RoleEngine("prefill"), _RoleEngine("decode")]
+    servers = []
+    try:
+        for e in engines:
+            e.start()
+            app = build_app(e, api_keys=KEYS, operator_key=OPERATOR_KEY)
+            servers.append(ServerThread(app).start())
+        p_url, d_url = (s.url for s in servers)
+        body = {"model": "fake-model", "prompt": "x", "max_tokens": 1}
+        for key, healthy in ((OPERATOR_KEY, True), ("op-someone-else-0123456789ab", False)):
+            router = ServerThread(build_router_app([p_url], [d_url], api_keys=KEYS,
+                                                   operator_key=key)).start()
+            servers.append(router)
+            detail = httpx.get(f"{router.url}/health", headers=operator_headers(key)).json()
+            assert [w["healthy"] for w in detail["workers"]] == [healthy, healthy], detail
+            if not healthy:
+                assert all("403" in w["detail"] for w in detail["workers"]), detail
+                continue
+            r = httpx.post(f"{router.url}/v1/completions", json=body, headers=ACME, timeout=10)
+            assert r.status_code == 200, r.text
+            (seen,) = engines[1].submitted
+            assert seen.peer == f"127.0.0.1:{engines[0].bootstrap_port}"
+        # The decode refuses the same address signed under another key.
+        from kvfence.server.hop import sign_prefill
+
+        forged = sign_prefill("op-someone-else-0123456789ab", "127.0.0.1:1")
+        r = httpx.post(f"{d_url}/v1/completions", json=body, headers={**ACME, **forged})
+        assert r.status_code == 403 and r.json()["error"]["code"] == "unsigned_prefill"
+    finally:
+        stop_all(servers)
+        for e in engines:
+            e.shutdown()

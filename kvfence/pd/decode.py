@@ -218,9 +218,10 @@ class DecodeService(EngineRole):
             peer.conn = conn
         except (TimeoutError, OSError, ConnectionError, ValueError) as e:
             log.error("cannot use prefill %s: %s", addr, e)
-            # The client learns only that; the resolver's and the socket's words are the
-            # operator's (this log, and /pd/info's pairing errors).
-            peer.error = "prefill unavailable"
+            # The client learns that, and a pairing refusal (our own words, about configuration);
+            # the resolver's and the socket's words are the operator's, in this log.
+            problem = self.pairing_errors.get(addr)
+            peer.error = f"prefill unavailable: {problem}" if problem else "prefill unavailable"
             self.peers.pop(addr, None)  # the next request tries again
             peer.ready.set()
             return
