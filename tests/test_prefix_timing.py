@@ -23,7 +23,7 @@ from kvfence.engine.llm import LLM
 from kvfence.engine.request import GenerateRequest, RequestOutput, SamplingParams
 from kvfence.tools.leakcheck.timing_stats import auc, ks_pvalue, ks_statistic
 
-PROMPT = 256  # tokens: a cached prefix skips all but its last page
+PROMPT = 128  # tokens: a cached prefix skips all but its last page
 FIRST_TOKEN = SamplingParams(max_tokens=1, temperature=0.0)
 PAIRS_NULL = 500  # AUC's standard error under the null is ~0.018: 0.05 is ~2.7 of them
 PAIRS_EFFECT = 60
