@@ -44,7 +44,7 @@ def _run(model: str, faults: Faults) -> tuple[list[str], dict[str, int]]:
     llm = LLM(model, faults, kv_pool_tokens=1024, context_length=128, max_running_requests=2,
               max_running_requests_per_tenant=1)
     prompts = random_prompts([6, 6, 6, 6], vocab=256, seed=5)
-    long = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+    long = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
     short = SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True)
     produced: dict[str, int] = {}
     finished: list[str] = []
