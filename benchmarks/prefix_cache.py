@@ -45,7 +45,7 @@ from benchmarks.vs_engines import VLLM_ENV  # noqa: E402
 TENANTS = 8
 KEYS = [f"bench-key-{i}" for i in range(TENANTS)]
 KEPT = ("total_token_throughput", "ttft_ms", "itl_ms", "e2e_latency_ms", "completed", "failed",
-        "cached_token_share", "num_prompts")
+        "cached_token_share", "num_prompts", "total_input_tokens")
 # (workload, salt mode) per engine; a workload name maps to its bench flags below.
 PLAN = {
     "kvfence-cache": [("shared-prefix", "none"), ("one-system-prompt", "none"),

@@ -10,7 +10,14 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from kvfence.config import DTYPES, KERNEL_BACKENDS, KV_CACHE_DTYPES, EngineConfig
+from kvfence.config import (
+    DTYPES,
+    KERNEL_BACKENDS,
+    KV_CACHE_DTYPES,
+    ROUTING_POLICIES,
+    EngineConfig,
+    RoutingConfig,
+)
 
 
 class Parser(Protocol):
@@ -180,6 +187,13 @@ PREFIX_CACHE_TTL = _engine(
     metavar="SECONDS",
     help="an unused cached page leaves the cache after this long (default: only for space)",
 )
+SKIP_TOKENIZER_INIT = _engine(
+    "--skip-tokenizer-init",
+    "skip_tokenizer_init",
+    switch=True,
+    help="load no tokenizer (the model dir may have none): serve token-id prompts only; outputs "
+    "are token ids (logprobs with return_tokens_as_token_ids) and empty text",
+)
 MAX_RUNNING_REQUESTS_PER_TENANT = _engine(
     "--max-running-requests-per-tenant",
     "max_running_requests_per_tenant",
@@ -200,7 +214,8 @@ ENGINE_OPTIONS: tuple[Option, ...] = (
     KV_POOL_TOKENS, MEM_FRACTION_STATIC, CHUNKED_PREFILL_SIZE, DECODE_STEP_PREFILL_BUDGET,
     ATTENTION_BACKEND, LINEAR_BACKEND, MAX_RUNNING_REQUESTS, THREADS, SEED,
     UNSAFE_SKIP_PREFLIGHT, KV_POISON_ON_FREE, ENABLE_PREFIX_CACHING, SHARED_PREFIX_FILE,
-    PREFIX_CACHE_TTL, MAX_RUNNING_REQUESTS_PER_TENANT, SPECIAL_TOKENS_IN_CHAT,
+    PREFIX_CACHE_TTL, SKIP_TOKENIZER_INIT, MAX_RUNNING_REQUESTS_PER_TENANT,
+    SPECIAL_TOKENS_IN_CHAT,
 )  # fmt: skip
 # What sizes a node's pool (kv/sizing.plan_for_engine reads these fields): `kvfence preflight`
 # takes exactly these, so it plans what `serve` would build.
@@ -217,6 +232,15 @@ API_KEY_FILE = Option(
     ("--api-key-file",), "api_key_file", help="lines of `key tenant`; enables auth"
 )
 LOG_LEVEL = Option(("--log-level",), "log_level", default="info")
+DRAIN_TIMEOUT = Option(
+    ("--drain-timeout",),
+    "drain_timeout",
+    type=float,
+    default=30.0,  # kvfence.server.drain.DEFAULT_DRAIN_TIMEOUT_S (not imported: no FastAPI here)
+    metavar="SECONDS",
+    help="on SIGTERM: admit nothing new and give what is in flight this long to finish; the "
+    "rest gets a 503 (a second SIGTERM stops at once)",
+)
 ADMIN_API_KEY_FILE = Option(
     ("--admin-api-key-file",),
     "admin_api_key_file",
@@ -224,7 +248,9 @@ ADMIN_API_KEY_FILE = Option(
     help="the operator key (or KVFENCE_ADMIN_API_KEY), separate from tenant keys: it alone "
     "reads /metrics, /pd/info and /health's detail, and signs the router's word to a decode",
 )
-SERVER_OPTIONS: tuple[Option, ...] = (HOST, PORT, API_KEY_FILE, LOG_LEVEL, ADMIN_API_KEY_FILE)
+SERVER_OPTIONS: tuple[Option, ...] = (
+    HOST, PORT, API_KEY_FILE, LOG_LEVEL, DRAIN_TIMEOUT, ADMIN_API_KEY_FILE,
+)  # fmt: skip
 
 # ---- a PD worker (serve; up forwards TRANSFER_OPTIONS to every worker) --------------------------
 
@@ -261,3 +287,64 @@ TRANSFER_OPTIONS: tuple[Option, ...] = (
     DISAGGREGATION_TIMEOUT,
 )
 PD_OPTIONS: tuple[Option, ...] = (DISAGGREGATION_MODE, BOOTSTRAP_PORT, *TRANSFER_OPTIONS)
+
+# ---- the router's routing policy (router; `up` hands them to its router) ------------------------
+# Each has SGLang's router spelling first (what the router's command line gets) and a --router-*
+# one that reads clearly among `up`'s worker flags. Defaults live on RoutingConfig's fields.
+
+_ROUTING_DEFAULTS = {f.name: f.default for f in dataclasses.fields(RoutingConfig)}
+
+
+def _routing(names: tuple[str, ...], dest: str, **kw: Any) -> Option:
+    return Option(names, dest, default=_ROUTING_DEFAULTS[dest], **kw)
+
+
+ROUTER_POLICY = _routing(
+    ("--policy", "--router-policy"),
+    "policy",
+    choices=ROUTING_POLICIES,
+    help="cache_aware: the prefill and decode holding the longest prefix of the tenant's prompt "
+    "(its own prefixes only), unless that worker is too busy; least_loaded; round_robin",
+)
+CACHE_THRESHOLD = _routing(
+    ("--cache-threshold", "--router-cache-threshold"),
+    "cache_threshold",
+    type=float,
+    help="cache_aware: share of the prompt a worker's predicted prefix must cover (0..1)",
+)
+BALANCE_ABS_THRESHOLD = _routing(
+    ("--balance-abs-threshold", "--router-balance-abs-threshold"),
+    "balance_abs_threshold",
+    type=int,
+    help="cache_aware: the prefix's worker is too busy with more than this many requests above "
+    "the least-loaded one ...",
+)
+BALANCE_REL_THRESHOLD = _routing(
+    ("--balance-rel-threshold", "--router-balance-rel-threshold"),
+    "balance_rel_threshold",
+    type=float,
+    help="... and more than this many times its load",
+)
+PREFIX_INDEX_MAX_ENTRIES = _routing(
+    ("--prefix-index-max-entries", "--router-prefix-index-max-entries"),
+    "prefix_index_max_entries",
+    type=int,
+    help="cache_aware: prefix chunks (~16 tokens each) the router remembers, all tenants",
+)
+PREFIX_INDEX_MAX_ENTRIES_PER_TENANT = _routing(
+    ("--prefix-index-max-entries-per-tenant", "--router-prefix-index-max-entries-per-tenant"),
+    "prefix_index_max_entries_per_tenant",
+    type=int,
+    help="cache_aware: ... per tenant (one tenant's prompts never push out more than this)",
+)
+PREFIX_INDEX_TTL = _routing(
+    ("--prefix-index-ttl", "--router-prefix-index-ttl"),
+    "prefix_index_ttl",
+    type=float,
+    metavar="SECONDS",
+    help="cache_aware: how long a prefix sent to a worker stays predicted there",
+)
+ROUTING_OPTIONS: tuple[Option, ...] = (
+    ROUTER_POLICY, CACHE_THRESHOLD, BALANCE_ABS_THRESHOLD, BALANCE_REL_THRESHOLD,
+    PREFIX_INDEX_MAX_ENTRIES, PREFIX_INDEX_MAX_ENTRIES_PER_TENANT, PREFIX_INDEX_TTL,
+)  # fmt: skip

@@ -67,6 +67,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
             args.api_key_file,
             log_level=args.log_level,
             faults=faults,
+            drain_timeout=args.drain_timeout,
             admin_api_key_file=args.admin_api_key_file,
         )
     except CapacityError as e:

@@ -49,6 +49,9 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     shared_prefix_file: str | None = None
     prefix_cache_ttl: float | None = None  # seconds an unused cached page may stay
+    # vLLM's --skip-tokenizer-init: no tokenizer is loaded (the model dir may have none); only
+    # token-id prompts are served and outputs carry token ids with empty text.
+    skip_tokenizer_init: bool = False
     # Running slots one tenant may hold (None: no cap). Admission is fair either way: a free
     # slot goes to the waiting tenant that holds the fewest (kvfence/engine/fairness.py).
     max_running_requests_per_tenant: int | None = None
@@ -106,4 +109,53 @@ class EngineConfig:
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> EngineConfig:
         """From flags parsed with kvfence.args.ENGINE_OPTIONS (one option per field)."""
+        return cls(**{f.name: getattr(args, f.name) for f in fields(cls)})
+
+
+# ---- the router -------------------------------------------------------------------------------
+
+ROUTING_POLICIES = ("cache_aware", "least_loaded", "round_robin")
+
+
+@dataclass(frozen=True)
+class RoutingConfig:
+    """How the router picks a prefill and a decode (kvfence/server/router/policy.py); flags named
+    like SGLang's router's. The thresholds are in requests the router has open on a worker."""
+
+    policy: str = "cache_aware"
+    # A worker's predicted prefix must cover at least this share of the prompt to attract it.
+    cache_threshold: float = 0.3
+    # The worker holding the prefix is too busy when it has more than `abs` requests above the
+    # least-loaded candidate AND more than `rel` times its load. SGLang's defaults (64, 1.5) are
+    # sized for GPU batches of hundreds; a CPU worker runs tens.
+    balance_abs_threshold: int = 8
+    balance_rel_threshold: float = 1.5
+    # The prefix index (chunks of ~16 tokens), bounded in entries overall and per tenant.
+    prefix_index_max_entries: int = 200_000
+    prefix_index_max_entries_per_tenant: int = 50_000
+    prefix_index_ttl: float = 300.0  # seconds a prefix sent to a worker stays predicted there
+
+    def __post_init__(self) -> None:
+        if self.policy not in ROUTING_POLICIES:
+            raise ConfigError(
+                f"--policy {self.policy!r}: expected one of {', '.join(ROUTING_POLICIES)}"
+            )
+        if not 0.0 <= self.cache_threshold <= 1.0:
+            raise ConfigError(f"--cache-threshold {self.cache_threshold}: must be in [0, 1]")
+        if self.balance_abs_threshold < 0:
+            raise ConfigError(f"--balance-abs-threshold {self.balance_abs_threshold}: must be >= 0")
+        if not self.balance_rel_threshold >= 1.0:
+            raise ConfigError(f"--balance-rel-threshold {self.balance_rel_threshold}: must be >= 1")
+        if self.prefix_index_max_entries < 1 or self.prefix_index_max_entries_per_tenant < 1:
+            raise ConfigError("--prefix-index-max-entries[-per-tenant]: must be >= 1")
+        if self.prefix_index_max_entries_per_tenant > self.prefix_index_max_entries:
+            raise ConfigError(
+                "--prefix-index-max-entries-per-tenant must not exceed --prefix-index-max-entries"
+            )
+        if not self.prefix_index_ttl > 0:
+            raise ConfigError(f"--prefix-index-ttl {self.prefix_index_ttl}: must be > 0")
+
+    @classmethod
+    def from_args(cls, args: argparse.Namespace) -> RoutingConfig:
+        """From flags parsed with kvfence.args.ROUTING_OPTIONS (one option per field)."""
         return cls(**{f.name: getattr(args, f.name) for f in fields(cls)})

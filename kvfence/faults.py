@@ -33,6 +33,8 @@ GUARD_POINTS = {
     "prefix_cache_ignore_namespace": "prefix_namespace",
     # A cached page is reused on a key match alone, its stored tokens not compared (I2).
     "prefix_cache_skip_token_compare": "prefix_token_compare",
+    # The router's prefix index keys every tenant's prompts alike: B is routed by A's prefixes.
+    "router_ignore_tenant": "router_tenant",
     "unfair_admission": "fair_share",  # the scheduler admits the queue's head, FIFO
     "unbounded_output": "output_bound",  # a slow reader's events pile up without limit
     "skip_operator_check": "operator_credential",  # internal endpoints open to any caller

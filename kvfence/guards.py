@@ -19,6 +19,7 @@ GUARDS = frozenset(
         "credential_tenant",  # the tenant comes from the API key alone (I6)
         "prefix_namespace",  # prefix-cache keys and sealed-page reads carry the namespace (I2)
         "prefix_token_compare",  # a cached page is reused only if its stored tokens match (I2)
+        "router_tenant",  # the router routes a tenant by its own prefixes only (I6)
         "fair_share",  # a free running slot goes to the waiting tenant holding the fewest
         "output_bound",  # a stream's undelivered events are bounded per slow reader
         "operator_credential",  # internal endpoints and detailed health need the operator key

@@ -41,6 +41,10 @@ class RoleService(Protocol):
 
     def start(self) -> None: ...
     def shutdown(self) -> None: ...
+    def stop_admitting(self) -> None:
+        """Graceful drain: admit nothing new (a 503 at every door); finish what is admitted."""
+        ...
+
     def submit(
         self, req: GenerateRequest, sink: Callable[[RequestOutput], None]
     ) -> Admitted | Rejected: ...
@@ -79,6 +83,9 @@ class EngineRole:
 
     def abort(self, request_id: str) -> None:
         self.engine.abort(request_id)
+
+    def stop_admitting(self) -> None:
+        self.engine.stop_admitting()
 
     def stats(self) -> EngineStats:
         return self.engine.stats()

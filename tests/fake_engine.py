@@ -78,6 +78,7 @@ class FakeEngine:
     submitted: list[GenerateRequest] = field(default_factory=list)
     rejected: list[Rejected] = field(default_factory=list)
     aborted: list[str] = field(default_factory=list)
+    draining: bool = False
 
     def __post_init__(self) -> None:
         self._cond = threading.Condition()
@@ -107,7 +108,11 @@ class FakeEngine:
         self, req: GenerateRequest, sink: Callable[[RequestOutput], None]
     ) -> Admitted | Rejected:
         limits = AdmissionLimits(self.context_length, self.pool_tokens, self.tokenizer.vocab_size)
-        result = admit(req, limits)
+        result = (
+            Rejected(req.request_id, "draining", "draining", status=503)
+            if self.draining
+            else admit(req, limits)
+        )
         with self._cond:
             if isinstance(result, Rejected):
                 self.rejected.append(result)
@@ -117,6 +122,9 @@ class FakeEngine:
             self._active[req.request_id] = _Active(req, result.max_tokens, sink, source)
             self._cond.notify_all()
         return result
+
+    def stop_admitting(self) -> None:
+        self.draining = True  # as Engine.admit: a 503 at the door from now on
 
     def abort(self, request_id: str) -> None:
         with self._cond:

@@ -122,6 +122,11 @@ def make_app(
                    "type": "invalid_request_error", "param": "prompt",
                    "code": "context_length_exceeded"}
             return JSONResponse({"error": err}, status_code=400)
+        if prompt in ("prefill-draining", "prefill-gone"):  # what a decode says for its prefill
+            code = "draining" if prompt == "prefill-draining" else "prefill_unavailable"
+            err = {"message": "lost the prefill worker", "type": "server_error", "param": None,
+                   "code": code}
+            return JSONResponse({"error": err}, status_code=503)
         if prompt == "die-json":
             return _CutBody()
         if prompt == "hold":
@@ -140,6 +145,8 @@ def make_app(
 
     app.add_api_route("/v1/completions", generate, methods=["POST"])
     app.add_api_route("/v1/chat/completions", generate, methods=["POST"])
+    for path in ("/tokenize", "/detokenize"):
+        app.add_api_route(path, generate, methods=["POST"])
     return app
 
 

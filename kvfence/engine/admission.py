@@ -28,6 +28,7 @@ class Rejected:
     code: str  # stable machine-readable reason, also the metrics label
     message: str
     param: str | None = None
+    status: int = 400  # the HTTP status its client gets (503: the node is draining)
 
 
 @dataclass(frozen=True)

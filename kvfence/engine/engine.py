@@ -32,7 +32,7 @@ from kvfence.kv.prefix import PrefixCache, PrefixCacheStats, SharedPrefixes, loa
 from kvfence.kv.sizing import CapacityError, PoolPlan, plan_for_engine, require_fits
 from kvfence.model.config import ModelConfig
 from kvfence.model.loader import TORCH_DTYPES, load_model
-from kvfence.model.tokenizer import IncrementalDetokenizer, Tokenizer
+from kvfence.model.tokenizer import IncrementalDetokenizer, NoTokenizer, Tokenizer
 
 log = logging.getLogger("kvfence.engine")
 
@@ -50,6 +50,10 @@ class HandoffHooks(Protocol):
 
     def on_abort(self, seq: Sequence) -> None:
         """A HANDOFF seq was aborted; its pages stay held until `release`."""
+
+
+DRAINING = "draining"
+DRAINING_MESSAGE = "This worker is shutting down and admits no new requests; retry on another."
 
 
 @dataclass(frozen=True)
@@ -94,7 +98,11 @@ class Engine:
             require_fits(self.plan)  # I7: refuse to start rather than silently lower the limit
         # The plan resolved the flags' defaults (context length, KV dtype); nothing re-derives them.
         self.context_length = self.plan.context_length
-        self.tokenizer = Tokenizer(cfg.model, special_tokens_in_chat=cfg.special_tokens_in_chat)
+        self.tokenizer: Tokenizer | NoTokenizer = (
+            NoTokenizer(self.model_config.vocab_size)
+            if cfg.skip_tokenizer_init
+            else Tokenizer(cfg.model, special_tokens_in_chat=cfg.special_tokens_in_chat)
+        )
         self.model = load_model(cfg.model, cfg.dtype, self.device)
         self.model.init_rope(self.context_length, self.device)
         self.prefix_caching = cfg.enable_prefix_caching
@@ -139,6 +147,7 @@ class Engine:
         self._seqs: dict[str, Sequence] = {}
         self._thread: threading.Thread | None = None
         self._stopping = threading.Event()
+        self._draining = threading.Event()
         self.integrity_failures = 0
 
     def _prefix_cache(self) -> PrefixCache:
@@ -172,7 +181,14 @@ class Engine:
 
     def admit(self, req: GenerateRequest) -> Admitted | Rejected:
         """The admission rule (I1) against this engine's limits, queueing nothing."""
+        if self._draining.is_set():
+            return Rejected(req.request_id, DRAINING, DRAINING_MESSAGE, status=503)
         return admit(req, self.limits, self.faults.guards())
+
+    def stop_admitting(self) -> None:
+        """Graceful drain: every later admission, at every door (HTTP, RESERVE), is a 503;
+        what was admitted runs to its end."""
+        self._draining.set()
 
     def abort(self, request_id: str) -> None:
         self._post("abort", request_id)

@@ -32,13 +32,18 @@ def _raise(message: str) -> None:
 
 
 class Tokenizer:
+    has_text = True  # NoTokenizer's is False
+
     def __init__(self, model_dir: str | Path, *, special_tokens_in_chat: bool = False) -> None:
         """special_tokens_in_chat: let control-token text typed in chat message content become
         control tokens (an operator's opt-in; off, a user cannot forge a turn or an EOS)."""
         model_dir = Path(model_dir)
         path = model_dir / "tokenizer.json"
         if not path.is_file():
-            raise UnsupportedModelError(f"{model_dir}: no tokenizer.json")
+            raise UnsupportedModelError(
+                f"{model_dir}: no tokenizer.json (--skip-tokenizer-init serves token-id prompts "
+                "without one)"
+            )
         self._tok = HFTokenizer.from_file(str(path))
         # A second instance that reads special-token text as plain text (the tokenizers
         # library's split-special-tokens mode); a flag flipped on a shared instance would race
@@ -164,12 +169,46 @@ def _map_content(msg: dict[str, Any], f: Any) -> dict[str, Any]:
     return msg
 
 
+class TokenizerDisabled(ValueError):
+    """Text was asked of a node started with --skip-tokenizer-init."""
+
+
+class NoTokenizer:
+    """The tokenizer of a node started with --skip-tokenizer-init (vLLM's flag): prompts are token
+    ids, outputs are token ids with empty text. Anything that needs text raises, so nothing
+    silently answers a text prompt with the wrong tokens."""
+
+    has_text = False
+    has_chat_template = False
+    eos_token_ids: frozenset[int] = frozenset()
+
+    def __init__(self, vocab_size: int) -> None:
+        self.vocab_size = vocab_size
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        raise TokenizerDisabled(_DISABLED)
+
+    def encode_chat(
+        self, messages: list[dict[str, Any]], add_generation_prompt: bool = True
+    ) -> list[int]:
+        raise TokenizerDisabled(_DISABLED)
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        return ""  # the detokenizer then holds nothing and emits nothing: outputs are ids only
+
+
+_DISABLED = (
+    "This server runs with --skip-tokenizer-init: send prompts as token ids "
+    "(text prompts, chat messages and stop strings need a tokenizer)."
+)
+
+
 @dataclass
 class IncrementalDetokenizer:
     """Emits only text that can no longer change (vLLM-style prefix/read offsets), so a
     multi-byte character split across tokens is never sent half-done."""
 
-    tokenizer: Tokenizer
+    tokenizer: Tokenizer | NoTokenizer
     prefix_offset: int = 0
     read_offset: int = 0
 

@@ -220,7 +220,7 @@ class PrefillService(EngineRole):
             verdict = self.engine.submit(one, _ignore, SeqMode.PREFILL_ONLY)
         if isinstance(verdict, Rejected):
             self.transfer_stats.inc("rejected")
-            event = p.ReserveArrived(False, verdict.code, verdict.message, 400)
+            event = p.ReserveArrived(False, verdict.code, verdict.message, verdict.status)
         else:
             event = p.ReserveArrived(True)
         # Nothing of a room being opened is in flight yet: its sends need no fence.

@@ -20,6 +20,7 @@ from kvfence.faults import Faults
 from kvfence.role import RoleService, TokenizerLike
 from kvfence.server.app_state import AppState
 from kvfence.server.auth import Authenticator, load_api_keys, single_authorization
+from kvfence.server.drain import DEFAULT_DRAIN_TIMEOUT_S, Drain, DrainingServer
 from kvfence.server.errors import (
     SERVER_ERROR,
     APIError,
@@ -30,9 +31,10 @@ from kvfence.server.errors import (
 )
 from kvfence.server.generate import generate, record
 from kvfence.server.hop import HopVerifier
-from kvfence.server.httpio import ReadyServer, read_body, server_config
+from kvfence.server.httpio import read_body, server_config
 from kvfence.server.metrics import RequestRecorder, ServerMetrics
 from kvfence.server.operator import OperatorGate, load_operator_key
+from kvfence.server.request_id import RequestIdMiddleware
 from kvfence.server.schemas import (
     COMPLETIONS_DEFAULT_MAX_TOKENS,
     MAX_CHOICES,
@@ -41,6 +43,7 @@ from kvfence.server.schemas import (
     CompletionFormat,
     CompletionRequest,
 )
+from kvfence.server.tokenize import add_tokenize_routes
 
 logger = logging.getLogger("kvfence.server")
 
@@ -54,22 +57,26 @@ def build_app(
     api_keys: dict[str, str] | None,
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
     faults: Faults | None = None,
+    drain: Drain | None = None,
     operator_key: str | None = None,
 ) -> FastAPI:
     """The app for one role. It neither starts nor stops the role (serve() does). faults: the
-    process's fault points (the I6 twin's); no request can arm one. operator_key: the one
-    credential that reads /metrics and /pd/info (server/operator.py) and checks the router's
-    signed prefill address (server/hop.py)."""
+    process's fault points (the I6 twin's); no request can arm one. drain: the node's graceful
+    drain (serve() begins it on SIGTERM). operator_key: the one credential that reads /metrics
+    and /pd/info (server/operator.py) and checks the router's signed prefill address
+    (server/hop.py)."""
     if max_body_bytes < 1:
         raise ValueError("max_body_bytes must be >= 1")
     metrics = ServerMetrics(engine)
     faults = faults if faults is not None else Faults()
+    drain = drain if drain is not None else Drain(engine)
     state = AppState(
         engine,
         Authenticator(api_keys),
         metrics,
         max_body_bytes,
         faults,
+        drain,
         OperatorGate(operator_key, api_keys is not None, faults),
         HopVerifier(operator_key, faults),
     )
@@ -77,15 +84,28 @@ def build_app(
     app.state.kvfence = state
     install_handlers(app)
     app.add_middleware(RequestRecorder, metrics=metrics)
+    app.add_middleware(RequestIdMiddleware)  # outermost: the recorder logs the checked id
 
     @app.get("/health")
     async def health() -> JSONResponse:
-        if _engine_alive(engine):
-            return JSONResponse({"status": "ok"})
-        body = error_body(
-            "The engine loop is not running.", type=SERVER_ERROR, param=None, code="engine_dead"
-        )
-        return JSONResponse(body, status_code=503)
+        # Readiness (the router's poll, Kubernetes' readinessProbe): 503 from the moment a drain
+        # begins, so nothing new is sent here while what was admitted finishes.
+        if not _engine_alive(engine):
+            return _engine_dead()
+        if drain.draining:
+            body = error_body(
+                "This worker is draining (shutting down); it admits no new requests.",
+                type=SERVER_ERROR,
+                param=None,
+                code="draining",
+            )
+            return JSONResponse(body, status_code=503)
+        return JSONResponse({"status": "ok"})
+
+    @app.get("/live")
+    async def live() -> JSONResponse:
+        # Liveness: the engine loop runs, draining or not (a drain must not look like a hang).
+        return JSONResponse({"status": "ok"}) if _engine_alive(engine) else _engine_dead()
 
     # Anonymous /health says up or down, nothing else; what follows names rooms, tenants and
     # their counts, so only the operator reads it.
@@ -119,6 +139,10 @@ def build_app(
         req.check_supported()
         _check_model(engine, req.model)
         _check_choices(len(req.prompts), req.choices_per_prompt)
+        if any(isinstance(p, str) for p in req.prompts):
+            _require_text(engine, "prompt")
+        if req.stop_list:
+            _require_text(engine, "stop")
         max_tokens = COMPLETIONS_DEFAULT_MAX_TOKENS if req.max_tokens is None else req.max_tokens
         sampling = req.sampling_params(max_tokens, req.logprobs)
         prompts = await asyncio.to_thread(_encode_prompts, engine.tokenizer, req.prompts)
@@ -149,6 +173,7 @@ def build_app(
         req = _parse(ChatCompletionRequest, await read_body(request, state.max_body_bytes))
         req.check_supported()
         _check_model(engine, req.model)
+        _require_text(engine, "messages")
         sampling = req.sampling_params(req.effective_max_tokens, req.engine_logprobs)
         messages = [m.template_dict() for m in req.messages]
         prompt = await asyncio.to_thread(_render_chat, engine.tokenizer, messages)
@@ -173,6 +198,14 @@ def build_app(
             req.cache_salt,
         )
 
+    add_tokenize_routes(
+        app,
+        engine,
+        authenticate=lambda request: _authenticate(state, request),
+        read_json=lambda request, model: _read_json(state, request, model),
+        check_model=lambda name: _check_model(engine, name),
+        require_text=lambda param: _require_text(engine, param),
+    )
     return app
 
 
@@ -206,10 +239,12 @@ def serve(
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
     log_level: str = "info",
     faults: Faults | None = None,
+    drain_timeout: float = DEFAULT_DRAIN_TIMEOUT_S,
     admin_api_key_file: str | None = None,
 ) -> None:
     """Run the HTTP server until interrupted. Owns the engine's lifetime: start() before the
-    socket opens, shutdown() after the last connection closes."""
+    socket opens, shutdown() after the last connection closes. SIGTERM drains first
+    (kvfence/server/drain.py); SIGINT or a second SIGTERM stops at once."""
     # A bad key file must stop us before anything listens or allocates.
     api_keys = load_api_keys(api_key_file) if api_key_file else None
     operator_key = load_operator_key(admin_api_key_file)
@@ -223,21 +258,26 @@ def serve(
         logging.basicConfig(
             level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
         )
+    drain = Drain(engine, drain_timeout)
     app = build_app(
         engine,
         api_keys=api_keys,
         max_body_bytes=max_body_bytes,
         faults=faults,
+        drain=drain,
         operator_key=operator_key,
     )
-    config = server_config(app, host=host, port=port, log_level=log_level)
+    # After a drain the connections are idle; the bound is for a second SIGTERM or SIGINT.
+    config = server_config(
+        app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=5
+    )
     # uvicorn drains connections on SIGINT/SIGTERM, then re-raises the signal; SIGTERM's default
     # action would kill us before the engine shuts down, so both arrive as KeyboardInterrupt.
     on_main = threading.current_thread() is threading.main_thread()
     previous = signal.signal(signal.SIGTERM, _interrupt) if on_main else None
     engine.start()
     try:
-        ReadyServer(config, lambda bound: _ready_line(engine, host, bound)).run()
+        DrainingServer(config, lambda bound: _ready_line(engine, host, bound), drain).run()
     except KeyboardInterrupt:
         logger.info("shutting down")
     finally:
@@ -261,6 +301,13 @@ def _engine_alive(engine: RoleService) -> bool:
         return False
 
 
+def _engine_dead() -> JSONResponse:
+    body = error_body(
+        "The engine loop is not running.", type=SERVER_ERROR, param=None, code="engine_dead"
+    )
+    return JSONResponse(body, status_code=503)
+
+
 def _model_card(engine: RoleService) -> dict[str, Any]:
     return {
         "id": engine.model_name,
@@ -280,6 +327,10 @@ def _authenticate(state: AppState, request: Request) -> str:
     return tenant
 
 
+async def _read_json(state: AppState, request: Request, model: type[_M]) -> _M:
+    return _parse(model, await read_body(request, state.max_body_bytes))
+
+
 def _parse(model: type[_M], body: bytes) -> _M:
     try:
         return model.model_validate_json(body)
@@ -294,6 +345,20 @@ def _check_model(engine: RoleService, name: str) -> None:
             f"The model `{name}` does not exist. This server serves `{engine.model_name}`.",
             code="model_not_found",
             param="model",
+        )
+
+
+def _has_text(engine: RoleService) -> bool:
+    return bool(getattr(engine.tokenizer, "has_text", True))  # False: --skip-tokenizer-init
+
+
+def _require_text(engine: RoleService, param: str) -> None:
+    if not _has_text(engine):
+        raise bad_request(
+            "This server runs with --skip-tokenizer-init: send prompts as token ids "
+            "(text prompts, chat messages and stop strings need a tokenizer).",
+            code="tokenizer_disabled",
+            param=param,
         )
 
 
@@ -328,7 +393,7 @@ def _render_chat(tokenizer: TokenizerLike, messages: list[dict[str, Any]]) -> li
 
 
 def _token_text(engine: RoleService, as_ids: bool | None = False) -> Any:
-    if as_ids:
+    if as_ids or not _has_text(engine):
         return lambda token_id: f"token_id:{token_id}"
     tok = engine.tokenizer
     return lambda token_id: tok.decode([token_id])

@@ -17,6 +17,7 @@ from kvfence.engine.request import FinishReason, GenerateRequest, RequestOutput
 from kvfence.faults import Faults
 from kvfence.role import RoleService
 from kvfence.server.auth import Authenticator
+from kvfence.server.drain import Drain
 from kvfence.server.hop import HopVerifier
 from kvfence.server.metrics import ServerMetrics
 from kvfence.server.operator import OperatorGate
@@ -29,6 +30,7 @@ class AppState:
     metrics: ServerMetrics
     max_body_bytes: int
     faults: Faults
+    drain: Drain
     operator: OperatorGate
     hop: HopVerifier
 
@@ -55,8 +57,10 @@ class Generation:
         requests: list[GenerateRequest],
         faults: Faults | None = None,
         max_buffered: int = MAX_BUFFERED_EVENTS,
+        on_close: Callable[[Generation], None] | None = None,
     ) -> None:
         self.engine = engine
+        self._on_close = on_close
         self._faults = faults if faults is not None else Faults()
         self._max_buffered = max_buffered * max(1, len(requests))
         self.overflowed = False
@@ -165,6 +169,8 @@ class Generation:
             self._watcher.cancel()
             self._watcher = None
         self.close_engine_side()
+        if self._on_close is not None:
+            self._on_close(self)
 
 
 def _slow_reader(out: RequestOutput) -> RequestOutput:

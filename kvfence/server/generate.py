@@ -14,8 +14,10 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.types import Receive, Scope, Send
 
 from kvfence import sse
+from kvfence.engine.admission import Rejected
 from kvfence.engine.request import FinishReason, GenerateRequest, RequestOutput, SamplingParams
 from kvfence.server.app_state import AppState, Event, Generation
+from kvfence.server.drain import NOT_ADMITTED_HEADER
 from kvfence.server.errors import INVALID_REQUEST, SERVER_ERROR, APIError
 from kvfence.server.metrics import RequestRecord
 from kvfence.server.schemas import ChoiceState, CompletionFormat, usage
@@ -127,12 +129,13 @@ async def generate(
         for p, prompt in enumerate(prompts)
         for j in range(n)
     ]
-    gen = Generation(state.engine, reqs, state.faults)
+    gen = Generation(state.engine, reqs, state.faults, on_close=state.drain.untrack)
+    state.drain.track(gen)
     handed_off = False
     try:
         rejected = await gen.submit()
         if rejected is not None:
-            raise APIError(400, rejected.message, code=rejected.code, param=rejected.param)
+            raise _rejection(rejected)
         progress = _Progress(state, rec, len(reqs), sum(len(p) for p in prompts), n)
         rec.prompt_tokens = progress.prompt_tokens
         gen.watch_disconnect(request.receive)
@@ -146,6 +149,21 @@ async def generate(
     finally:
         if not handed_off:
             gen.close()
+
+
+def _rejection(rejected: Rejected) -> APIError:
+    if rejected.status < 500:
+        return APIError(
+            rejected.status, rejected.message, code=rejected.code, param=rejected.param
+        )
+    # A draining node: this request reached no engine, so the router may send it elsewhere.
+    return APIError(
+        rejected.status,
+        rejected.message,
+        code=rejected.code,
+        type=SERVER_ERROR,
+        headers={NOT_ADMITTED_HEADER: rejected.code},
+    )
 
 
 def _client_gone(rec: RequestRecord) -> Response:
@@ -213,7 +231,10 @@ async def _sse_chunks(
             yield _sse(err.body(), include_usage=False)
             return
         finish = out.finish_reason.value if out.finish_reason is not None else None
-        for chunk in fmt.delta_chunks(choice, out.new_text, out.logprobs, offset, finish):
+        chunks = fmt.delta_chunks(
+            choice, out.new_text, out.logprobs, offset, finish, len(out.new_token_ids)
+        )
+        for chunk in chunks:
             yield _sse(chunk, include_usage)
     if include_usage:
         yield _sse(fmt.usage_chunk(progress.usage()), include_usage)

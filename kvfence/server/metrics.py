@@ -20,6 +20,8 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from kvfence.server.request_id import client_request_id
+
 if TYPE_CHECKING:
     from kvfence.role import RoleService
 
@@ -196,7 +198,7 @@ class RequestRecorder:
         self.metrics = metrics
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http" or not scope["path"].startswith("/v1/"):
+        if scope["type"] != "http" or not _is_api_path(scope["path"]):
             await self.app(scope, receive, send)
             return
         rec = RequestRecord()
@@ -222,12 +224,13 @@ class RequestRecorder:
         if rec.error_code is not None and 400 <= rec.status < 500:
             m.rejections.labels(reason=rec.error_code).inc()
         logger.info(
-            "%s %s tenant=%s request_id=%s generations=%d status=%d prompt_tokens=%d "
-            "completion_tokens=%d finish=%s error=%s duration_s=%.4f",
+            "%s %s tenant=%s request_id=%s client_request_id=%s generations=%d status=%d "
+            "prompt_tokens=%d completion_tokens=%d finish=%s error=%s duration_s=%.4f",
             scope.get("method", "-"),
             scope["path"],
             rec.tenant,
             rec.request_id,
+            client_request_id(scope),
             rec.n_generations,
             rec.status,
             rec.prompt_tokens,
@@ -236,3 +239,7 @@ class RequestRecorder:
             rec.error_code or "-",
             time.monotonic() - rec.start,
         )
+
+
+def _is_api_path(path: str) -> bool:
+    return path.startswith("/v1/") or path in ("/tokenize", "/detokenize")

@@ -328,8 +328,12 @@ class CompletionFormat:
         lps: tuple[TokenLogprob, ...],
         offset: int,
         finish: str | None,
+        new_tokens: int = 0,
     ) -> list[dict[str, Any]]:
-        if not text and not lps and finish is None:
+        # A chunk per output that carries tokens, even when the detokenizer holds their text back
+        # (a partial UTF-8 character, U+FFFD, a possible stop string): vLLM does the same, and
+        # clients time TTFT and ITL by chunks.
+        if not text and not lps and not new_tokens and finish is None:
             return []
         choice = {
             "index": c.index,
@@ -399,9 +403,10 @@ class ChatFormat(CompletionFormat):
         lps: tuple[TokenLogprob, ...],
         offset: int,
         finish: str | None,
+        new_tokens: int = 0,
     ) -> list[dict[str, Any]]:
         out = []
-        if text or lps:
+        if text or lps or new_tokens:  # `content: ""` for tokens whose text is held back
             out.append(
                 self._envelope(
                     [

@@ -1,5 +1,7 @@
 """`kvfence up`: the one-box PD demo. Starts N prefill + M decode workers and a router, each its own
-process group, prefixes their logs by role, and stops them all together (no orphans)."""
+process group, prefixes their logs by role, and stops them all together (no orphans). SIGHUP is a
+rolling restart: one worker at a time is drained (SIGTERM), restarted on its ports and waited for
+until the router has it back in rotation, decodes first."""
 
 from __future__ import annotations
 
@@ -27,16 +29,19 @@ from kvfence.args import (
     API_KEY_FILE,
     BOOTSTRAP_PORT,
     DISAGGREGATION_MODE,
+    DRAIN_TIMEOUT,
     ENGINE_OPTIONS,
     HOST,
     KV_POOL_TOKENS,
     LOG_LEVEL,
     PORT,
+    ROUTING_OPTIONS,
     SERVER_OPTIONS,
     TRANSFER_OPTIONS,
     add_options,
     command_line,
 )
+from kvfence.config import ConfigError, RoutingConfig
 from kvfence.env import admin_api_key, cluster_secret
 from kvfence.pd import auth
 from kvfence.server.operator import load_operator_key, new_operator_key, operator_headers
@@ -110,6 +115,8 @@ def add_up_args(p: argparse.ArgumentParser) -> None:
             "help": "secret the workers share (default: KVFENCE_CLUSTER_SECRET, else a new one)"
         },
     )
+    # The router's policy, as `kvfence router` takes it (--router-policy etc. read better here).
+    add_options(p.add_argument_group("the router's routing policy"), ROUTING_OPTIONS)
     p.add_argument(
         "--prefill-kv-pool-tokens",
         type=int,
@@ -132,7 +139,7 @@ def add_up_args(p: argparse.ArgumentParser) -> None:
         "--shutdown-grace",
         type=float,
         default=DEFAULT_SHUTDOWN_GRACE_S,
-        help="seconds each stage of shutdown gets before SIGKILL",
+        help="seconds each stage of shutdown gets, after --drain-timeout, before SIGKILL",
     )
     # Tests swap the real processes for fakes; not a user-facing knob.
     p.add_argument("--worker-cmd-prefix", default=None, help=argparse.SUPPRESS)
@@ -148,7 +155,7 @@ def worker_args(args: argparse.Namespace, role: str) -> list[str]:
     out = command_line(args, engine)
     if role_pool is not None:
         out += KV_POOL_TOKENS.argv(role_pool)
-    out += command_line(args, (API_KEY_FILE, LOG_LEVEL, *TRANSFER_OPTIONS))
+    out += command_line(args, (API_KEY_FILE, LOG_LEVEL, DRAIN_TIMEOUT, *TRANSFER_OPTIONS))
     out += command_line(args, (ADMIN_API_KEY_FILE,))
     out += DISAGGREGATION_MODE.argv(role)
     return out
@@ -174,7 +181,9 @@ def router_command(
     cmd = _prefix(args.router_cmd_prefix, [sys.executable, "-m", "kvfence.cli", "router"])
     cmd += ["--prefill", *prefill_urls, "--decode", *decode_urls]
     cmd += HOST.argv(args.host) + PORT.argv(args.port)
-    return cmd + command_line(args, (API_KEY_FILE, LOG_LEVEL, ADMIN_API_KEY_FILE))
+    return cmd + command_line(
+        args, (API_KEY_FILE, LOG_LEVEL, DRAIN_TIMEOUT, *ROUTING_OPTIONS, ADMIN_API_KEY_FILE)
+    )
 
 
 # ---- processes ---------------------------------------------------------------------------------
@@ -260,12 +269,15 @@ class StartupError(RuntimeError):
     pass
 
 
-def wait_healthy(children: Sequence[Child], timeout: float) -> None:
-    """Returns once every child's /health is 200; raises if one exits or time runs out."""
+def wait_healthy(
+    children: Sequence[Child], timeout: float, transport: httpx.BaseTransport | None = None
+) -> None:
+    """Returns once every child's /health is 200; raises if one exits or time runs out.
+    `transport` stands in for the network in tests."""
     pending = list(children)
     last: dict[str, str] = {c.name: "not listening yet" for c in children}
     deadline = time.monotonic() + timeout
-    with httpx.Client(timeout=1.0) as client:
+    with httpx.Client(timeout=1.0, transport=transport) as client:
         while pending:
             for c in list(pending):
                 code = c.exited()
@@ -334,6 +346,11 @@ def run_up(args: argparse.Namespace) -> int:
             err=True,
         )
         return 2
+    try:
+        RoutingConfig.from_args(args)  # refused here, not after every worker has started
+    except ConfigError as e:
+        say(f"kvfence up: {e}", err=True)
+        return 2
     if not Path(args.model).is_dir():
         say(f"kvfence up: model directory {args.model} does not exist (--model)", err=True)
         return 2
@@ -380,7 +397,11 @@ def run_up(args: argparse.Namespace) -> int:
         if args.linear_backend != "torch":
             kernels.packed_gemm()
 
-    previous = {s: signal.signal(s, _interrupt) for s in (signal.SIGTERM, signal.SIGHUP)}
+    restart = threading.Event()
+    previous = {
+        signal.SIGTERM: signal.signal(signal.SIGTERM, _interrupt),
+        signal.SIGHUP: signal.signal(signal.SIGHUP, lambda *_: restart.set()),
+    }
     prefills: list[Child] = []
     decodes: list[Child] = []
     routers: list[Child] = []
@@ -412,7 +433,14 @@ def run_up(args: argparse.Namespace) -> int:
         wait_healthy(routers, args.startup_timeout)
         for line in ready_lines(args, _model_name(args, decodes[0].url)):
             say(line)
-        return _watch(prefills + decodes + routers)
+        say(f"kvfence up: SIGHUP (kill -HUP {os.getpid()}) restarts the workers one at a time")
+        while True:
+            code = _watch(prefills + decodes + routers, restart)
+            if code is not None:
+                return code
+            restart.clear()
+            if not rolling_restart(args, (decodes, prefills), routers[0].url):
+                return 1
     except StartupError as e:
         say(f"kvfence up: start-up failed: {e}", err=True)
         return 1
@@ -420,7 +448,8 @@ def run_up(args: argparse.Namespace) -> int:
         say("kvfence up: stopping")
         return 0
     finally:
-        stop_all(stages, args.shutdown_grace)
+        # A worker drains for up to --drain-timeout before it exits on its own.
+        stop_all(stages, args.shutdown_grace + args.drain_timeout)
         for s, handler in previous.items():
             signal.signal(s, handler)
 
@@ -455,15 +484,68 @@ def _start(name: str, cmd: list[str], url: str, extra: str = "") -> Child:
     return child
 
 
-def _watch(children: Sequence[Child]) -> int:
-    """Until a signal: any child ending now is a failure of the whole set."""
-    while True:
+def _watch(children: Sequence[Child], restart: threading.Event) -> int | None:
+    """Until a signal: any child ending now is a failure of the whole set (1); None when a
+    rolling restart is asked for."""
+    while not restart.is_set():
         for c in children:
             code = c.exited()
             if code is not None:
                 c.report(f"exited unexpectedly with code {code}; stopping everything")
                 return 1
         time.sleep(_POLL_S)
+    return None
+
+
+def rolling_restart(
+    args: argparse.Namespace, pools: Sequence[list[Child]], router_url: str
+) -> bool:
+    """Each worker in turn: SIGTERM (it drains: the router stops sending to it, what it admitted
+    finishes), wait for it to exit, start it again with the same command and ports, and wait
+    until the router has it back in rotation before touching the next, so capacity never drops
+    by more than one worker. False if one cannot be brought back."""
+    for pool in pools:
+        for i, old in enumerate(pool):
+            say(f"kvfence up: rolling restart: draining {old.name} (pid {old.pid})")
+            old.signal_group(signal.SIGTERM)
+            try:
+                code = old.proc.wait(timeout=args.drain_timeout + args.shutdown_grace)
+            except subprocess.TimeoutExpired:
+                say(f"kvfence up: {old.name} did not exit after draining; killing it", err=True)
+                old.signal_group(signal.SIGKILL)
+                code = old.proc.wait()
+            old.finish()
+            say(f"kvfence up: {old.name} exited with code {code}; starting it again")
+            new = _start(old.name, old.cmd, old.url)
+            pool[i] = new
+            try:
+                wait_healthy([new], args.startup_timeout)
+                wait_in_rotation(router_url, new.url, args.startup_timeout)
+            except StartupError as e:
+                say(f"kvfence up: rolling restart failed: {e}", err=True)
+                return False
+            say(f"kvfence up: {new.name} is back in rotation")
+    say("kvfence up: rolling restart done")
+    return True
+
+
+def wait_in_rotation(
+    router_url: str, worker_url: str, timeout: float, headers: dict[str, str] | None = None
+) -> None:
+    """Until the router's /health lists worker_url as healthy (its next health poll). headers:
+    whatever the router wants before it shows its workers' detail."""
+    deadline = time.monotonic() + timeout
+    with httpx.Client(timeout=2.0, headers=headers) as client:
+        while True:
+            try:
+                workers = client.get(router_url + "/health").json().get("workers", [])
+                if any(w.get("url") == worker_url and w.get("healthy") for w in workers):
+                    return
+            except (httpx.HTTPError, ValueError, AttributeError):
+                pass
+            if time.monotonic() > deadline:
+                raise StartupError(f"the router did not take {worker_url} back in {timeout:g} s")
+            time.sleep(_POLL_S)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

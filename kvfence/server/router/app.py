@@ -12,9 +12,12 @@ from urllib.parse import quote
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
+from kvfence.config import RoutingConfig
+from kvfence.faults import Faults
 from kvfence.server.auth import single_authorization
 from kvfence.server.errors import APIError, install_handlers
 from kvfence.server.httpio import read_body
+from kvfence.server.request_id import RequestIdMiddleware
 from kvfence.server.router.args import (
     DEFAULT_CONNECT_TIMEOUT_S,
     DEFAULT_HEALTH_INTERVAL_S,
@@ -57,6 +60,8 @@ def build_router_app(
     request_timeout: float = DEFAULT_REQUEST_TIMEOUT_S,
     connect_timeout: float = DEFAULT_CONNECT_TIMEOUT_S,
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+    routing: RoutingConfig | None = None,
+    faults: Faults | None = None,
     operator_key: str | None = None,
 ) -> FastAPI:
     """The router app. Its lifespan opens the HTTP clients, runs one health round, then polls.
@@ -75,8 +80,9 @@ def build_router_app(
         request_timeout=request_timeout,
         connect_timeout=connect_timeout,
         max_body_bytes=max_body_bytes,
+        routing=routing or RoutingConfig(),
     )
-    state = RouterState(prefill, decode, api_keys, settings, operator_key)
+    state = RouterState(prefill, decode, api_keys, settings, faults, operator_key)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> Any:
@@ -91,6 +97,7 @@ def build_router_app(
     )
     app.state.router = state
     install_handlers(app)
+    app.add_middleware(RequestIdMiddleware)
 
     @app.get("/health")
     async def health(request: Request) -> JSONResponse:
@@ -105,17 +112,21 @@ def build_router_app(
         data, content_type = state.metrics.render()
         return Response(data, media_type=content_type)
 
-    def authenticate(request: Request) -> None:
+    def authenticate(request: Request) -> str:
         # First door: a bad key never costs a worker anything; two keys are refused, so the
         # worker sees the one key that was checked here (I6).
-        state.auth.tenant_for(single_authorization(request.headers.getlist("authorization")))
+        return state.auth.tenant_for(single_authorization(request.headers.getlist("authorization")))
 
     # Only the routes below are relayed, each to a path built here, never the client's path.
-    def relay_post(path: str) -> Any:
+    def relay_post(path: str, *, paired: bool = True) -> Any:
         async def handler(request: Request) -> Response:
-            authenticate(request)
+            tenant = authenticate(request)
             body = await read_body(request, settings.max_body_bytes)
-            return Relay(state, "POST", path, body, request_headers(request), paired=True)
+            # The tenant that routes the request is the key's, the same the worker will find.
+            key = state.routing.key(tenant, path, body) if paired else None
+            return Relay(
+                state, "POST", path, body, request_headers(request), paired=paired, prefix=key
+            )
 
         return handler
 
@@ -138,6 +149,9 @@ def build_router_app(
 
     for path in ("/v1/completions", "/v1/chat/completions"):
         app.add_api_route(path, relay_post(path), methods=["POST"])
+    for path in ("/tokenize", "/detokenize"):
+        # Tokenizer only: any healthy decode answers, no prefill is involved.
+        app.add_api_route(path, relay_post(path, paired=False), methods=["POST"])
     app.add_api_route("/v1/models", list_models, methods=["GET"])
     app.add_api_route("/v1/models/{model_id:path}", get_model, methods=["GET"])
     return app

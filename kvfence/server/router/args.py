@@ -1,11 +1,13 @@
-"""The router's settings (timeouts, body limit) with their defaults, and its command-line flags."""
+"""The router's settings (timeouts, body limit, routing policy) with their defaults, and its
+command-line flags."""
 
 from __future__ import annotations
 
 import argparse
 from dataclasses import dataclass
 
-from kvfence.args import SERVER_OPTIONS, add_options
+from kvfence.args import ROUTING_OPTIONS, SERVER_OPTIONS, add_options
+from kvfence.config import RoutingConfig
 
 DEFAULT_HEALTH_INTERVAL_S = 2.0
 DEFAULT_HEALTH_TIMEOUT_S = 2.0
@@ -22,6 +24,7 @@ class RouterSettings:
     request_timeout: float = DEFAULT_REQUEST_TIMEOUT_S
     connect_timeout: float = DEFAULT_CONNECT_TIMEOUT_S
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
+    routing: RoutingConfig = RoutingConfig()
 
     def __post_init__(self) -> None:
         for name in ("health_interval", "health_timeout", "request_timeout", "connect_timeout"):
@@ -63,3 +66,4 @@ def add_router_args(p: argparse.ArgumentParser) -> None:
         help="seconds a whole request (stream included) may take",
     )
     p.add_argument("--connect-timeout", type=float, default=DEFAULT_CONNECT_TIMEOUT_S)
+    add_options(p.add_argument_group("routing policy"), ROUTING_OPTIONS)

@@ -7,6 +7,8 @@ import logging
 import sys
 from collections.abc import Sequence
 
+from kvfence.config import RoutingConfig
+from kvfence.faults import Faults
 from kvfence.server.auth import ApiKeyFileError, load_api_keys
 from kvfence.server.httpio import ReadyServer, server_config
 from kvfence.server.operator import load_operator_key
@@ -27,6 +29,9 @@ def run_router(args: argparse.Namespace) -> int:
             health_timeout=args.health_timeout,
             request_timeout=args.request_timeout,
             connect_timeout=args.connect_timeout,
+            routing=RoutingConfig.from_args(args),
+            # None armed unless a test harness started this process with KVFENCE_FAULTS.
+            faults=Faults.from_env(),
             operator_key=operator_key,
         )
         if operator_key is None:
@@ -35,7 +40,7 @@ def run_router(args: argparse.Namespace) -> int:
                 "the operator key: pass --admin-api-key-file (or set KVFENCE_ADMIN_API_KEY), "
                 "the same key its workers have; `kvfence up` makes one"
             )
-    except (ApiKeyFileError, ValueError) as e:
+    except (ApiKeyFileError, ValueError, RuntimeError) as e:
         print(f"kvfence router: {e}", file=sys.stderr)
         return 1
     state: RouterState = app.state.router
@@ -55,9 +60,10 @@ def run_router(args: argparse.Namespace) -> int:
         host=args.host,
         port=args.port,
         log_level=args.log_level,
-        # Closing what is still open after the grace is safe: a closed upstream connection is
-        # how a decode learns to abort its transfer with acknowledgement.
-        timeout_graceful_shutdown=DEFAULT_GRACEFUL_SHUTDOWN_S,
+        # On SIGTERM uvicorn stops accepting and lets open relays finish within the drain
+        # timeout; closing what is still open then is safe: a closed upstream connection is how
+        # a decode learns to abort its transfer with acknowledgement.
+        timeout_graceful_shutdown=max(DEFAULT_GRACEFUL_SHUTDOWN_S, args.drain_timeout),
     )
     server = ReadyServer(config, ready)
     server.run()

@@ -16,8 +16,11 @@ from fastapi.responses import Response
 from starlette.types import Message, Receive, Scope, Send
 
 from kvfence import sse
+from kvfence.server.drain import NOT_ADMITTED_HEADER
 from kvfence.server.errors import SERVER_ERROR, APIError
 from kvfence.server.hop import HEADER_PREFILL, sign_prefill
+from kvfence.server.request_id import client_request_id
+from kvfence.server.router.prefix_index import PrefixKey
 from kvfence.server.router.state import RouterState, no_workers
 from kvfence.server.router.workers import Worker
 from kvfence.sse import Event, SSEParser
@@ -54,8 +57,14 @@ _DROPPED_RESPONSE_HEADERS = frozenset(
         "content-encoding",
         "date",
         "server",
+        NOT_ADMITTED_HEADER.lower(),
     }
 )
+
+
+# A decode's 503 codes that mean its paired prefill refused the room because it is draining, or
+# could not be reached at all.
+_PREFILL_GONE = frozenset({"draining", "prefill_unavailable"})
 
 
 def _unreachable() -> APIError:
@@ -140,6 +149,7 @@ class Relay(Response):
         *,
         paired: bool,
         route: str | None = None,
+        prefix: PrefixKey | None = None,
     ) -> None:
         super().__init__()
         self._state = state
@@ -149,8 +159,10 @@ class Relay(Response):
         self._body = body
         self._headers = headers
         self._paired = paired
+        self._prefix = prefix
         self._p = _Progress()
         self._held: list[Worker] = []
+        self._draining: bytes | None = None  # a draining decode's 503 body, if one refused us
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         start = time.monotonic()
@@ -164,10 +176,12 @@ class Relay(Response):
             status = p.status if p.status is not None else 499  # nginx: client closed request
             self._state.metrics.requests.labels(path=self._route, status=str(status)).inc()
             logger.info(
-                "%s %s status=%d decode=%s prefill=%s client_gone=%s%s duration_s=%.4f",
+                "%s %s status=%d client_request_id=%s decode=%s prefill=%s client_gone=%s%s "
+                "duration_s=%.4f",
                 self._method,
                 self._path,
                 status,
+                client_request_id(scope),
                 p.decode.name if p.decode else "-",
                 p.prefill.name if p.prefill else "-",
                 p.client_gone,
@@ -203,10 +217,9 @@ class Relay(Response):
         st, p = self._state, self._p
         tried: list[Worker] = []
         for attempt in range(2):
-            decode = st.decode.pick(exclude=tried)
-            prefill = st.prefill.pick(partner=decode) if self._paired and decode else None
-            if decode is None or (self._paired and prefill is None):
-                await self._send_error(send, _unreachable() if tried else no_workers())
+            decode, prefill = self._pick(tried)
+            if decode is None:
+                await self._give_up(send, _unreachable() if tried else no_workers())
                 return
             p.decode, p.prefill = decode, prefill
             headers = dict(self._headers)
@@ -219,14 +232,28 @@ class Relay(Response):
             try:
                 if await self._exchange(send, decode, headers):
                     return
-                # Nothing reached that decode: safe to send the same request elsewhere, once.
+                # Nothing reached that decode's engine: safe to send the request elsewhere, once.
                 tried.append(decode)
                 if attempt == 0:
                     st.metrics.retries.inc()
                     p.extra.append(f"retried_from={decode.name}")
             finally:
                 self._release()
-        await self._send_error(send, _unreachable())
+        await self._give_up(send, _unreachable())
+
+    async def _give_up(self, send: Send, err: APIError) -> None:
+        if self._draining is not None:  # the clearer news: the worker is shutting down
+            await self._whole(send, 503, [(b"content-type", b"application/json")], self._draining)
+        else:
+            await self._send_error(send, err)
+
+    def _pick(self, tried: list[Worker]) -> tuple[Worker | None, Worker | None]:
+        """A decode and the prefill it pairs with, by the routing policy; or a decode alone."""
+        st = self._state
+        if not self._paired:
+            return st.decode.pick(exclude=tried), None
+        pair = st.routing.pick_pair(self._prefix, exclude=tried)
+        return (pair.decode.worker, pair.prefill.worker) if pair else (None, None)
 
     def _hold(self, *workers: Worker | None) -> None:
         # The prefill is counted busy for the whole answer: the router cannot see when the
@@ -266,6 +293,17 @@ class Relay(Response):
                 ),
             )
             return True
+        if upstream.status_code == 503 and upstream.headers.get(NOT_ADMITTED_HEADER):
+            # Draining: it refused at its door, before any engine saw the request.
+            try:
+                self._draining = await upstream.aread()
+            except httpx.HTTPError:
+                self._draining = None
+            finally:
+                await upstream.aclose()
+            st.mark_down(decode, "draining (refused a request at admission)")
+            self._p.extra.append(f"draining={decode.name}")
+            return False
         try:
             await self._relay(send, decode, upstream)
         finally:
@@ -293,6 +331,8 @@ class Relay(Response):
                 )
                 return
             self._release()
+            if upstream.status_code == 503:
+                self._note_prefill_gone(body)
             await self._whole(send, upstream.status_code, headers, body)
             return
         p.sse = True
@@ -320,6 +360,19 @@ class Relay(Response):
             )
         )
         await self._end_stream(send, tail)
+
+    def _note_prefill_gone(self, body: bytes) -> None:
+        """The decode says its prefill is draining or gone: out of rotation now, not at the next
+        health poll, so the requests behind this one pair elsewhere. The poll brings it back."""
+        prefill = self._p.prefill
+        if prefill is None:
+            return
+        try:
+            code = json.loads(body)["error"]["code"]
+        except (ValueError, KeyError, TypeError):
+            return
+        if code in _PREFILL_GONE:
+            self._state.mark_down(prefill, f"a decode reported {code}")
 
     async def _start(self, send: Send, status: int, headers: list[tuple[bytes, bytes]]) -> None:
         self._p.status = status

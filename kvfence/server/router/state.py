@@ -11,11 +11,13 @@ from urllib.parse import urlsplit
 
 import httpx
 
+from kvfence.faults import Faults
 from kvfence.server.auth import Authenticator
 from kvfence.server.errors import APIError
 from kvfence.server.operator import OperatorGate, operator_headers
 from kvfence.server.router.args import RouterSettings
 from kvfence.server.router.metrics import RouterMetrics
+from kvfence.server.router.policy import Routing
 from kvfence.server.router.workers import Role, Worker, WorkerPool, pairing_error
 
 logger = logging.getLogger("kvfence.router")
@@ -28,6 +30,7 @@ class RouterState:
         decode_urls: Sequence[str],
         api_keys: dict[str, str] | None,
         settings: RouterSettings,
+        faults: Faults | None = None,
         operator_key: str | None = None,
     ) -> None:
         self.operator_key = operator_key
@@ -39,6 +42,9 @@ class RouterState:
         self.auth = Authenticator(api_keys)
         self.settings = settings
         self.metrics = RouterMetrics(self.pools)
+        self.routing = Routing(
+            self.prefill, self.decode, settings.routing, faults or Faults(), self.metrics.registry
+        )
         self._proxy: httpx.AsyncClient | None = None
         self._probe: httpx.AsyncClient | None = None
         self._health_task: asyncio.Task[None] | None = None

@@ -55,11 +55,19 @@ class WorkerPool:
         return w.healthy and (self.role is Role.DECODE or w.bootstrap is not None)
 
     def pick(self, exclude: Sequence[Worker] = (), partner: Worker | None = None) -> Worker | None:
-        candidates = [
+        return self.least_loaded(self.candidates(exclude, partner))
+
+    def candidates(
+        self, exclude: Sequence[Worker] = (), partner: Worker | None = None
+    ) -> list[Worker]:
+        """The workers a request may go to: usable, not excluded, and able to pair (I7)."""
+        return [
             w
             for w in self.workers
             if self.usable(w) and w not in exclude and pairing_error(w, partner) is None
         ]
+
+    def least_loaded(self, candidates: Sequence[Worker]) -> Worker | None:
         if not candidates:
             return None
         least = min(w.in_flight for w in candidates)

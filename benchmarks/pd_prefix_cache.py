@@ -1,0 +1,260 @@
+"""The prefix cache across PD (issue 18): a 2 prefill + 2 decode `kvfence up` with the cache-aware
+router, with least-loaded routing, and with the workers' caches off, on the multi-turn and
+shared-prefix workloads of benchmarks/prefix_cache.py (8 tenants, an API key each): TTFT p50/p99,
+throughput, hit rates (the client's cached-token share, each role's prefix-cache hits), KV bytes
+transferred per request and per prompt token, every PD counter's change, and the router's
+decisions.
+
+Configurations, each a fresh `kvfence up` per round (cold caches), the order reversed every round:
+  cache-aware    --router-policy cache_aware (the default)
+  least-loaded   --router-policy least_loaded
+  cache-off      --router-policy least_loaded --no-enable-prefix-caching (every worker)
+
+    .venv/bin/python benchmarks/pd_prefix_cache.py --rounds 2
+    .venv/bin/python benchmarks/pd_prefix_cache.py --tiny --rounds 1   # smoke test, minutes
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import secrets
+import statistics
+import sys
+import tempfile
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+sys.path.append(str(Path(__file__).resolve().parent.parent))  # after PYTHONPATH
+
+from benchmarks.common import (  # noqa: E402
+    RESULTS,
+    Server,
+    bench_model,
+    free_port,
+    kvfence_bin,
+    machine,
+    this_command,
+    write_json,
+)
+from benchmarks.prefix_cache import KEYS, run_bench, workload_argv  # noqa: E402
+
+CONFIGS = {
+    "cache-aware": ["--router-policy", "cache_aware"],
+    "least-loaded": ["--router-policy", "least_loaded"],
+    "cache-off": ["--router-policy", "least_loaded", "--no-enable-prefix-caching"],
+}
+WORKLOADS = ("multi-turn", "shared-prefix")
+WARMUP = 1  # the bench's warm-up requests: they go through the workers' counters too
+_STARTED = re.compile(r"kvfence up: started ((?:prefill|decode)-\d+) \(pid \d+\) on (http://\S+?)(?:,|$)")
+# Worker /metrics counters that say what a role's prefix cache did (tokens).
+_CACHE_COUNTERS = ("kvfence_prefix_cache_queries_total", "kvfence_prefix_cache_hits_total")
+
+
+def start(config: str, a: argparse.Namespace, model: Path, keys: Path, op_key: str) -> Server:
+    port = free_port()
+    argv = [
+        kvfence_bin(), "up", "--prefill", "2", "--decode", "2", "--model", str(model),
+        "--port", str(port), "--context-length", str(a.context_length),
+        "--kv-pool-tokens", str(a.pool_tokens), "--api-key-file", str(keys),
+        "--log-level", "warning", *CONFIGS[config],
+    ]  # fmt: skip
+    # The operator key opens the workers' /pd/info and /metrics where they ask for it (issue 15).
+    env = {"KVFENCE_ADMIN_API_KEY": op_key}
+    return Server(argv, port, env, log=Path(a.out) / f"pd_prefix_cache-{config}.log")
+
+
+def worker_urls(log: Path) -> dict[str, str]:
+    """Each worker's URL, from `kvfence up`'s own start-up lines."""
+    found = {m.group(1): m.group(2) for m in map(_STARTED.search, log.read_text().splitlines())
+             if m}  # fmt: skip
+    if len(found) != 4:
+        raise RuntimeError(f"expected 4 workers in {log}, found {sorted(found)}")
+    return found
+
+
+def _samples(text: str) -> dict[str, float]:
+    """Prometheus text -> {"name{labels}": value} (counters and gauges only)."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    out: dict[str, float] = {}
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:
+            labels = ",".join(f'{k}="{v}"' for k, v in sorted(s.labels.items()))
+            out[f"{s.name}{{{labels}}}" if labels else s.name] = float(s.value)
+    return out
+
+
+def snapshot(router: str, workers: Mapping[str, str], op_key: str) -> dict[str, Any]:
+    """What the workers and the router have counted so far (their deltas are a run's)."""
+    headers = {"Authorization": f"Bearer {op_key}"}
+    out: dict[str, Any] = {"workers": {}, "router": {}}
+    with httpx.Client(timeout=10, trust_env=False, headers=headers) as c:
+        for name, url in workers.items():
+            info = c.get(url + "/pd/info")
+            metrics = c.get(url + "/metrics")
+            if info.status_code != 200 or metrics.status_code != 200:
+                raise RuntimeError(f"{name}: /pd/info {info.status_code}, /metrics "
+                                   f"{metrics.status_code}: {info.text[:200]}")
+            samples = _samples(metrics.text)
+            out["workers"][name] = {
+                "counters": {k: float(v) for k, v in (info.json().get("counters") or {}).items()},
+                "cache": {k: samples.get(k, 0.0) for k in _CACHE_COUNTERS},
+            }
+        r = c.get(router + "/metrics")
+        if r.status_code == 200:
+            out["router"] = {k: v for k, v in _samples(r.text).items()
+                             if k.startswith(("kvfence_router_decisions_total",
+                                              "kvfence_router_predicted_hit_tokens_total",
+                                              "kvfence_router_routed_prompt_tokens_total"))}
+    return out
+
+
+def delta(before: dict[str, Any], after: dict[str, Any]) -> dict[str, Any]:
+    def sub(b: Mapping[str, float], a: Mapping[str, float]) -> dict[str, float]:
+        return {k: a[k] - b.get(k, 0.0) for k in a if a[k] - b.get(k, 0.0)}
+
+    workers = {
+        name: {part: sub(before["workers"][name][part], w[part]) for part in w}
+        for name, w in after["workers"].items()
+    }
+    return {"workers": workers, "router": sub(before["router"], after["router"])}
+
+
+def summarize_run(result: dict[str, Any], d: dict[str, Any]) -> dict[str, Any]:
+    """One workload's figures: the bench's, and what the counters say it cost the cluster."""
+    requests = result["completed"] + result["failed"] + WARMUP
+
+    def role_sum(role: str, part: str, key: str) -> float:
+        return sum(w[part].get(key, 0.0) for n, w in d["workers"].items() if n.startswith(role))
+
+    kv_bytes = role_sum("prefill", "counters", "bytes_sent")
+    hit_rate = {}
+    for role in ("prefill", "decode"):
+        q = role_sum(role, "cache", "kvfence_prefix_cache_queries_total")
+        h = role_sum(role, "cache", "kvfence_prefix_cache_hits_total")
+        hit_rate[role] = h / q if q else None
+    return {
+        **result,
+        "kv_bytes_per_request": kv_bytes / requests,
+        "kv_bytes_per_prompt_token": kv_bytes / max(1, result["total_input_tokens"]),
+        "worker_prefix_cache_hit_rate": hit_rate,
+        "counters": d,
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default=None, help="default: build the SmolLM-135M-shaped one")
+    p.add_argument("--tiny", action="store_true", help="a 2-layer model, small workloads (smoke)")
+    p.add_argument("--rounds", type=int, default=2)
+    p.add_argument("--configs", default=",".join(CONFIGS))
+    p.add_argument("--workloads", default=",".join(WORKLOADS))
+    p.add_argument("--concurrency", type=int, default=8)
+    p.add_argument("--prompts-per-group", type=int, default=8)
+    p.add_argument("--system-prompt-len", type=int, default=1024)
+    p.add_argument("--question-len", type=int, default=128)
+    p.add_argument("--output-len", type=int, default=64)
+    p.add_argument("--chats", type=int, default=16)
+    p.add_argument("--turns", type=int, default=4)
+    p.add_argument("--chat-input-len", type=int, default=256)
+    p.add_argument("--chat-question-len", type=int, default=64)
+    p.add_argument("--context-length", type=int, default=2048)
+    p.add_argument("--pool-tokens", type=int, default=23_000, help="each worker's KV pool")
+    p.add_argument("--out", default=str(RESULTS))
+    p.add_argument("--name", default="pd_prefix_cache")
+    a = p.parse_args(argv)
+    if a.tiny:
+        a.prompts_per_group, a.system_prompt_len, a.question_len, a.output_len = 2, 64, 16, 4
+        a.chats, a.turns, a.chat_input_len, a.chat_question_len = 4, 3, 48, 8
+        a.context_length, a.pool_tokens, a.concurrency = 512, 4096, 4  # the probe sends 256
+    configs = [c for c in a.configs.split(",") if c]
+    workloads = [w for w in a.workloads.split(",") if w]
+    if unknown := (set(configs) - set(CONFIGS)) | (set(workloads) - set(WORKLOADS)):
+        p.error(f"unknown configuration or workload: {', '.join(sorted(unknown))}")
+    out = Path(a.out)
+    out.mkdir(parents=True, exist_ok=True)
+    cmd = this_command()
+    model = bench_model(a.model, a.tiny)
+    a.vocab = int(json.loads((model / "config.json").read_text())["vocab_size"])
+    tmp = Path(tempfile.mkdtemp(prefix="kvfence-pd-prefix-bench-"))
+    keys = tmp / "keys.txt"
+    keys.write_text("".join(f"{k} tenant{i}\n" for i, k in enumerate(KEYS)))
+    op_key = "op-" + secrets.token_hex(24)  # the operator key: 16+ characters, no spaces
+    rounds: list[dict[str, Any]] = []
+    for r in range(a.rounds):
+        seed = 200 + r  # every configuration sees the same prompts in a round
+        rounds.append({})
+        for config in configs if r % 2 == 0 else configs[::-1]:
+            srv = start(config, a, model, keys, op_key)
+            res: dict[str, Any] = {"server_command": srv.command}
+            try:
+                srv.wait_ready(timeout=900)
+                workers = worker_urls(Path(srv.log or ""))
+                for w in workloads:
+                    before = snapshot(srv.url, workers, op_key)
+                    result = run_bench(srv.url, workload_argv(w, a, seed))
+                    res[w] = summarize_run(result, delta(before, snapshot(srv.url, workers,
+                                                                          op_key)))
+                    print(f"round {r + 1} {config} {w}: "
+                          f"{res[w]['total_token_throughput']:.1f} tok/s, TTFT p50 "
+                          f"{res[w]['ttft_ms']['p50']:.0f} ms p99 {res[w]['ttft_ms']['p99']:.0f}"
+                          f" ms, KV {res[w]['kv_bytes_per_request'] / 1024:.0f} KiB/request, "
+                          f"hit rates {res[w]['worker_prefix_cache_hit_rate']}", flush=True)
+            except Exception as ex:  # noqa: BLE001 - recorded; the other configurations run
+                res["error"] = f"{type(ex).__name__}: {ex}"[-1500:]
+                print(f"round {r + 1} {config}: {res['error']}", flush=True)
+            finally:
+                srv.stop()
+            rounds[-1][config] = res
+
+    def med(config: str, w: str, f: Any) -> float:
+        xs = [f(rd[config][w]) for rd in rounds if isinstance(rd.get(config, {}).get(w), dict)]
+        xs = [x for x in xs if x is not None]
+        return statistics.median(xs) if xs else float("nan")
+
+    figures = {
+        "ttft_p50_ms": lambda x: x["ttft_ms"]["p50"],
+        "ttft_p99_ms": lambda x: x["ttft_ms"]["p99"],
+        "throughput": lambda x: x["total_token_throughput"],
+        "cached_token_share": lambda x: x["cached_token_share"],
+        "prefill_hit_rate": lambda x: x["worker_prefix_cache_hit_rate"]["prefill"],
+        "decode_hit_rate": lambda x: x["worker_prefix_cache_hit_rate"]["decode"],
+        "kv_bytes_per_request": lambda x: x["kv_bytes_per_request"],
+        "kv_bytes_per_prompt_token": lambda x: x["kv_bytes_per_prompt_token"],
+    }
+    summary = {f"{c}|{w}": {k: med(c, w, f) for k, f in figures.items()}
+               for c in configs for w in workloads}  # fmt: skip
+
+    def ratio(num: str, den: str, key: str) -> float:
+        x, y = summary.get(num, {}).get(key, float("nan")), summary.get(den, {}).get(key)
+        return x / y if y == y and y else float("nan")
+
+    goals = {
+        "multi-turn TTFT p50 cache-off / cache-aware (goal >= 2)": ratio(
+            "cache-off|multi-turn", "cache-aware|multi-turn", "ttft_p50_ms"),
+        "multi-turn TTFT p50 least-loaded / cache-aware": ratio(
+            "least-loaded|multi-turn", "cache-aware|multi-turn", "ttft_p50_ms"),
+        "shared-prefix TTFT p50 cache-off / cache-aware": ratio(
+            "cache-off|shared-prefix", "cache-aware|shared-prefix", "ttft_p50_ms"),
+        "multi-turn KV bytes per prompt token cache-aware / cache-off (goal: new tokens only)":
+            ratio("cache-aware|multi-turn", "cache-off|multi-turn", "kv_bytes_per_prompt_token"),
+    }  # fmt: skip
+    for k, v in summary.items():
+        print(f"{k}: " + ", ".join(f"{n} {x:.3g}" for n, x in v.items()))
+    for k, v in goals.items():
+        print(f"{k}: {v:.3f}")
+    write_json(out / f"{a.name}.json", {
+        "command": cmd, "machine": machine(), "config": vars(a), "rounds": rounds,
+        "summary": summary, "goals": goals,
+    })  # fmt: skip
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
