@@ -78,7 +78,7 @@ def build_app(
         faults,
         drain,
         OperatorGate(operator_key, api_keys is not None, faults),
-        HopVerifier(operator_key, faults),
+        HopVerifier(operator_key, faults, dials=_role(engine) == "decode"),
     )
     app = FastAPI(title="kvfence", docs_url=None, redoc_url=None, openapi_url=None)
     app.state.kvfence = state
@@ -291,6 +291,13 @@ def _interrupt(signum: int, frame: FrameType | None) -> None:
 
 
 # ---- request handling ------------------------------------------------------------------------
+
+
+def _role(engine: RoleService) -> str:
+    try:
+        return str(engine.info().get("role"))
+    except Exception:  # a test double without info(): not a decode
+        return "unknown"
 
 
 def _engine_alive(engine: RoleService) -> bool:

@@ -54,7 +54,11 @@ class HopVerifier:
         operator_key: str | None,
         faults: Faults | None = None,
         clock: Callable[[], float] = time.time,
+        dials: bool = True,
     ) -> None:
+        """dials: this node dials the address (a decode); any other role never reads it, so
+        there the header is dropped unchecked, as it always was ignored."""
+        self._dials = dials
         self._key = _hop_key(operator_key) if operator_key is not None else None
         self._faults = faults if faults is not None else Faults()
         self._clock = clock
@@ -68,7 +72,7 @@ class HopVerifier:
         """The prefill address this request may use, None when it names none; raises a 403
         (before anything is reserved or dialled) when it names one the router did not sign."""
         addresses = headers.getlist(HEADER_PREFILL)  # type: ignore[attr-defined]
-        if not addresses:
+        if not addresses or not self._dials:
             return None
         if len(addresses) != 1 or len(addresses[0]) > _MAX_ADDRESS:
             raise _refused("Send exactly one prefill address.")
