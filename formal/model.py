@@ -40,6 +40,9 @@ FAULTS = (
     "client_abort",
     "truncate",  # prefill sends only the first page and a DONE that agrees (a prefill bug)
     "corrupt",  # one page's bytes change on the way (checksums no longer match)
+    # decode's prefix cache hands a request a page holding other KV (a key collision or a
+    # namespace bug): its RESERVE claims a prefix that is not the request's
+    "wrong_prefix",
 )
 # Faults after which a room may legitimately need a timeout to end: something was lost (or a
 # replay orphaned a room).
@@ -47,7 +50,7 @@ LOSSY = frozenset(
     {"drop", "dup", "decode_timeout", "prefill_timeout", "decode_crash", "prefill_crash"}
 )
 # Guards that live outside protocol.Guards: the environment/runtime applies them.
-MODEL_GUARDS = frozenset({"admission", "tag_check"})
+MODEL_GUARDS = frozenset({"admission", "tag_check", "prefix_pin", "prefix_digest"})
 ALL_GUARDS = p.GUARDS | MODEL_GUARDS
 
 # Bugs this checker found in the runtime's glue (not in protocol.py). The model mirrors the
@@ -59,6 +62,7 @@ FINDINGS: dict[str, str] = {}
 
 STALE = -1  # KV left in a page by an earlier request of another tenant (pages are never zeroed)
 CORRUPT = -2
+CACHE = -3  # owner of a sealed decode prefix-cache page (the pool's CACHE_OWNER)
 PRIOR_TENANT = "Z"
 
 
@@ -66,6 +70,10 @@ PRIOR_TENANT = "Z"
 class ReqSpec:
     tenant: str
     n_tokens: int  # page_size is 1 token in the model, so also the page count
+    # Leading pages decode's prefix cache holds for it at the start (an earlier turn of the
+    # same tenant left them): decode references them, reserves only the rest, and prefill
+    # sends only the rest.
+    cached: int = 0
 
 
 @dataclass(frozen=True)
@@ -102,11 +110,14 @@ class Req:
     # decode side
     droom: p.DecodeRoom | None = None
     dpages: tuple[int, ...] = ()  # the sequence's page table (the full prompt)
+    dcached: tuple[int, ...] = ()  # its leading cache pages, referenced (pinned), not owned
+    prefix_sums: tuple[int, ...] = ()  # their checksums when RESERVE went out
     client: tuple = ()  # () | ("ok",) | ("err", code, status): what the client was told
     abort_pending: bool = False  # the engine told the client; ClientAborted not yet fed
     # prefill side
     proom: p.PrefillRoom | None = None
     dst: tuple[int, ...] = ()  # decode pages named by the RESERVE prefill acts on
+    skip: int = 0  # leading pages decode holds (RESERVE's cached count): never sent
     n_send: int = 0  # tokens (= pages) prefill computes and sends
     ppages: tuple[int, ...] = ()
     computed: bool = False
@@ -130,6 +141,7 @@ class World:
     d2p: tuple[Msg, ...] = ()
     p2d: tuple[Msg, ...] = ()
     rdma: tuple[Msg, ...] = ()  # one-sided writes in flight (mooncake)
+    pins: tuple[int, ...] = ()  # per decode page: references of live requests (cache pages)
     budget: tuple[int, ...] = ()
     spent: frozenset[str] = field(default_factory=frozenset)  # fault kinds used so far
 
@@ -152,6 +164,8 @@ class Model:
         self.guards = p.Guards(frozenset(cfg.off & p.GUARDS))
         self.admission = "admission" not in cfg.off
         self.tag_check = "tag_check" not in cfg.off
+        self.prefix_pin = "prefix_pin" not in cfg.off
+        self.prefix_digest = "prefix_digest" not in cfg.off
         self.mooncake = cfg.transport == "mooncake"
         self.total_budget = sum(cfg.budget())
         limits = AdmissionLimits(cfg.context_length, cfg.decode_pages, vocab_size=100)
@@ -171,11 +185,14 @@ class Model:
 
     def initial(self) -> World:
         c = self.cfg
+        # Decode's prefix cache at the start: each request's cached prefix, sealed, in order.
+        cached = [(CACHE, data_of(r, i)) for r, s in enumerate(c.requests) for i in range(s.cached)]
         return World(
             reqs=tuple(Req() for _ in c.requests),
-            dpool=tuple((None, STALE) for _ in range(c.decode_pages)),
+            dpool=tuple(cached + [(None, STALE)] * (c.decode_pages - len(cached))),
             ppool=tuple((None, STALE) for _ in range(c.prefill_pages)),
             budget=c.budget(),
+            pins=(0,) * c.decode_pages,
         )
 
     # ---- small helpers -----------------------------------------------------------------------
@@ -215,7 +232,11 @@ class Model:
         for pg in w.reqs[r].dpages:
             if pool[pg][0] == r:
                 pool[pg] = (None, pool[pg][1])
-        return self._set(replace(w, dpool=tuple(pool)), r, dpages=())
+        pins = list(w.pins)
+        for pg in w.reqs[r].dcached:
+            pins[pg] -= 1  # the reference goes; the page stays cached (evictable at 0)
+        w = replace(w, dpool=tuple(pool), pins=tuple(pins))
+        return self._set(w, r, dpages=(), dcached=())
 
     def _free_prefill(self, w: World, r: int) -> World:
         pool = list(w.ppool)
@@ -258,7 +279,7 @@ class Model:
     def _decode_read(self, w: World, r: int) -> World:
         """The runner decodes over the sequence's page table, then the request finishes."""
         req = w.reqs[r]
-        if self.tag_check and any(w.dpool[pg][0] != r for pg in req.dpages):
+        if self.tag_check and any(not self._readable(w, r, pg) for pg in req.dpages):
             w = self._tell(w, r, ("err", "page_ownership", 500))
         else:
             wrong = False
@@ -267,7 +288,7 @@ class Model:
                 if data != data_of(r, i):
                     wrong = True
                     owner = w.dpool[pg][0]
-                    who = "free" if owner is None else f"owned by r{owner}"
+                    who = owner_text(owner)
                     w = self._bad(
                         w,
                         r,
@@ -284,10 +305,16 @@ class Model:
         w = self._free_decode(w, r)
         return self._set(w, r, stage=Stage.DONE)
 
+    @staticmethod
+    def _readable(w: World, r: int, pg: int) -> bool:
+        """I2 as the pool checks it: a page r's grant owns, or a cache page r references."""
+        owner = w.dpool[pg][0]
+        return owner == r or (owner == CACHE and pg in w.reqs[r].dcached)
+
     # ---- prefill glue: prefill.py _on_reserve / _feed / _execute / _send_pages --------------
 
     def _prefill_reserve(self, w: World, r: int, msg: Msg) -> World:
-        _, _, _, dst, n_tokens = msg
+        _, _, _, dst, n_tokens, skip, claim = msg
         req = w.reqs[r]
         if req.proom is not None and req.proom.state is not p.PState.CLOSED:
             # prefill.py: a second RESERVE of a live room aborts the live room, then answers
@@ -302,6 +329,9 @@ class Model:
             event, n_tokens = p.ReserveArrived(True), 1  # the incident: swap in a placeholder
         else:
             event = p.ReserveArrived(False, verdict.code, verdict.message, 400)
+        if self.prefix_digest and claim != tuple(data_of(r, i) for i in range(skip)):
+            # prefill.py _prefix_problem: decode's cached prefix is not this room's prompt.
+            event = p.ReserveArrived(False, "kv_prefix_mismatch", "", 500)
         fx = _PrefillWorld(self, w, r)
         room = prefill_start(f"r{r}", event, fx)
         w = fx.w
@@ -311,6 +341,7 @@ class Model:
                 r,
                 proom=room,
                 dst=dst,
+                skip=skip,
                 n_send=n_tokens,
                 ppages=(),
                 computed=False,
@@ -341,30 +372,32 @@ class Model:
 
     def _send_page(self, w: World, r: int, corrupt: bool) -> World:
         req = w.reqs[r]
-        i = req.psent
-        data = w.ppool[req.ppages[i]][1]
+        i = req.psent  # counted from the first page decode lacks
+        data = w.ppool[req.ppages[req.skip + i]][1]
         msg = ("PAGE", r, True, i, req.dst[i], CORRUPT if corrupt else data, cks(data))
         w = replace(w, p2d=(*w.p2d, msg))
         return self._set(w, r, psent=i + 1, sums=(*req.sums, (i, cks(data))))
 
     def _send_writes(self, w: World, r: int, corrupt: bool) -> World:
         req = w.reqs[r]
+        n = req.n_send - req.skip
         writes = tuple(
-            ("WRITE", r, i, req.dst[i], req.ppages[i], corrupt and i == 0)
-            for i in range(req.n_send)
+            ("WRITE", r, i, req.dst[i], req.ppages[req.skip + i], corrupt and i == 0)
+            for i in range(n)
         )
-        sums = tuple((i, cks(w.ppool[req.ppages[i]][1])) for i in range(req.n_send))
+        sums = tuple((i, cks(w.ppool[req.ppages[req.skip + i]][1])) for i in range(n))
         return self._set(replace(w, rdma=w.rdma + writes), r, writing=True, sums=sums)
 
     def _send_headers_and_done(self, w: World, r: int) -> World:
         req = w.reqs[r]
         headers = tuple(("PAGE", r, True, i, req.dst[i], None, c) for i, c in req.sums)
-        w = self._set(replace(w, p2d=w.p2d + headers), r, psent=req.n_send)
+        w = self._set(replace(w, p2d=w.p2d + headers), r, psent=req.n_send - req.skip)
         return self._send_done(w, r)
 
     def _send_done(self, w: World, r: int) -> World:
         req = w.reqs[r]
-        done = p.Done(f"r{r}", req.n_send, req.n_send, p.digest_of(req.sums, req.n_send), 0)
+        digest = p.digest_of(req.sums, req.n_send)
+        done = p.Done(f"r{r}", req.n_send, req.n_send, digest, 0, cached_tokens=req.skip)
         return self._prefill_feed(w, r, p.SendComplete(done))
 
     # ---- deliveries --------------------------------------------------------------------------
@@ -408,9 +441,9 @@ class Model:
             # decode.py feeds a frame's pages as one RunArrived; the model's frames hold one page.
             return self._decode_feed(w, r, p.RunArrived((p.PageArrived(i, 1, checksum, intact),)))
         if kind == "DONE":
-            _, _, _, n_tokens, n_pages, digest = msg
+            _, _, _, n_tokens, n_pages, digest, skipped = msg
             ok = open_ and self._pool_matches(w, r, n_tokens, n_pages, digest)
-            done = p.Done(f"r{r}", n_tokens, n_pages, digest, 0)
+            done = p.Done(f"r{r}", n_tokens, n_pages, digest, 0, cached_tokens=skipped)
             return self._decode_feed(w, r, p.DoneArrived(done, ok))
         if kind == "ABORT":
             abort = p.Abort(f"r{r}", msg[3], "", msg[4])
@@ -425,13 +458,17 @@ class Model:
         comparison; without it the read-back reads the pages prefill declared."""
         req = w.reqs[r]
         assert req.droom is not None
+        k = req.droom.cached_pages
         xfer = req.dpages[: req.droom.n_pages]
         if self.guards.on("count_check"):
             if n_tokens != req.droom.n_tokens or n_pages != len(xfer):
                 return False
         elif n_pages > len(xfer):
             return False
-        sums = tuple((i, cks(w.dpool[xfer[i]][1])) for i in range(n_pages))
+        # The cached prefix too: unchanged since RESERVE (the read-back covers every page).
+        if tuple(cks(w.dpool[pg][1]) for pg in xfer[:k]) != req.prefix_sums:
+            return False
+        sums = tuple((i, cks(w.dpool[xfer[k + i]][1])) for i in range(n_pages - k))
         return p.digest_of(sums, n_tokens) == digest
 
     @staticmethod
@@ -463,6 +500,9 @@ class Model:
                 w = self._tell(w, r, ("err", "decode_crashed", 502))
                 w = self._set(w, r, stage=Stage.DONE, droom=None, dpages=(), abort_pending=False)
         w = replace(w, dpool=tuple((None, data) for _, data in w.dpool))
+        w = replace(w, pins=(0,) * len(w.pins))  # the prefix cache died with the process
+        for r in range(len(w.reqs)):
+            w = self._set(w, r, dcached=())
         # The registered memory died with the process: in-flight one-sided writes go nowhere.
         return self._connection_lost(w, keep_rdma=False)
 
@@ -479,6 +519,7 @@ class Model:
         for r, req in enumerate(w.reqs):
             yield from self._request_moves(w, r, req)
         yield from self._deliveries(w)
+        yield from self._evictions(w)
         if self._can(w, "decode_crash"):
             yield (
                 "decode crashes and restarts",
@@ -491,6 +532,15 @@ class Model:
                 "fault",
                 self._prefill_crash(self._spend(w, "prefill_crash")),
             )
+
+    def _evictions(self, w: World) -> Iterator[tuple[str, str, World]]:
+        """Decode's cache evicts an unreferenced page (LRU on allocation, or the ttl), any time;
+        without prefix_pin, a page a live request references too (the twin)."""
+        for pg, (owner, data) in enumerate(w.dpool):
+            if owner == CACHE and (w.pins[pg] == 0 or not self.prefix_pin):
+                pool = list(w.dpool)
+                pool[pg] = (None, data)
+                yield f"decode evicts cached page {pg}", "env", replace(w, dpool=tuple(pool))
 
     def _request_moves(self, w: World, r: int, req: Req) -> Iterator[tuple[str, str, World]]:
         spec = self.cfg.requests[r]
@@ -511,8 +561,15 @@ class Model:
                 )
         elif req.stage is Stage.WAITING:
             free = self._free_pages(w.dpool)
-            if len(free) >= spec.n_tokens:
-                yield self._allocate(w, r, tuple(free[: spec.n_tokens]))
+            hit = self._cache_hit(w, r)
+            if len(free) >= spec.n_tokens - len(hit):
+                new = tuple(free[: spec.n_tokens - len(hit)])
+                yield self._allocate(w, r, hit, new)
+                if hit and self._can(w, "wrong_prefix"):
+                    # The cache's match hands r a page that holds other KV.
+                    bad = self._write(self._spend(w, "wrong_prefix"), hit[0], STALE)
+                    label, kind, nw = self._allocate(bad, r, hit, new)
+                    yield label + " (its cached page holds other KV)", "fault", nw
         elif req.stage is Stage.RUNNING:
             yield (
                 f"decode runs r{r} over pages {list(req.dpages)} and answers",
@@ -550,22 +607,49 @@ class Model:
                 )
         yield from self._prefill_moves(w, r, req)
 
-    def _allocate(self, w: World, r: int, pages: tuple[int, ...]) -> tuple[str, str, World]:
+    def _cache_hit(self, w: World, r: int) -> tuple[int, ...]:
+        """The cache pages that start r's prompt (scheduler._lookup): its prefix's pages, while
+        they are still cached."""
+        hit: list[int] = []
+        for i in range(self.cfg.requests[r].cached):
+            pg = next(
+                (g for g, (o, d) in enumerate(w.dpool) if o == CACHE and d == data_of(r, i)), None
+            )
+            if pg is None:
+                break
+            hit.append(pg)
+        return tuple(hit)
+
+    def _allocate(
+        self, w: World, r: int, hit: tuple[int, ...], new: tuple[int, ...]
+    ) -> tuple[str, str, World]:
         pool = list(w.dpool)
-        for pg in pages:
+        for pg in new:
             pool[pg] = (r, pool[pg][1])
+        pins = list(w.pins)
+        for pg in hit:
+            pins[pg] += 1
+        pages = hit + new
+        k = len(hit)
         n = self.cfg.requests[r].n_tokens
         if self.cfg.placeholder and self.rejected(r):
             n = 1  # the transfer carries the placeholder; the page table spans the prompt
-        room = p.DecodeRoom(f"r{r}", n, n)
+        room = p.DecodeRoom(f"r{r}", n, n, cached_pages=k, cached_tokens=k)
+        claim = tuple(w.dpool[pg][1] for pg in hit)  # what decode's cached pages hold
         w = self._set(
-            replace(w, dpool=tuple(pool)), r, stage=Stage.HANDOFF, droom=room, dpages=pages
+            replace(w, dpool=tuple(pool), pins=tuple(pins)),
+            r,
+            stage=Stage.HANDOFF,
+            droom=room,
+            dpages=pages,
+            dcached=hit,
+            prefix_sums=tuple(cks(d) for d in claim),
         )
         if self.rejected(r) and self.admission:
             w = self._bad(
                 w, r, "I1", f"r{r} was rejected by admission but holds pages {list(pages)}"
             )
-        w = replace(w, d2p=(*w.d2p, ("RESERVE", r, False, pages[:n], n)))
+        w = replace(w, d2p=(*w.d2p, ("RESERVE", r, False, pages[k:n], n, k, claim)))
         return f"decode allocates pages {list(pages)} to r{r}, sends RESERVE", "env", w
 
     def _prefill_moves(self, w: World, r: int, req: Req) -> Iterator[tuple[str, str, World]]:
@@ -586,11 +670,12 @@ class Model:
             )
 
     def _sending_moves(self, w: World, r: int, req: Req) -> Iterator[tuple[str, str, World]]:
-        if req.psent == 0 and not req.writing and req.n_send > 1 and self._can(w, "truncate"):
+        n_sent = req.n_send - req.skip
+        if req.psent == 0 and not req.writing and n_sent > 1 and self._can(w, "truncate"):
             yield (
                 f"prefill truncates r{r} to its first page",
                 "fault",
-                self._set(self._spend(w, "truncate"), r, n_send=1),
+                self._set(self._spend(w, "truncate"), r, n_send=req.skip + 1),
             )
         if self.mooncake:
             if not req.writing:
@@ -612,7 +697,7 @@ class Model:
                     (self._send_headers_and_done(w, r)),
                 )
             return
-        if req.psent < req.n_send:
+        if req.psent < n_sent:
             yield f"prefill sends page {req.psent} of r{r}", "env", self._send_page(w, r, False)
             if self._can(w, "corrupt"):
                 yield (
@@ -682,8 +767,11 @@ class Model:
                 if req.ppages or (req.proom is not None and req.proom.state is not p.PState.CLOSED):
                     out.append(("I1", f"rejected r{r} holds a prefill room or pages"))
             if req.stage in (Stage.HANDOFF, Stage.RUNNING):
-                if any(w.dpool[pg][0] != r for pg in req.dpages):
+                if any(not self._readable(w, r, pg) for pg in req.dpages):
                     out.append(("I2", f"r{r}'s page table names a page it does not own"))
+                for pg in req.dcached:
+                    if w.dpool[pg][0] != CACHE:
+                        out.append(("I4", f"cached page {pg}, pinned by r{r}, was evicted"))
             if req.stage is Stage.DONE and not req.client:
                 out.append(("I5", f"r{r} ended without telling its client"))
         out.extend(self._i4(w))
@@ -745,7 +833,8 @@ class Model:
         return (
             all(req.stage is Stage.DONE and req.client for req in w.reqs)
             and all(req.proom is None or req.proom.state is p.PState.CLOSED for req in w.reqs)
-            and all(owner is None for owner, _ in w.dpool)
+            and all(owner is None or owner == CACHE for owner, _ in w.dpool)
+            and not any(w.pins)
             and all(owner is None for owner, _ in w.ppool)
             and not (w.d2p or w.p2d or w.rdma)
         )
@@ -821,7 +910,7 @@ class _PrefillWorld:
 
 def _to_msg(r: int, m: p.Message, fenced: bool) -> Msg:
     if isinstance(m, p.Done):
-        return ("DONE", r, fenced, m.n_tokens, m.n_pages, m.digest)
+        return ("DONE", r, fenced, m.n_tokens, m.n_pages, m.digest, m.cached_tokens)
     if isinstance(m, p.Abort):
         return ("ABORT", r, fenced, m.code, m.status)
     if isinstance(m, p.AbortAck):
@@ -832,6 +921,8 @@ def _to_msg(r: int, m: p.Message, fenced: bool) -> Msg:
 
 
 def owner_text(owner: int | None) -> str:
+    if owner == CACHE:
+        return "a cached page"
     return "free" if owner is None else f"owned by r{owner}"
 
 
@@ -849,7 +940,7 @@ def describe(data: int | None, model: Model) -> str:
 def show_msg(m: Msg) -> str:
     kind, r = m[0], m[1]
     if kind == "RESERVE":
-        return f"RESERVE(r{r}, {m[4]} tokens, dst_pages={list(m[3])})"
+        return f"RESERVE(r{r}, {m[4]} tokens, {m[5]} cached, dst_pages={list(m[3])})"
     if kind == "PAGE":
         return f"PAGE(r{r}, index {m[3]} -> decode page {m[4]})"
     if kind == "DONE":

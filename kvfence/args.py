@@ -133,8 +133,8 @@ DECODE_STEP_PREFILL_BUDGET = _engine(
     "--decode-step-prefill-budget",
     "decode_step_prefill_budget",
     type=int,
-    help="prefill tokens per step while requests decode (default: --chunked-prefill-size); "
-    "lower trades throughput for a shorter decode stall (p99 ITL)",
+    help="hard cap on the prefill tokens of a step that also decodes (default: none beyond "
+    "--max-decode-step-ms)",
 )
 ATTENTION_BACKEND = _engine(
     "--attention-backend",
@@ -187,6 +187,31 @@ PREFIX_CACHE_TTL = _engine(
     metavar="SECONDS",
     help="an unused cached page leaves the cache after this long (default: only for space)",
 )
+MAX_DECODE_STEP_MS = _engine(
+    "--max-decode-step-ms",
+    "max_decode_step_ms",
+    type=float,
+    metavar="MS",
+    help="time target of a step that also decodes (the ITL side): prefill beside decodes is "
+    "sized from the measured step cost to fit it (default: auto, 2x the decode-only step; "
+    "0: no time bound)",
+)
+MIN_PREFILL_CHUNK = _engine(
+    "--min-prefill-chunk",
+    "min_prefill_chunk",
+    type=int,
+    metavar="TOKENS",
+    help="prefill tokens a step that also decodes always takes, whatever the time target "
+    "(the TTFT side)",
+)
+PREFILL_BACKLOG_STEPS = _engine(
+    "--prefill-backlog-steps",
+    "prefill_backlog_steps",
+    type=int,
+    metavar="STEPS",
+    help="a step that also decodes takes at least 1/STEPS of the prompt tokens waiting, so a "
+    "burst of prompts drains in about STEPS steps (the TTFT side; lower: earlier first tokens)",
+)
 SKIP_TOKENIZER_INIT = _engine(
     "--skip-tokenizer-init",
     "skip_tokenizer_init",
@@ -214,8 +239,8 @@ ENGINE_OPTIONS: tuple[Option, ...] = (
     KV_POOL_TOKENS, MEM_FRACTION_STATIC, CHUNKED_PREFILL_SIZE, DECODE_STEP_PREFILL_BUDGET,
     ATTENTION_BACKEND, LINEAR_BACKEND, MAX_RUNNING_REQUESTS, THREADS, SEED,
     UNSAFE_SKIP_PREFLIGHT, KV_POISON_ON_FREE, ENABLE_PREFIX_CACHING, SHARED_PREFIX_FILE,
-    PREFIX_CACHE_TTL, SKIP_TOKENIZER_INIT, MAX_RUNNING_REQUESTS_PER_TENANT,
-    SPECIAL_TOKENS_IN_CHAT,
+    PREFIX_CACHE_TTL, SKIP_TOKENIZER_INIT, MAX_DECODE_STEP_MS, MIN_PREFILL_CHUNK,
+    PREFILL_BACKLOG_STEPS, MAX_RUNNING_REQUESTS_PER_TENANT, SPECIAL_TOKENS_IN_CHAT,
 )  # fmt: skip
 # What sizes a node's pool (kv/sizing.plan_for_engine reads these fields): `kvfence preflight`
 # takes exactly these, so it plans what `serve` would build.
@@ -269,10 +294,42 @@ TRANSFER_BACKEND = Option(
     default="tcp",
     choices=("tcp", "mooncake"),
 )
-CLUSTER_SECRET_FILE = Option(
-    ("--cluster-secret-file",),
-    "cluster_secret_file",
-    help="secret shared by all PD workers (or KVFENCE_CLUSTER_SECRET); authenticates transfers",
+# I8: every PD connection is mutual TLS 1.3 with certificates of the cluster CA (pd/tls.py).
+# Per worker, so `up` makes its own for each and does not forward these.
+TLS_CERT = Option(
+    ("--tls-cert",),
+    "tls_cert",
+    metavar="PEM",
+    help="this worker's certificate (its role: prefill or decode) from the cluster CA",
+)
+TLS_KEY = Option(("--tls-key",), "tls_key", metavar="PEM", help="its private key (mode 0600)")
+TLS_CA = Option(
+    ("--tls-ca",),
+    "tls_ca",
+    metavar="PEM",
+    help="the cluster CA: peers must hold a certificate it issued (or KVFENCE_TLS_DIR)",
+)
+TLS_FILE_OPTIONS: tuple[Option, ...] = (TLS_CERT, TLS_KEY, TLS_CA)
+TLS_HANDSHAKE_TIMEOUT = Option(
+    ("--tls-handshake-timeout",),
+    "tls_handshake_timeout",
+    type=float,
+    default=10.0,
+    help="seconds an unauthenticated peer has to complete its TLS handshake",
+)
+MAX_PENDING_HANDSHAKES = Option(
+    ("--max-pending-handshakes",),
+    "max_pending_handshakes",
+    type=int,
+    default=64,
+    help="connections the bootstrap port lets handshake at once; more are closed on accept",
+)
+PD_IDLE_TIMEOUT = Option(
+    ("--pd-idle-timeout",),
+    "pd_idle_timeout",
+    type=float,
+    default=300.0,
+    help="seconds a decode keeps a prefill connection that carries no transfer",
 )
 DISAGGREGATION_TIMEOUT = Option(
     ("--disaggregation-timeout",),
@@ -283,11 +340,17 @@ DISAGGREGATION_TIMEOUT = Option(
 )
 TRANSFER_OPTIONS: tuple[Option, ...] = (
     TRANSFER_BACKEND,
-    CLUSTER_SECRET_FILE,
     DISAGGREGATION_TIMEOUT,
+    TLS_HANDSHAKE_TIMEOUT,
+    MAX_PENDING_HANDSHAKES,
+    PD_IDLE_TIMEOUT,
 )
-PD_OPTIONS: tuple[Option, ...] = (DISAGGREGATION_MODE, BOOTSTRAP_PORT, *TRANSFER_OPTIONS)
-
+PD_OPTIONS: tuple[Option, ...] = (
+    DISAGGREGATION_MODE,
+    BOOTSTRAP_PORT,
+    *TRANSFER_OPTIONS,
+    *TLS_FILE_OPTIONS,
+)
 # ---- the router's routing policy (router; `up` hands them to its router) ------------------------
 # Each has SGLang's router spelling first (what the router's command line gets) and a --router-*
 # one that reads clearly among `up`'s worker flags. Defaults live on RoutingConfig's fields.

@@ -1,4 +1,5 @@
-"""The `kvfence` command: serve | router | up | preflight | leakcheck | check-protocol | bench."""
+"""The `kvfence` command: serve | router | up | certs | preflight | leakcheck | check-protocol |
+bench."""
 
 from __future__ import annotations
 
@@ -28,20 +29,25 @@ def role_service(args: argparse.Namespace, faults: Faults) -> RoleService:
         from kvfence.role import UnifiedService
 
         return UnifiedService(Engine(cfg, faults))
-    from kvfence.pd.auth import load_cluster_secret
+    from kvfence.pd.tls import TlsConfig, load_files
+    from kvfence.pd.transport.tcp import LinkLimits
 
-    secret = load_cluster_secret(args.cluster_secret_file)
+    role = args.disaggregation_mode
+    tls = TlsConfig(role, load_files(role, args.tls_cert, args.tls_key, args.tls_ca))
+    limits = LinkLimits(
+        args.tls_handshake_timeout, args.max_pending_handshakes, args.pd_idle_timeout
+    )
     backend = args.disaggregation_transfer_backend
     timeout = args.disaggregation_timeout
-    if args.disaggregation_mode == "prefill":
+    if role == "prefill":
         from kvfence.pd.prefill import PrefillService
 
         port = args.disaggregation_bootstrap_port
-        return PrefillService(cfg, args.host, port, timeout, backend, secret, faults)
+        return PrefillService(cfg, args.host, port, timeout, backend, tls, faults, limits)
     from kvfence.pd.decode import DecodeService
 
     host = "127.0.0.1" if args.host in ("0.0.0.0", "") else args.host
-    return DecodeService(cfg, timeout, backend, secret, faults, host)
+    return DecodeService(cfg, timeout, backend, tls, faults, host, limits)
 
 
 def _crash(point: str) -> None:
@@ -94,6 +100,9 @@ def build_parser() -> argparse.ArgumentParser:
     sub.add_parser("up", help="router + N prefill + M decode workers here", add_help=False)
     sub.add_parser("bench", help="load-test any OpenAI-compatible server", add_help=False)
     sub.add_parser(
+        "certs", help="make a cluster CA and PD workers' TLS certificates", add_help=False
+    )
+    sub.add_parser(
         "check-protocol", help="model-check the KV transfer protocol (formal/)", add_help=False
     )
     sub.add_parser(
@@ -119,6 +128,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         from kvfence.tools.up import main as up_main
 
         return up_main(argv[1:])
+    if argv[:1] == ["certs"]:
+        from kvfence.pd.certs import main as certs_main
+
+        return certs_main(argv[1:])
     if argv[:1] == ["bench"]:
         from kvfence.tools.bench import main as bench_main
 
@@ -138,6 +151,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     if args.cmd == "serve":
         return cmd_serve(args)
+
     parser.error(f"unknown command {args.cmd}")
     return 1
 

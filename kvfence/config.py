@@ -29,8 +29,8 @@ class EngineConfig:
     kv_pool_tokens: int | None = None  # wins over mem_fraction_static when set
     mem_fraction_static: float = 0.5
     chunked_prefill_size: int = 512
-    # Prefill tokens a step may add while sequences are decoding (None: chunked_prefill_size).
-    # Lower caps a decode's stall behind a newcomer's prompt (p99 ITL) at some throughput.
+    # A hard cap on the prefill tokens a step may add while sequences are decoding (None: no cap
+    # beyond the step-time budget below and chunked_prefill_size).
     decode_step_prefill_budget: int | None = None
     attention_backend: str = "auto"
     linear_backend: str = "auto"
@@ -49,6 +49,14 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     shared_prefix_file: str | None = None
     prefix_cache_ttl: float | None = None  # seconds an unused cached page may stay
+    # The step-time budget (kvfence/engine/step_budget.py) of a step that also decodes: its
+    # target in ms (None: auto, a multiple of the measured decode-only step; 0: no time bound),
+    # and the prefill tokens such a step always takes, so prompts progress (TTFT) however
+    # tight the target (ITL).
+    max_decode_step_ms: float | None = None
+    min_prefill_chunk: int = 32
+    # ... and at least 1/N of the prompt tokens waiting, so a burst drains in about N steps.
+    prefill_backlog_steps: int = 16
     # vLLM's --skip-tokenizer-init: no tokenizer is loaded (the model dir may have none); only
     # token-id prompts are served and outputs carry token ids with empty text.
     skip_tokenizer_init: bool = False
@@ -100,6 +108,12 @@ class EngineConfig:
             raise ConfigError(f"--prefix-cache-ttl {self.prefix_cache_ttl}: must be > 0")
         if self.shared_prefix_file is not None and not self.enable_prefix_caching:
             raise ConfigError("--shared-prefix-file needs --enable-prefix-caching")
+        if self.max_decode_step_ms is not None and not self.max_decode_step_ms >= 0:
+            raise ConfigError(f"--max-decode-step-ms {self.max_decode_step_ms}: must be >= 0")
+        if self.prefill_backlog_steps < 1:
+            raise ConfigError(f"--prefill-backlog-steps {self.prefill_backlog_steps}: must be >= 1")
+        if self.min_prefill_chunk < 1:
+            raise ConfigError(f"--min-prefill-chunk {self.min_prefill_chunk}: must be >= 1")
         if self.max_running_requests < 1:
             raise ConfigError(f"--max-running-requests {self.max_running_requests}: must be >= 1")
         per_tenant = self.max_running_requests_per_tenant

@@ -13,7 +13,7 @@ FAULTS = "KVFENCE_FAULTS"  # comma-separated fault points a child process arms a
 FAULT_RATE = "KVFENCE_FAULT_RATE"  # probability an armed point fires per check (chaos soak)
 FAULT_SEED = "KVFENCE_FAULT_SEED"  # seed of that draw, so a soak's faults can be replayed
 STALL_S = "KVFENCE_STALL_S"  # seconds the stall_transfer fault waits
-CLUSTER_SECRET = "KVFENCE_CLUSTER_SECRET"  # PD transfer secret when no --cluster-secret-file
+TLS_DIR = "KVFENCE_TLS_DIR"  # PD TLS files (ca.crt, ROLE.crt, ROLE.key) when no --tls-* flags
 ADMIN_API_KEY = "KVFENCE_ADMIN_API_KEY"  # the operator key when no --admin-api-key-file
 KERNEL_VERBOSE = "KVFENCE_KERNEL_VERBOSE"  # "1": show the native kernels' compiler output
 
@@ -58,8 +58,8 @@ def stall_s() -> float:
     return _float(STALL_S, 3.0)
 
 
-def cluster_secret() -> str | None:
-    return os.environ.get(CLUSTER_SECRET) or None
+def tls_dir() -> str | None:
+    return os.environ.get(TLS_DIR) or None
 
 
 def kernel_verbose() -> bool:

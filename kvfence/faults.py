@@ -26,13 +26,15 @@ GUARD_POINTS = {
     "skip_checksum": "checksum",  # decode ignores page checksums and the read-back digest (I3)
     "early_release": "deferred_release",  # decode frees an aborted room before the fence (I4)
     "drop_abort_ack": "abort_ack",  # prefill never acknowledges an ABORT (I4, liveness)
-    "skip_mac": "mac",  # transfer connections accept frames whatever their MAC and sequence (I8)
+    "skip_peer_verify": "peer_verify",  # TLS peers are not verified: any certificate passes (I8)
     "skip_pairing_check": "pairing_check",  # prefill and decode pair whatever they exchanged (I7)
     "tenant_from_header": "credential_tenant",  # the HTTP layer believes an X-Tenant header (I6)
     # Prefix-cache keys and the sealed-page read check leave the namespace out (I2, I6).
     "prefix_cache_ignore_namespace": "prefix_namespace",
     # A cached page is reused on a key match alone, its stored tokens not compared (I2).
     "prefix_cache_skip_token_compare": "prefix_token_compare",
+    # PD prefill takes RESERVE's cached-prefix claim without recomputing its digest (I2, I3).
+    "skip_prefix_digest": "prefix_digest",
     # The router's prefix index keys every tenant's prompts alike: B is routed by A's prefixes.
     "router_ignore_tenant": "router_tenant",
     "unfair_admission": "fair_share",  # the scheduler admits the queue's head, FIFO
@@ -53,6 +55,8 @@ ACTION_POINTS = frozenset(
         "kill_decode",  # the decode process crashes right after applying a room's first page
         "client_disconnect",  # decode's client goes away right after its RESERVE was sent
         "write_sealed_page",  # the scheduler points a request's new tokens at a sealed page (I2)
+        "stale_cached_page",  # a PD decode's cached prefix page changes under a room after its
+        #                       RESERVE went out (I3: the read-back covers cached pages too)
     }
 )
 POINTS = frozenset(GUARD_POINTS) | ACTION_POINTS

@@ -14,11 +14,15 @@ GUARDS = frozenset(
         "checksum",  # decode checks page checksums and the read-back digest (I3)
         "deferred_release",  # decode frees an aborted room only after the fence (I4)
         "abort_ack",  # prefill acknowledges an ABORT (I4, liveness)
-        "mac",  # transfer frames must carry a good MAC and sequence number (I8)
+        "peer_verify",  # PD peers verify each other's certificate and its role (I8)
         "pairing_check",  # prefill and decode compare their pairing facts (I7)
         "credential_tenant",  # the tenant comes from the API key alone (I6)
         "prefix_namespace",  # prefix-cache keys and sealed-page reads carry the namespace (I2)
         "prefix_token_compare",  # a cached page is reused only if its stored tokens match (I2)
+        "prefix_digest",  # PD prefill recomputes what decode's cached prefix must hold (I2, I3)
+        # A cached page a live room references is never evicted (I4; the model checker's
+        # twin: the runtime's references are the prefix cache's refcounts).
+        "prefix_pin",
         "router_tenant",  # the router routes a tenant by its own prefixes only (I6)
         "fair_share",  # a free running slot goes to the waiting tenant holding the fewest
         "output_bound",  # a stream's undelivered events are bounded per slow reader

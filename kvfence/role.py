@@ -90,6 +90,12 @@ class EngineRole:
     def stats(self) -> EngineStats:
         return self.engine.stats()
 
+    @property
+    def prefix_caching(self) -> bool:
+        """Answers report usage.prompt_tokens_details.cached_tokens: the tokens this engine's
+        cache held for the request (a PD decode's: what prefill did not have to send)."""
+        return self.engine.prefix_caching
+
 
 class UnifiedService(EngineRole):
     """Prefill and decode on the same engine and pool: no hand-off, no transfer."""
@@ -104,12 +110,6 @@ class UnifiedService(EngineRole):
         self, req: GenerateRequest, sink: Callable[[RequestOutput], None]
     ) -> Admitted | Rejected:
         return self.engine.submit(req, sink)
-
-    @property
-    def prefix_caching(self) -> bool:
-        """Answers report usage.prompt_tokens_details.cached_tokens (the PD roles, whose cache
-        is inert for now, do not)."""
-        return self.engine.prefix_caching
 
     def info(self) -> dict[str, Any]:
         return {

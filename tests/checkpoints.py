@@ -12,6 +12,34 @@ CHAT_TEMPLATE = (
 )
 
 
+# Tiny mixture-of-experts configs: each family's routing features switched on (GLM-4 MoE: a dense
+# first layer, shared expert, grouped top-k with a correction bias, scaling, partial rotary, q/k
+# norm, qkv bias; Qwen3-MoE: a dense layer by mlp_only_layers, renormalised top-k; Mixtral: top-2
+# with a sliding window shorter than the longest test prompts).
+MOE_DEFAULTS: dict[str, tuple[str, dict]] = {
+    "mixtral": (
+        "Mixtral",
+        dict(num_local_experts=4, num_experts_per_tok=2, sliding_window=48),
+    ),
+    "qwen3_moe": (
+        "Qwen3Moe",
+        dict(
+            head_dim=16, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
+            norm_topk_prob=True, mlp_only_layers=[1], num_hidden_layers=3,
+        ),
+    ),
+    "glm4_moe": (
+        "Glm4Moe",
+        dict(
+            head_dim=16, n_routed_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
+            n_shared_experts=1, first_k_dense_replace=1, n_group=4, topk_group=2,
+            routed_scaling_factor=2.5, norm_topk_prob=True, use_qk_norm=True,
+            attention_bias=True, num_hidden_layers=3,
+        ),
+    ),
+}
+
+
 def build_checkpoint(arch: str, out: Path, *, vocab: int = 256, seed: int = 0, **overrides) -> Path:
     import transformers as tf
 
@@ -37,6 +65,11 @@ def build_checkpoint(arch: str, out: Path, *, vocab: int = 256, seed: int = 0, *
         cfg, cls = tf.Qwen2Config(**common), tf.Qwen2ForCausalLM
     elif arch == "qwen3":
         cfg, cls = tf.Qwen3Config(head_dim=16, **common), tf.Qwen3ForCausalLM
+    elif arch in MOE_DEFAULTS:
+        name, defaults = MOE_DEFAULTS[arch]
+        kwargs = {**common, **defaults, **overrides}  # the test's overrides win
+        cfg = getattr(tf, name + "Config")(**kwargs)
+        cls = getattr(tf, name + "ForCausalLM")
     else:
         raise ValueError(arch)
     torch.manual_seed(seed)
@@ -46,6 +79,9 @@ def build_checkpoint(arch: str, out: Path, *, vocab: int = 256, seed: int = 0, *
         for name, p in model.named_parameters():
             if "norm" not in name:
                 p.mul_(4.0 if "embed" in name or "lm_head" in name else 2.0)
+        for name, b in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):  # zero at init: make it pick experts
+                b.copy_(torch.randn_like(b) * 0.3)
     model.save_pretrained(out, safe_serialization=True)
     write_byte_tokenizer(out, vocab)
     return out

@@ -12,11 +12,13 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
 os.environ.setdefault("KVFENCE_FAULT_INJECTION", "1")  # tests may arm fault points
-# Worker processes the tests start inherit one cluster secret (I8).
-os.environ.setdefault("KVFENCE_CLUSTER_SECRET", "test-cluster-secret-" + "0" * 32)
 torch.set_num_threads(min(2, os.cpu_count() or 1))
 
 from checkpoints import build_checkpoint  # noqa: E402
+from tls_certs import cluster_dir  # noqa: E402
+
+# Worker processes the tests start find the cluster's certificates there (I8).
+os.environ.setdefault("KVFENCE_TLS_DIR", str(cluster_dir()))
 
 REPO = Path(__file__).resolve().parent.parent
 TINY_MODEL = REPO / "models" / "kvfence-tiny"

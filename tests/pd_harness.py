@@ -5,6 +5,7 @@ from __future__ import annotations
 import threading
 from dataclasses import dataclass, field
 
+from tls_certs import tls
 from waiting import poll
 
 from kvfence.config import EngineConfig
@@ -13,8 +14,7 @@ from kvfence.engine.request import FinishReason, GenerateRequest, RequestOutput,
 from kvfence.faults import Faults
 from kvfence.pd.decode import DecodeService
 from kvfence.pd.prefill import PrefillService
-
-SECRET = b"pd-harness-cluster-secret-0123456789"
+from kvfence.pd.transport.tcp import LinkLimits
 
 
 @dataclass
@@ -36,6 +36,7 @@ class PDPair:
         backend: str = "tcp",
         decode_model: str | None = None,
         decode_kwargs: dict | None = None,
+        limits: LinkLimits | None = None,
         **engine_kwargs,
     ) -> None:
         decode_model = decode_model or model
@@ -43,9 +44,11 @@ class PDPair:
         pcfg = EngineConfig(model=model, **engine_kwargs)
         dcfg = EngineConfig(model=decode_model, **{**engine_kwargs, **(decode_kwargs or {})})
         self.prefill = PrefillService(
-            pcfg, "127.0.0.1", 0, timeout_s, backend, SECRET, self.faults
+            pcfg, "127.0.0.1", 0, timeout_s, backend, tls("prefill"), self.faults, limits
         )
-        self.decode = DecodeService(dcfg, timeout_s, backend, SECRET, self.faults)
+        self.decode = DecodeService(
+            dcfg, timeout_s, backend, tls("decode"), self.faults, limits=limits
+        )
         self.prefill.start()
         self.decode.start()
         self.peer = f"127.0.0.1:{self.prefill.port}"

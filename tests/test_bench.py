@@ -45,6 +45,8 @@ SMOKE = {
         "",
     ],
     "kv_transfer": ["--prompt-len", "64", "--repeats", "1", "--backends", "tcp"],
+    # Before = this tree's HEAD: CI may have no `main`; the workers find the suite's certificates.
+    "tls_transfer": ["--prompt-len", "64", "--repeats", "1", "--before-ref", "HEAD"],
     "prefix_timing": [
         "--tiny",
         "--pairs",
@@ -82,6 +84,7 @@ SMOKE = {
     ],
     "linear_kernels": ["--tiny", "--rows", "1,8", "--repeats", "1"],
     "fused_epilogue": ["--tiny", "--batches", "1,2", "--steps", "3", "--alternations", "1"],
+    "moe_step": ["--tiny", "--batches", "1", "--steps", "2"],
     "up_threads": [
         "--tiny",
         "--pairs",
@@ -95,6 +98,23 @@ SMOKE = {
         "--kv-pool-tokens",
         "4096",
     ],
+    "itl_tail": [
+        "--tiny",
+        "--no-vllm",
+        "--runs",
+        "2:kvfence",
+        "--repeats",
+        "1",
+        "--num-prompts",
+        "2",
+        "--input-len",
+        "16",
+        "--output-len",
+        "4",
+        "--pool-tokens",
+        "4096",
+    ],
+    "step_budget_sim": [],
     "decode_floor": [
         "--tiny",
         "--prompt-len",

@@ -1,76 +1,152 @@
-"""I8: transfer frames are authenticated under the cluster secret. Forged, replayed, truncated
-or malformed frames sent raw to a prefill's bootstrap port are rejected, counted, and change
-nothing; a decode refuses a prefill that cannot prove the secret. Twin: `skip_mac`."""
+"""I8: the PD control plane and the KV bytes run on TLS 1.3 with mutual certificates from the
+cluster CA, each naming its role. A peer without such a certificate, a recorded handshake
+replayed, a record replayed or injected, or malformed frames inside a session change nothing,
+are counted, and reveal nothing: a fake prefill never receives a RESERVE. Before a peer has
+proved its certificate it holds little (capped handshakes, each with a deadline). Decode keys
+its prefill connections by the resolved address, closes idle ones, and tells a client only
+"prefill unavailable". Twin: `skip_peer_verify` (any certificate passes)."""
 
 from __future__ import annotations
 
 import socket
+import ssl
+import threading
 import time
 
 import pytest
 from conftest import random_prompts
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from pd_harness import SECRET, PDPair, Result
+from pd_harness import PDPair, Result
+from tls_certs import files, impostor
 from waiting import wait_for
 
 from kvfence.engine.request import FinishReason, SamplingParams
-from kvfence.pd import auth, wire
 from kvfence.pd import protocol as p
+from kvfence.pd import wire
+from kvfence.pd.certs import TlsFiles
+from kvfence.pd.transport.tcp import LinkLimits
+
+PENDING_CAP = 8
+LIMITS = LinkLimits(
+    handshake_timeout_s=1.0, max_pending_handshakes=PENDING_CAP, idle_timeout_s=1.5
+)
 
 
 @pytest.fixture(scope="module")
 def pair(checkpoint_dir):
-    pd = PDPair(str(checkpoint_dir("llama")), kv_pool_tokens=512, context_length=128)
+    pd = PDPair(
+        str(checkpoint_dir("llama")), kv_pool_tokens=512, context_length=128, limits=LIMITS
+    )
     yield pd
     pd.close()
 
 
-def frame(msg, mac: auth.FrameMac | bytes, seq: int, payload: bytes = b"") -> bytes:
-    """A whole frame; a bare key means the hello phase's MAC under it."""
-    if isinstance(mac, bytes):
-        mac = auth.HelloMac(mac)
-    return b"".join(bytes(b) for b in wire.encode(msg, payload, seq, mac))
+def frame(msg, payload: bytes = b"") -> bytes:
+    return b"".join(bytes(b) for b in wire.encode(msg, payload))
 
 
 def reserve(room: str) -> p.Reserve:
     return p.Reserve(room, "mallory", (5, 6, 7), {}, 4, (1,), 1)
 
 
-class Raw:
-    """A hand-driven client of the bootstrap port, speaking whatever bytes a test wants."""
+def context(f: TlsFiles, server: bool) -> ssl.SSLContext:
+    """What a hand-driven peer holding f would use (verifying nothing itself: it is the one
+    being tested)."""
+    ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER if server else ssl.PROTOCOL_TLS_CLIENT)
+    ctx.minimum_version = ssl.TLSVersion.TLSv1_3
+    ctx.load_cert_chain(f.cert, f.key)
+    ctx.check_hostname = False
+    ctx.verify_mode = ssl.CERT_NONE
+    return ctx
 
-    def __init__(self, pair: PDPair) -> None:
-        self.sock = socket.create_connection(("127.0.0.1", pair.prefill.port), timeout=5)
-        self.sent: list[bytes] = []
+
+def read_frame(sock: socket.socket) -> wire.Frame:
+    def exactly(n: int) -> bytes:
+        out = b""
+        while len(out) < n:
+            chunk = sock.recv(n - len(out))
+            if not chunk:
+                raise ConnectionError("closed")
+            out += chunk
+        return out
+
+    header_len, payload_len = wire.parse_prefix(exactly(wire.PREFIX_SIZE))
+    msg = wire.decode_header(exactly(header_len))
+    exactly(payload_len)
+    return msg
+
+
+def closed_by_peer(sock: socket.socket) -> bool:
+    """Drain whatever the peer still sends (e.g. an ABORT_ACK); True once it hangs up."""
+    sock.settimeout(5)
+    try:
+        while sock.recv(65536):
+            pass
+    except (ConnectionResetError, ssl.SSLError):
+        pass
+    except TimeoutError:
+        return False
+    return True
+
+
+class Raw:
+    """A hand-driven client of the bootstrap port: TLS with the given certificate (or none),
+    then whatever bytes a test wants."""
+
+    def __init__(self, port: int, cert: TlsFiles | None = None) -> None:
+        tcp = socket.create_connection(("127.0.0.1", port), timeout=5)
+        self.sock = context(cert, server=False).wrap_socket(tcp) if cert else tcp
 
     def send(self, data: bytes) -> None:
-        self.sent.append(data)
         self.sock.sendall(data)
 
-    def handshake(self, pair: PDPair, secret: bytes) -> auth.SessionMac:
-        """Hello under `secret`; returns this client's sending MAC (only right if secret is)."""
-        nonce = auth.new_nonce()
-        self.send(
-            frame(wire.Hello({**pair.decode.pairing, "nonce": nonce}), auth.hello_key(secret), 1)
-        )
-        data = self.sock.recv(65536)
-        header_len = wire.parse_prefix(data[: wire.PREFIX_SIZE])[0]
-        start = wire.PREFIX_SIZE + wire.MAC_SIZE
-        ok = wire.decode_header(data[start : start + header_len])
-        return auth.SessionMac(auth.session_keys(secret, nonce, ok.info["nonce"])[0])
+    def hello(self, pair: PDPair) -> wire.Frame:
+        self.send(frame(wire.Hello(dict(pair.decode.pairing))))
+        return read_frame(self.sock)
 
-    def closed_by_peer(self) -> bool:
-        """Drain whatever the peer still sends (e.g. an ABORT_ACK); True once it hangs up."""
-        self.sock.settimeout(5)
-        try:
-            while self.sock.recv(65536):
+
+class Tap:
+    """A TCP relay between one client and a server that records both directions and can inject
+    bytes into either: the attacker on the wire."""
+
+    def __init__(self, target: int) -> None:
+        self.srv = socket.create_server(("127.0.0.1", 0))
+        self.port = self.srv.getsockname()[1]
+        self.c2s: list[bytes] = []
+        self.s2c: list[bytes] = []
+        self.upstream: socket.socket | None = None
+        self.ready = threading.Event()
+        threading.Thread(target=self._run, args=(target,), daemon=True).start()
+
+    def _run(self, target: int) -> None:
+        down, _ = self.srv.accept()
+        up = socket.create_connection(("127.0.0.1", target))
+        self.upstream = up
+        self.ready.set()
+        for src, dst, log in ((down, up, self.c2s), (up, down, self.s2c)):
+            threading.Thread(target=_pump, args=(src, dst, log), daemon=True).start()
+
+    def c2s_bytes(self) -> int:
+        return sum(len(c) for c in self.c2s)
+
+    def close(self) -> None:
+        self.srv.close()
+
+
+def _pump(src: socket.socket, dst: socket.socket, log: list[bytes]) -> None:
+    try:
+        while chunk := src.recv(65536):
+            log.append(chunk)
+            dst.sendall(chunk)
+    except OSError:
+        pass
+    finally:
+        for s in (src, dst):
+            try:
+                s.shutdown(socket.SHUT_RDWR)
+            except OSError:
                 pass
-        except ConnectionResetError:
-            pass
-        except TimeoutError:
-            return False
-        return True
 
 
 def snapshot(pair: PDPair) -> tuple:
@@ -81,44 +157,84 @@ def snapshot(pair: PDPair) -> tuple:
     )
 
 
-def settle(pair: PDPair, bad_before: int) -> None:
-    wait_for(lambda: pair.prefill.transfer_stats.get("bad_frames") > bad_before, 5,
-             "the bad frame was not counted")
+def refused(pair: PDPair) -> int:
+    stats = pair.prefill.transfer_stats
+    return sum(v for k, v in stats.snapshot().items() if k.startswith("handshakes_refused"))
 
 
-def test_i8_hello_without_the_secret_is_refused(pair: PDPair) -> None:
-    before, bad = snapshot(pair), pair.prefill.transfer_stats.get("bad_frames")
-    raw = Raw(pair)
-    raw.send(frame(wire.Hello(pair.decode.pairing), auth.hello_key(b"not-the-secret-at-all"), 1))
-    raw.send(frame(reserve("f" * 32), auth.hello_key(b"not-the-secret-at-all"), 2))
-    assert raw.closed_by_peer()
-    settle(pair, bad)
+def bad_frames(pair: PDPair) -> int:
+    return pair.prefill.transfer_stats.get("bad_frames")
+
+
+# ---- who may connect to a prefill ----------------------------------------------------------
+
+
+@pytest.mark.parametrize("who", ["plaintext", "impostor-decode", "cluster-prefill"])
+def test_i8_bootstrap_refuses_a_client_without_a_decode_certificate(pair: PDPair, who: str):
+    """No TLS, a decode certificate from another CA, or the cluster's certificate of the wrong
+    role: the hello and the RESERVE behind it are never read."""
+    before, n_refused = snapshot(pair), refused(pair)
+    cert = {"plaintext": None, "impostor-decode": impostor("decode")}.get(who, files("prefill"))
+    try:
+        raw = Raw(pair.prefill.port, cert)
+        raw.send(frame(wire.Hello(dict(pair.decode.pairing))) + frame(reserve("f" * 32)))
+        assert closed_by_peer(raw.sock)
+    except (ssl.SSLError, ConnectionResetError, BrokenPipeError):
+        pass  # refused inside the handshake already
+    wait_for(lambda: refused(pair) > n_refused, 10, "the refused handshake was not counted")
     assert snapshot(pair) == before
 
 
-def test_i8_frame_replayed_into_another_connection_is_refused(pair: PDPair) -> None:
-    first = Raw(pair)
-    key = first.handshake(pair, SECRET)
-    captured = frame(p.Abort("a" * 32, "x", "y", 400), key, 1)  # harmless, but authentic
-    first.send(captured)
-    before, bad = snapshot(pair), pair.prefill.transfer_stats.get("bad_frames")
-    second = Raw(pair)
-    second.handshake(pair, SECRET)
-    second.send(captured)  # valid MAC under the FIRST connection's key only
-    assert second.closed_by_peer()
-    settle(pair, bad)
+def test_i8_twin_without_peer_verification_an_impostor_reserve_is_acted_on(pair: PDPair):
+    with pair.faults.injected("skip_peer_verify"):
+        before = snapshot(pair)
+        raw = Raw(pair.prefill.port, impostor("decode"))
+        assert isinstance(raw.hello(pair), wire.HelloOk)
+        raw.send(frame(reserve("d" * 32)))
+        wait_for(lambda: snapshot(pair) != before, 5, "the impostor's RESERVE was not acted on")
+        raw.sock.close()
+    assert pair.wait_idle(15)
+
+
+def test_i8_recorded_session_replayed_into_a_new_connection_is_refused(pair: PDPair):
+    """Every byte a real decode sent in one session (handshake, HELLO, a frame), replayed on a
+    new connection: the server's fresh randomness makes the recorded handshake fail."""
+    tap = Tap(pair.prefill.port)
+    client = Raw(tap.port, files("decode"))
+    assert isinstance(client.hello(pair), wire.HelloOk)
+    mark = tap.c2s_bytes()
+    client.send(frame(p.Abort("a" * 32, "x", "y", 400)))  # harmless, but authentic
+    wait_for(lambda: tap.c2s_bytes() > mark, 5, "the frame was not relayed")
+    recorded = b"".join(tap.c2s)
+    before, n_refused = snapshot(pair), refused(pair)
+    replay = Raw(pair.prefill.port)
+    replay.send(recorded)
+    assert closed_by_peer(replay.sock)
+    wait_for(lambda: refused(pair) > n_refused, 10, "the replayed handshake was not counted")
     assert snapshot(pair) == before
+    client.sock.close()
+    tap.close()
 
 
-def test_i8_frame_replayed_on_the_same_connection_is_refused(pair: PDPair) -> None:
-    raw = Raw(pair)
-    key = raw.handshake(pair, SECRET)
-    captured = frame(p.Abort("b" * 32, "x", "y", 400), key, 1)
-    raw.send(captured)
-    bad = pair.prefill.transfer_stats.get("bad_frames")
-    raw.send(captured)  # same bytes, same sequence number
-    assert raw.closed_by_peer()
-    settle(pair, bad)
+@pytest.mark.parametrize("how", ["replayed", "injected"])
+def test_i8_record_replayed_or_injected_into_a_session_is_refused(pair: PDPair, how: str):
+    """Someone on the wire repeats a record of this session, or writes bytes of their own into
+    it: TLS refuses the record, the connection is dropped, nothing it carried counts."""
+    tap = Tap(pair.prefill.port)
+    client = Raw(tap.port, files("decode"))
+    assert isinstance(client.hello(pair), wire.HelloOk)
+    mark = tap.c2s_bytes()
+    client.send(frame(p.Abort("b" * 32, "x", "y", 400)))
+    wait_for(lambda: tap.c2s_bytes() > mark, 5, "the record was not relayed")
+    record = b"".join(tap.c2s)[mark:]
+    before, bad = snapshot(pair), bad_frames(pair)
+    assert tap.upstream is not None
+    forged = bytes([0x17, 0x03, 0x03, 0, 40]) + b"\x00" * 40  # an application_data record
+    tap.upstream.sendall(record if how == "replayed" else forged)
+    wait_for(lambda: bad_frames(pair) > bad, 5, "the bad record was not counted")
+    assert closed_by_peer(client.sock)
+    assert snapshot(pair) == before
+    tap.close()
 
 
 @pytest.mark.parametrize(
@@ -126,91 +242,205 @@ def test_i8_frame_replayed_on_the_same_connection_is_refused(pair: PDPair) -> No
     [
         b"GET / HTTP/1.1\r\n\r\n" + b"x" * 64,
         wire.MAGIC + b"\xff" * 60,
-        # Sizes within the wire's bounds, but more than a hello may carry before any key.
+        # Sizes within the wire's bounds, but more than a hello may carry: refused unread.
         wire.MAGIC + (2 << 20).to_bytes(4, "big") + (1 << 20).to_bytes(8, "big") + b"\x00" * 56,
         b"\x00" * 80,
     ],
     ids=["http", "huge-sizes", "big-hello", "zeros"],
 )
-def test_i8_malformed_frames_are_dropped(pair: PDPair, garbage: bytes) -> None:
-    before, bad = snapshot(pair), pair.prefill.transfer_stats.get("bad_frames")
-    raw = Raw(pair)
+def test_i8_malformed_frames_inside_a_session_are_dropped(pair: PDPair, garbage: bytes):
+    before, bad = snapshot(pair), bad_frames(pair)
+    raw = Raw(pair.prefill.port, files("decode"))
     raw.send(garbage)
-    assert raw.closed_by_peer()
-    settle(pair, bad)
+    assert closed_by_peer(raw.sock)
+    wait_for(lambda: bad_frames(pair) > bad, 5, "the bad frame was not counted")
     assert snapshot(pair) == before
 
 
 def test_i8_truncated_frame_changes_nothing(pair: PDPair) -> None:
     before = snapshot(pair)
-    raw = Raw(pair)
-    key = raw.handshake(pair, SECRET)
-    whole = frame(reserve("c" * 32), key, 1)
+    raw = Raw(pair.prefill.port, files("decode"))
+    assert isinstance(raw.hello(pair), wire.HelloOk)
+    whole = frame(reserve("c" * 32))
     raw.send(whole[: len(whole) // 2])
     raw.sock.close()
     time.sleep(0.3)
     assert snapshot(pair) == before
 
 
-def test_i8_twin_without_mac_a_forged_reserve_is_acted_on(pair: PDPair) -> None:
-    with pair.faults.injected("skip_mac"):
-        before = snapshot(pair)
-        raw = Raw(pair)
-        raw.send(frame(wire.Hello(pair.decode.pairing), b"\x00" * 32, 7))
-        raw.send(frame(reserve("d" * 32), b"\x00" * 32, 99))
-        wait_for(lambda: snapshot(pair) != before, 5, "the forged RESERVE was not acted on")
-        raw.sock.close()
+# ---- bounded before authentication ----------------------------------------------------------
 
 
-def test_i8_decode_refuses_a_prefill_without_the_secret(pair: PDPair) -> None:
-    """A listener that answers HELLO_OK under the wrong key: decode must not pair with it."""
-    import threading
+def test_i8_bootstrap_caps_connections_still_in_their_handshake(pair: PDPair) -> None:
+    listener = pair.prefill._server
+    assert listener is not None
+    stats = pair.prefill.transfer_stats
+    over = stats.get("handshakes_refused_too_many_handshakes")
+    port = pair.prefill.port
+    silent = [socket.create_connection(("127.0.0.1", port)) for _ in range(PENDING_CAP)]
+    wait_for(lambda: listener.pending == PENDING_CAP, 5, "the silent peers were not accepted")
+    extra = socket.create_connection(("127.0.0.1", port))
+    assert closed_by_peer(extra), "a connection over the cap was kept"
+    wait_for(
+        lambda: stats.get("handshakes_refused_too_many_handshakes") > over,
+        5,
+        "the connection over the cap was not counted",
+    )
+    for s in silent:
+        s.close()
+    wait_for(lambda: listener.pending == 0, 10, "closed handshakes still counted as pending")
+    pair.generate(random_prompts([20], 256), SamplingParams(max_tokens=2))
 
-    srv = socket.socket()
-    srv.bind(("127.0.0.1", 0))
-    srv.listen()
 
-    def impostor() -> None:
-        conn, _ = srv.accept()
-        conn.recv(65536)
-        ok = wire.HelloOk({**pair.prefill.pairing, "nonce": auth.new_nonce()})
-        conn.sendall(frame(ok, auth.hello_key(b"impostor-does-not-know-it"), 1))
-        time.sleep(1)
-        conn.close()
+def test_i8_bootstrap_drops_a_handshake_past_its_deadline(pair: PDPair) -> None:
+    silent = socket.create_connection(("127.0.0.1", pair.prefill.port))
+    silent.send(b"\x16\x03\x01")  # the start of a ClientHello, never finished
+    assert closed_by_peer(silent), "a stalled handshake was kept past its deadline"
 
-    threading.Thread(target=impostor, daemon=True).start()
-    real_peer, pair.peer = pair.peer, f"127.0.0.1:{srv.getsockname()[1]}"
+
+# ---- whom a decode sends a request to -------------------------------------------------------
+
+
+class FakePrefill:
+    """A listener posing as a prefill: TLS with `cert` (or, with `replay`, the recorded bytes of
+    a real prefill's session sent back raw), then a HELLO_OK with the real prefill's pairing
+    facts. It records every frame it can read: a RESERVE among them would be the leak."""
+
+    def __init__(self, pair: PDPair, cert: TlsFiles | None, replay: bytes = b"") -> None:
+        self.srv = socket.create_server(("127.0.0.1", 0))
+        self.addr = f"127.0.0.1:{self.srv.getsockname()[1]}"
+        self.frames: list[wire.Frame] = []
+        self.hello_ok = wire.HelloOk(dict(pair.prefill.pairing))  # what it "recorded"
+        threading.Thread(target=self._serve, args=(cert, replay), daemon=True).start()
+
+    def _serve(self, cert: TlsFiles | None, replay: bytes) -> None:
+        try:
+            conn, _ = self.srv.accept()
+            conn.settimeout(10)
+            if replay:
+                conn.recv(65536)  # the decode's ClientHello
+                conn.sendall(replay)
+                while conn.recv(65536):
+                    pass
+                return
+            assert cert is not None
+            sock = context(cert, server=True).wrap_socket(conn, server_side=True)
+            while True:
+                msg = read_frame(sock)
+                self.frames.append(msg)
+                if isinstance(msg, wire.Hello):
+                    sock.sendall(frame(self.hello_ok))
+        except (OSError, ConnectionError, wire.WireError):
+            pass
+
+    def reserves(self) -> list[p.Reserve]:
+        return [f for f in self.frames if isinstance(f, p.Reserve)]
+
+    def close(self) -> None:
+        self.srv.close()
+
+
+def submit_via(pair: PDPair, addr: str, prompt: list[int]) -> Result:
+    real, pair.peer = pair.peer, addr
     try:
-        _, r = pair.submit(random_prompts([20], 256)[0], SamplingParams(max_tokens=2))
-        assert isinstance(r, Result) and r.done.wait(30)
-        assert r.final.finish_reason is FinishReason.ERROR and r.final.error_status == 503
-        assert pair.wait_idle()
+        _, r = pair.submit(prompt, SamplingParams(max_tokens=2))
     finally:
-        pair.peer = real_peer
-        srv.close()
+        pair.peer = real
+    assert isinstance(r, Result)
+    return r
 
 
-def test_i8_frame_reflected_to_its_sender_is_refused() -> None:
-    """Each direction has its own session key: a frame a side sent, bounced back to it by
-    someone on the path, fails its MAC even though its sequence number fits."""
-    import asyncio
+def failed_unavailable(r: Result) -> bool:
+    assert r.done.wait(30), "the request did not end"
+    final = r.final
+    assert final is not None
+    return (
+        final.finish_reason is FinishReason.ERROR
+        and final.error_status == 503
+        and "prefill unavailable" in str(final.error)
+    )
 
-    from kvfence.pd.transport.tcp import Connection
 
-    async def go() -> None:
-        mine, theirs = socket.socketpair()
-        conn = Connection(mine, SECRET, client=True)
-        conn.start_session("c" * 32, "s" * 32)
-        await conn.send(p.Abort("e" * 32, "x", "y", 400))
-        theirs.setblocking(True)
-        sent = theirs.recv(65536)
-        theirs.sendall(sent)  # the same bytes, back where they came from
-        with pytest.raises(wire.WireError, match="bad MAC"):
-            await conn.recv()
-        conn.close()
-        theirs.close()
+@pytest.mark.parametrize("cert", ["impostor-prefill", "cluster-decode"])
+def test_i8_fake_prefill_with_a_recorded_hello_ok_gets_no_reserve(pair: PDPair, cert: str):
+    """The replay of finding 2: a listener serving a real prefill's HELLO_OK. Its certificate
+    (another CA's, or the cluster's of the wrong role) fails decode's check inside the TLS
+    handshake, before the HELLO, and the prompt never leaves."""
+    fake = FakePrefill(
+        pair, impostor("prefill") if cert == "impostor-prefill" else files("decode")
+    )
+    prompt = random_prompts([20], 256)[0]
+    r = submit_via(pair, fake.addr, prompt)
+    assert failed_unavailable(r)
+    assert fake.frames == [], f"the fake prefill read {fake.frames}"
+    assert pair.wait_idle()
+    fake.close()
 
-    asyncio.run(go())
+
+def test_i8_twin_without_peer_verification_the_fake_prefill_gets_the_prompt(pair: PDPair):
+    fake = FakePrefill(pair, impostor("prefill"))
+    prompt = random_prompts([20], 256)[0]
+    with pair.faults.injected("skip_peer_verify"):
+        submit_via(pair, fake.addr, prompt)
+        wait_for(lambda: fake.reserves(), 10, "the fake prefill got no RESERVE")
+    assert fake.reserves()[0].prompt == tuple(prompt)
+    pair.decode.loop.call_soon_threadsafe(pair.decode._close_all)
+    assert pair.wait_idle(30)
+    fake.close()
+
+
+def test_i8_replayed_prefill_handshake_bytes_fail_at_decode(pair: PDPair) -> None:
+    """A real prefill's side of a real session, recorded on the wire and replayed verbatim to
+    a later dial: the decode's fresh ClientHello makes it fail; the request gets a 503."""
+    tap = Tap(pair.prefill.port)
+    good = submit_via(pair, f"127.0.0.1:{tap.port}", random_prompts([20], 256)[0])
+    assert good.done.wait(30) and good.final is not None
+    assert good.final.finish_reason is not FinishReason.ERROR, good.final.error
+    fake = FakePrefill(pair, None, replay=b"".join(tap.s2c))
+    r = submit_via(pair, fake.addr, random_prompts([20], 256)[0])
+    assert failed_unavailable(r)
+    assert pair.wait_idle()
+    tap.close()
+    fake.close()
+
+
+# ---- decode's connections: keyed, closed when idle, failures without detail -------------------
+
+
+def test_pd_spellings_of_one_prefill_address_share_one_connection(pair: PDPair) -> None:
+    port = pair.prefill.port
+    for addr in (f"127.0.0.1:{port}", f"127.0.0.00001:{port}", f"localhost:{port}"):
+        if addr.startswith("localhost") and socket.getaddrinfo("localhost", port)[0][4][0] != (
+            "127.0.0.1"
+        ):
+            continue  # localhost resolves to ::1 first here: another address, rightly
+        r = submit_via(pair, addr, random_prompts([20], 256)[0])
+        assert r.done.wait(30) and r.final is not None
+        assert r.final.finish_reason is not FinishReason.ERROR, r.final.error
+        # (the idle timeout may have closed it since: then there is none)
+        to_it = {k for k in pair.decode.peers if str(port) in str(k)}
+        assert to_it <= {("127.0.0.1", port)}, pair.decode.peers
+
+
+def test_pd_idle_prefill_connection_is_closed_and_redialled(pair: PDPair) -> None:
+    pair.generate(random_prompts([20], 256), SamplingParams(max_tokens=2))
+    closed = pair.decode.transfer_stats.get("idle_closed")
+    wait_for(lambda: not pair.decode.peers, 15, "the idle connection was not closed")
+    assert pair.decode.transfer_stats.get("idle_closed") > closed
+    pair.generate(random_prompts([20], 256), SamplingParams(max_tokens=2))
+
+
+@pytest.mark.parametrize("addr", ["127.0.0.1:1", "no-such-host.invalid:8998", "not-an-address"])
+def test_pd_unusable_prefill_is_unavailable_without_detail(pair: PDPair, addr: str) -> None:
+    r = submit_via(pair, addr, random_prompts([20], 256)[0])
+    assert failed_unavailable(r)
+    assert r.final is not None
+    for detail in ("refused", "Errno", "Name or service", "resolve", "timed out"):
+        assert detail not in str(r.final.error)
+    assert pair.wait_idle()
+
+
+# ---- the frame decoder ----------------------------------------------------------------------
 
 
 def test_i8_page_runs_decode_strictly() -> None:
@@ -261,7 +491,7 @@ def test_i8_fuzz_structured_headers_only_raise_wire_errors(obj: dict) -> None:
 @given(st.binary(min_size=wire.PREFIX_SIZE, max_size=wire.PREFIX_SIZE))
 def test_i8_fuzz_prefix_parser_bounds_sizes(data: bytes) -> None:
     try:
-        header_len, payload_len, _ = wire.parse_prefix(data)
+        header_len, payload_len = wire.parse_prefix(data)
     except wire.WireError:
         return
     assert header_len <= wire.MAX_HEADER and payload_len <= wire.MAX_PAYLOAD

@@ -12,6 +12,7 @@ import json
 import logging
 import queue
 import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -26,6 +27,7 @@ from kvfence.engine.request import FinishReason, GenerateRequest, RequestOutput,
 from kvfence.engine.runner import ModelRunner, StepResult
 from kvfence.engine.scheduler import ScheduledChunk, Scheduler, SchedulerLimits
 from kvfence.engine.sequence import SeqMode, SeqStatus, Sequence
+from kvfence.engine.step_budget import BudgetPolicy
 from kvfence.faults import Faults
 from kvfence.kv.pool import KVPool
 from kvfence.kv.prefix import PrefixCache, PrefixCacheStats, SharedPrefixes, load_shared_prefixes
@@ -127,7 +129,13 @@ class Engine:
             SchedulerLimits(
                 cfg.chunked_prefill_size,
                 cfg.max_running_requests,
-                cfg.decode_step_prefill_budget or cfg.chunked_prefill_size,
+                BudgetPolicy(
+                    max_chunk=cfg.chunked_prefill_size,
+                    min_chunk=cfg.min_prefill_chunk,
+                    max_decode_step_ms=cfg.max_decode_step_ms,
+                    token_cap=cfg.decode_step_prefill_budget,
+                    backlog_steps=cfg.prefill_backlog_steps,
+                ),
                 cfg.max_running_requests_per_tenant,
             ),
             self.faults,
@@ -271,8 +279,14 @@ class Engine:
         self._hand_off_reserved()
         if not chunks:
             return
+        decode_rows = sum(c.seq.in_decode for c in chunks)
+        prefill_tokens = sum(c.length for c in chunks if not c.seq.in_decode)
+        t0 = time.perf_counter()
         result = self.runner.run(chunks)
         self._postprocess(chunks, result)
+        # What a stream waits between two tokens: the forward and everything after it.
+        ms = (time.perf_counter() - t0) * 1000
+        self.scheduler.step_budget.observe(prefill_tokens, decode_rows, ms)
 
     def _drain_inbox(self) -> None:
         while True:
@@ -334,6 +348,9 @@ class Engine:
             # I2 before a single token is shown: the transferred pages must be this grant's.
             self._fail_integrity(seq)
             return
+        # The verified prompt pages pass to decode's prefix cache now (a 1-token answer never
+        # reaches a decode step, where the rest of a sequence's pages are sealed).
+        self.scheduler.seal(seq)
         seq.token_ids.append(first_token)
         if seq.admitted.request.sampling.logprobs is not None and first_logprobs:
             top = tuple((int(t), float(v)) for t, v in first_logprobs.get("top", ()))

@@ -2,7 +2,8 @@
 FIFO within a tenant, the tenant holding the fewest slots first), and preemption by recompute
 (newest first) when a running sequence needs a page and none is free. With the prefix cache, a
 sequence enters holding the cached pages that start its tokens and computes only the rest; its
-full pages are sealed into the cache as they fill."""
+full pages are sealed into the cache as they fill. How many prefill tokens a step
+that also decodes may carry is the step-time budget's call (kvfence/engine/step_budget.py)."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ from dataclasses import dataclass
 
 from kvfence.engine.fairness import next_waiting
 from kvfence.engine.sequence import SeqMode, SeqStatus, Sequence
+from kvfence.engine.step_budget import BudgetPolicy, StepBudget
 from kvfence.faults import Faults
 from kvfence.kv.pool import KVPool, OwnershipError
 from kvfence.kv.prefix import Namespace
@@ -35,7 +37,7 @@ class ScheduledChunk:
 class SchedulerLimits:
     chunked_prefill_size: int
     max_running_requests: int
-    decode_step_prefill_budget: int  # the prefill budget of a step that also decodes
+    step: BudgetPolicy  # the prefill budget of a step that also decodes
     max_running_requests_per_tenant: int | None = None
 
 
@@ -44,6 +46,8 @@ class Scheduler:
         self.pool = pool
         self.faults = faults if faults is not None else Faults()
         self.limits = limits
+        # The engine feeds it each step's measured time; it sizes prefill beside decodes.
+        self.step_budget = StepBudget(limits.step)
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []  # arrival order
         self.handoff: dict[str, Sequence] = {}  # pages held for a KV transfer
@@ -100,9 +104,10 @@ class Scheduler:
                 continue  # preempted by an earlier sequence in this loop
             if self._ensure_slot(seq):
                 chunks.append(ScheduledChunk(seq, seq.num_computed, 1))
-        budget = self.limits.chunked_prefill_size
-        if chunks:  # decodes share this step: a smaller prefill keeps their stall short
-            budget = min(budget, self.limits.decode_step_prefill_budget)
+        # Prefill tokens to compute this step: the whole chunk size when nothing decodes, else
+        # what the step-time target leaves beside these decodes. Only computed tokens are
+        # charged: a prompt's cached prefix is skipped by _enter before its chunk is sized.
+        budget = self.step_budget.for_step(len(chunks), self._backlog() if chunks else 0)
         for seq in self.running:
             if budget == 0:
                 break
@@ -151,11 +156,19 @@ class Scheduler:
             budget -= n
         return chunks
 
+    def _backlog(self) -> int:
+        """Prompt tokens waiting to be computed: the rest of the running prefills, and the
+        waiting prompts whole (their cached prefix is only looked up when they enter)."""
+        running = sum(s.num_uncomputed for s in self.running if not s.in_decode)
+        return running + sum(len(s.token_ids) for s in self.waiting)
+
     def _lookup(self, seq: Sequence) -> list[int]:
-        """The cached pages seq may start from (none outside FULL mode or without a cache). At
-        least its last token is always computed: that step samples the next one."""
+        """The cached pages seq may start from (none without a cache). At least its last token
+        is always computed (by prefill, in PD): that step samples the next one. PD roles look up
+        like a unified engine: prefill computes only beyond its own hit, decode reserves only
+        beyond its own (RESERVE tells prefill how many pages it holds)."""
         prefix = self.pool.prefix
-        if prefix is None or seq.mode is not SeqMode.FULL:
+        if prefix is None:
             return []
         if seq.chain is None:
             ns = Namespace.of_tenant(seq.tenant, seq.admitted.request.cache_salt)
@@ -168,6 +181,8 @@ class Scheduler:
     def _awaits_twin(self, seq: Sequence, n_hit: int) -> bool:
         if seq.chain is None or n_hit >= (len(seq.token_ids) - 1) // self.pool.page_size:
             return False
+        if _by_transfer(seq):
+            return False  # its twin's pages arrive after a whole transfer: not worth the wait
         return self.inflight.get(seq.chain.keys[n_hit], seq) is not seq
 
     def _forget_inflight(self, seq: Sequence) -> None:
@@ -191,7 +206,7 @@ class Scheduler:
             seq.pages[n_hit] = shared[-1]
         seq.num_sealed = n_hit
         seq.may_seal = True
-        if seq.chain is not None:
+        if seq.chain is not None and not _by_transfer(seq):
             for key in seq.chain.keys[n_hit:]:
                 self.inflight.setdefault(key, seq)
         seq.num_computed = n_hit * self.pool.page_size
@@ -256,3 +271,8 @@ class Scheduler:
         seq.pages = []
         seq.num_sealed = 0
         seq.grant = None
+
+
+def _by_transfer(seq: Sequence) -> bool:
+    """A decode sequence whose prompt KV still has to arrive from prefill."""
+    return seq.mode is SeqMode.DECODE_ONLY and not seq.output_ids

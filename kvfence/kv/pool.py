@@ -205,9 +205,17 @@ class KVPool:
             ok |= sealed
         return ~(ok | ~valid).all(dim=1)
 
-    def check_source(self, grant: Grant, pages: Sequence[int], n_tokens: int) -> bool:
+    def check_source(
+        self,
+        grant: Grant,
+        pages: Sequence[int],
+        n_tokens: int,
+        sealed: SealedReads | None = None,
+    ) -> bool:
         """A transfer's source: every page owned by grant and its tenant, and the pages holding
-        its first n_tokens written under it. True = sound."""
+        its first n_tokens written under it; with sealed (one row), a page may instead be a
+        sealed page of the row's namespace (or the shared one) with the row's key there, that
+        grant references (so no eviction can take it while it is read). True = sound."""
         idx = self._index(pages)[None, :]
         cols = torch.arange(idx.shape[1], device=self.device)[None, :]
         bad = self.check_owned(
@@ -216,8 +224,15 @@ class KVPool:
             torch.tensor([grant.tenant_id], device=self.device),
             torch.ones_like(idx, dtype=torch.bool),
             cols < self.pages_for(n_tokens),
+            sealed,
         )
-        return not bool(bad[0])
+        if bad[0]:
+            return False
+        if sealed is None or self.prefix is None:
+            return True
+        held = set(self.prefix.held(grant.grant_id))
+        cached = (self._owner_grant[idx[0]] == CACHE_OWNER).tolist()
+        return all(p in held for p, c in zip(pages, cached, strict=True) if c)
 
     def check_destination(self, grant: Grant, pages: Sequence[int]) -> list[bool]:
         """A transfer's destination: per page, True where grant and its tenant still own it (a
@@ -306,6 +321,15 @@ class KVPool:
         self._sealed_ns[idx] = FREE
         self._sealed_key[idx] = 0
         self._free.extend(pages)
+
+    def evict_unreferenced(self) -> int:
+        """Forced eviction (tests, and an operator's flush): every cached page no request
+        references goes back to the free list; referenced ones stay. Returns the count."""
+        if self.prefix is None:
+            return 0
+        pages = self.prefix.evict(self.prefix.num_evictable)
+        self._drop_sealed(pages)
+        return len(pages)
 
     def written_by_for_tests(self) -> torch.Tensor:
         """Test-only: a copy of the written-by table (FREE where a page never held data)."""

@@ -29,6 +29,7 @@ KEY_BYTES = 32
 SECRET_BYTES = 32  # >= 16 (128 bits) is required; 32 is BLAKE2b's maximum key size
 _PERSON = b"kvfence-pfx-v1"  # BLAKE2b personalisation: these keys are prefix-cache page keys
 _PERSON_NS = b"kvfence-pfxns-v1"  # ... and these, namespace ids
+_PERSON_HELD = b"kvfence-pdpfx-v1"  # ... and these, what a PD decode's cached prefix holds
 SHARED_ID = 0  # the shared namespace's id in the pool's side table
 _U64 = struct.Struct("<Q")
 
@@ -117,6 +118,19 @@ def encode_page(ns_field: bytes, parent: bytes | None, tokens: Sequence[int]) ->
 
 def encode_namespace(ns: Namespace) -> bytes:
     return _field(b"n", ns.encode())
+
+
+def held_digest(pages: Iterable[tuple[Namespace, Sequence[int]]], namespaces: bool = True) -> str:
+    """What a run of cached pages holds, page by page (namespace, tokens), as a digest both PD
+    roles compute alike: decode over its cache entries, prefill over the RESERVE's own tenant,
+    salt and prompt. Unkeyed (the two processes share no cache secret); it travels only on the
+    authenticated, encrypted transfer connection, beside the prompt itself. namespaces=False:
+    the prefix_cache_ignore_namespace twin, for which every tenant's pages look alike."""
+    h = hashlib.blake2b(digest_size=16, person=_PERSON_HELD)
+    for ns, tokens in pages:
+        h.update(encode_namespace(ns if namespaces else _NO_NAMESPACE))
+        h.update(_field(b"t", array("q", tokens).tobytes()))
+    return h.hexdigest()
 
 
 def key_tag(key: bytes) -> int:

@@ -63,13 +63,15 @@ class ModelShape(Protocol):
     @property
     def hidden_size(self) -> int: ...
     @property
-    def intermediate_size(self) -> int: ...
+    def token_intermediate_size(self) -> int: ...
     @property
     def vocab_size(self) -> int: ...
     @property
     def max_position_embeddings(self) -> int: ...
     @property
     def num_params(self) -> int: ...
+    @property
+    def num_active_params(self) -> int: ...
 
 
 def dtype_bytes(name: str) -> int:
@@ -177,13 +179,13 @@ def activation_reserve_bytes(
 
     One prefill chunk holds about four hidden-size vectors per token (residual, normed input,
     attention output, projection input) and three intermediate-size ones (gate, up, product, split
-    by tp); one decode step holds float32 logits for every running request. This is a few tens of
+    by tp; for an expert layer the top-k experts' and shared experts' sizes summed); one decode
+    step holds float32 logits for every running request. This is a few tens of
     MiB even for 70B models: the real headroom for CUDA graphs, allocator slack and collective
     buffers is the (1 - mem_fraction_static) share that the pool never touches.
     """
-    per_token = (4 * mc.hidden_size + 3 * math.ceil(mc.intermediate_size / tp_size)) * dtype_bytes(
-        dtype
-    )
+    inter = math.ceil(mc.token_intermediate_size / tp_size)
+    per_token = (4 * mc.hidden_size + 3 * inter) * dtype_bytes(dtype)
     logits = max_running_requests * mc.vocab_size * 4
     return chunked_prefill_size * per_token + logits
 
@@ -221,6 +223,8 @@ class PoolPlan:
     mem_fraction_static: float
     model_bytes: int
     weights_source: str  # "safetensors" (headers) | "config" (num_params)
+    num_params: int  # from config.json: every expert (all stay resident)
+    num_active_params: int  # read per token: only the top-k routed experts (= num_params dense)
     activation_reserve_bytes: int
     kv_bytes_per_token: int
     memory_pool_tokens: int  # what memory allows, whole pages, even when kv_pool_tokens is set
@@ -372,6 +376,8 @@ def plan_pool(
         mem_fraction_static=mem_fraction_static,
         model_bytes=model_bytes,
         weights_source=weights_source,
+        num_params=mc.num_params,
+        num_active_params=mc.num_active_params,
         activation_reserve_bytes=reserve,
         kv_bytes_per_token=per_token,
         memory_pool_tokens=memory_pages * page_size,

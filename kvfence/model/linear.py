@@ -26,6 +26,21 @@ def to_panels(w_t: torch.Tensor, width: int) -> torch.Tensor:
     return padded.view(k, p, width).permute(1, 0, 2).contiguous()
 
 
+def fuse_transposed(weights: list[torch.nn.Parameter]) -> torch.Tensor:
+    """One contiguous [in, sum(out)] tensor holding the weights, transposed; each weight becomes
+    a (strided) view of it, so HF names still load and save and memory stays the same.
+
+    `x @ w_t` beats `F.linear(x, w)` on CPU for the small-M matmuls of decode (MKL here: 0.65-0.7x
+    the time for batch 1-32 on three of the four shapes of a 135M model; equal for prefill)."""
+    fused_t = torch.cat([w.detach() for w in weights], dim=0).t().contiguous()
+    col = 0
+    for w in weights:
+        n = w.shape[0]
+        w.data = fused_t[:, col : col + n].t()
+        col += n
+    return fused_t
+
+
 class Projection:
     """y = x @ W^T for one (possibly fused) weight W [out, in]."""
 

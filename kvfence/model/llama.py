@@ -1,4 +1,6 @@
-"""The decoder-only transformer for Llama, Mistral, Qwen2 (qkv bias) and Qwen3 (q/k norm).
+"""The decoder-only transformer for Llama, Mistral, Qwen2 (qkv bias), Qwen3 (q/k norm) and the
+mixture-of-experts families (Mixtral, Qwen3-MoE, GLM-4 MoE: a layer's MLP is then the expert
+block of kvfence/model/moe.py; GLM-4 MoE adds partial rotary).
 
 Module names mirror Hugging Face's so checkpoints load by name. K/V live in the KV pool, never
 in the model: every forward takes the step's AttentionMetadata and each layer's (k, v) cache
@@ -16,7 +18,9 @@ from torch import nn
 from kvfence.model.attention import AttentionMetadata, paged_attention
 from kvfence.model.config import ModelConfig
 from kvfence.model.kernels import FusedEpilogue, PackedGemm
-from kvfence.model.linear import Projection
+from kvfence.model.linear import Projection, fuse_transposed
+from kvfence.model.mlp import MLP
+from kvfence.model.moe import SparseMoE
 from kvfence.model.rope import RotaryTable, Rotation
 
 
@@ -29,21 +33,6 @@ def _fuse_rows(params: list[nn.Parameter]) -> torch.Tensor:
         p.data = fused[row : row + n]
         row += n
     return fused
-
-
-def _fuse_transposed(weights: list[nn.Parameter]) -> torch.Tensor:
-    """One contiguous [in, sum(out)] tensor holding the weights, transposed; each weight becomes
-    a (strided) view of it, so HF names still load and save and memory stays the same.
-
-    `x @ w_t` beats `F.linear(x, w)` on CPU for the small-M matmuls of decode (MKL here: 0.65-0.7x
-    the time for batch 1-32 on three of the four shapes of a 135M model; equal for prefill)."""
-    fused_t = torch.cat([w.detach() for w in weights], dim=0).t().contiguous()
-    col = 0
-    for w in weights:
-        n = w.shape[0]
-        w.data = fused_t[:, col : col + n].t()
-        col += n
-    return fused_t
 
 
 class RMSNorm(nn.Module):
@@ -89,10 +78,10 @@ class Attention(nn.Module):
         views of it: HF names still load and save, memory stays the same, and a step does one
         matmul."""
         projs = (self.q_proj, self.k_proj, self.v_proj)
-        self.qkv = Projection(_fuse_transposed([p.weight for p in projs]))
+        self.qkv = Projection(fuse_transposed([p.weight for p in projs]))
         if self.q_proj.bias is not None:
             self.qkv_bias = _fuse_rows([p.bias for p in projs])  # type: ignore[misc]
-        self.o = Projection(_fuse_transposed([self.o_proj.weight]))
+        self.o = Projection(fuse_transposed([self.o_proj.weight]))
 
     def forward(
         self,
@@ -125,33 +114,19 @@ class Attention(nn.Module):
         return self.o(o) if self.o is not None else self.o_proj(o)
 
 
-class MLP(nn.Module):
-    def __init__(self, mc: ModelConfig) -> None:
-        super().__init__()
-        self.gate_proj = nn.Linear(mc.hidden_size, mc.intermediate_size, bias=False)
-        self.up_proj = nn.Linear(mc.hidden_size, mc.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(mc.intermediate_size, mc.hidden_size, bias=False)
-        self.gate_up: Projection | None = None  # set by fuse()
-        self.down: Projection | None = None
-
-    def fuse(self) -> None:
-        self.gate_up = Projection(_fuse_transposed([self.gate_proj.weight, self.up_proj.weight]))
-        self.down = Projection(_fuse_transposed([self.down_proj.weight]))
-
-    def forward(self, x: torch.Tensor, epilogue: FusedEpilogue | None = None) -> torch.Tensor:
-        if self.gate_up is None or self.down is None:
-            return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
-        if epilogue is not None:
-            return self.down(epilogue.silu_mul(self.gate_up(x), self.down_proj.in_features))
-        gate, up = self.gate_up(x).chunk(2, dim=-1)
-        return self.down(F.silu(gate).mul_(up))
+FFN = MLP | SparseMoE
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, mc: ModelConfig) -> None:
+    def __init__(self, mc: ModelConfig, index: int) -> None:
         super().__init__()
         self.self_attn = Attention(mc)
-        self.mlp = MLP(mc)
+        ffn: FFN
+        if mc.moe is not None and mc.is_sparse(index):
+            ffn, self.ffn_name = SparseMoE(mc.hidden_size, mc.moe), mc.moe.block_name
+        else:
+            ffn, self.ffn_name = MLP(mc.hidden_size, mc.intermediate_size), "mlp"
+        setattr(self, self.ffn_name, ffn)  # under its HF name: Mixtral's is block_sparse_moe
         self.input_layernorm = RMSNorm(mc.hidden_size, mc.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(mc.hidden_size, mc.rms_norm_eps)
 
@@ -163,7 +138,12 @@ class DecoderLayer(nn.Module):
         kv_cache: tuple[torch.Tensor, torch.Tensor],
     ) -> torch.Tensor:
         x = x + self.self_attn(self.input_layernorm(x), meta, rot, kv_cache)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        return x + self.ffn(self.post_attention_layernorm(x))
+
+    @property
+    def ffn(self) -> FFN:
+        """The dense MLP or the expert block, whatever the checkpoint calls it."""
+        return getattr(self, self.ffn_name)
 
     def forward_fused(
         self,
@@ -181,14 +161,14 @@ class DecoderLayer(nn.Module):
         h = ep.add_rms_norm(x, delta, attn_in.weight, attn_in.eps)
         o = self.self_attn(h, meta, rot, kv_cache, rope_store)
         h = ep.add_rms_norm(x, o, post.weight, post.eps)
-        return self.mlp(h, ep)
+        return self.ffn(h, ep)
 
 
 class DecoderModel(nn.Module):
     def __init__(self, mc: ModelConfig) -> None:
         super().__init__()
         self.embed_tokens = nn.Embedding(mc.vocab_size, mc.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(mc) for _ in range(mc.num_layers))
+        self.layers = nn.ModuleList(DecoderLayer(mc, i) for i in range(mc.num_layers))
         self.norm = RMSNorm(mc.hidden_size, mc.rms_norm_eps)
 
 
@@ -211,19 +191,19 @@ class CausalLM(nn.Module):
         """q/k/v and gate/up become one matmul each (weights shared with the HF-named params)."""
         for layer in self.model.layers:
             layer.self_attn.fuse()
-            layer.mlp.fuse()
+            layer.ffn.fuse()
 
     def pack_projections(self, gemm: PackedGemm) -> None:
         """Every projection and the LM head move into the packed kernel's column panels (after
         fuse_projections; float32). The HF-named weights are released, so memory stays the
         same: a tied embedding then reads its rows from the packed head."""
         for layer in self.model.layers:
-            attn, mlp = layer.self_attn, layer.mlp
-            for proj in (attn.qkv, attn.o, mlp.gate_up, mlp.down):
+            attn, ffn = layer.self_attn, layer.ffn
+            for proj in (attn.qkv, attn.o):
                 assert proj is not None, "fuse_projections() before pack_projections()"
                 proj.pack(gemm)
-            for m in (attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj, mlp.gate_proj,
-                      mlp.up_proj, mlp.down_proj):
+            ffn.pack(gemm)
+            for m in (attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj, *ffn.linears()):
                 _release(m.weight)
         self.head = Projection(self.lm_head.weight.detach().t())
         self.head.pack(gemm)
@@ -232,11 +212,13 @@ class CausalLM(nn.Module):
     def use_epilogue(self, ep: FusedEpilogue, kv_dtype: torch.dtype) -> None:
         """Norms, residual adds and silu * up run as the native float32 kernels (after
         fuse_projections; float32 weights), and so do rope and the K/V cache write where they
-        are one exact pass: a float32 cache and no q/k norm (Qwen3's stays on torch's path)."""
+        are one exact pass: a float32 cache, no q/k norm (Qwen3's stays on torch's path) and
+        whole-head rotary (GLM-4 MoE's partial rotary does too)."""
         assert self.model.norm.weight.dtype == torch.float32
-        assert self.model.layers[0].mlp.gate_up is not None, "fuse_projections() first"
+        assert self.model.layers[0].self_attn.qkv is not None, "fuse_projections() first"
         self.epilogue = ep
-        exact = kv_dtype == torch.float32 and not self.config.qk_norm
+        mc = self.config
+        exact = kv_dtype == torch.float32 and not mc.qk_norm and mc.rotary_dim == mc.head_dim
         self.rope_store = ep.rope_store if exact else None
 
     def weight_bytes(self) -> int:
@@ -246,13 +228,13 @@ class CausalLM(nn.Module):
         projs = [self.head] + [
             p
             for layer in self.model.layers
-            for p in (layer.self_attn.qkv, layer.self_attn.o, layer.mlp.gate_up, layer.mlp.down)
+            for p in (layer.self_attn.qkv, layer.self_attn.o, *layer.ffn.projections())
         ]
         return total + sum(p.nbytes() for p in projs if p is not None and p.panels is not None)
 
     def init_rope(self, max_positions: int, device: torch.device) -> None:
         mc = self.config
-        self.rope = RotaryTable(mc.rope, mc.head_dim, max_positions, device)
+        self.rope = RotaryTable(mc.rope, mc.rotary_dim, max_positions, device)
 
     @torch.inference_mode()
     def forward(

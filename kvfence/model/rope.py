@@ -1,4 +1,5 @@
-"""Rotary position embedding tables (default, linear and llama3 scaling), HF rotate-half layout."""
+"""Rotary position embedding tables (default, linear and llama3 scaling), HF rotate-half layout;
+partial rotary (GLM-4 MoE) rotates each head's first rotary_dim dims and passes the rest."""
 
 from __future__ import annotations
 
@@ -9,8 +10,9 @@ import torch
 from kvfence.model.config import RopeConfig
 
 
-def inv_frequencies(rope: RopeConfig, head_dim: int) -> torch.Tensor:
-    inv = 1.0 / (rope.theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim))
+def inv_frequencies(rope: RopeConfig, dim: int) -> torch.Tensor:
+    """dim: the rotated dims per head (head_dim, or head_dim * partial_rotary_factor)."""
+    inv = 1.0 / (rope.theta ** (torch.arange(0, dim, 2, dtype=torch.float64) / dim))
     if rope.kind == "linear":
         inv = inv / rope.factor
     elif rope.kind == "llama3":
@@ -28,10 +30,11 @@ def inv_frequencies(rope: RopeConfig, head_dim: int) -> torch.Tensor:
 
 
 class RotaryTable:
-    """cos/sin for every position up to max_positions, computed once in float32."""
+    """cos/sin [positions, rotary_dim] for every position up to max_positions, computed once in
+    float32."""
 
-    def __init__(self, rope: RopeConfig, head_dim: int, max_positions: int, device: torch.device):
-        inv = inv_frequencies(rope, head_dim).to(device)
+    def __init__(self, rope: RopeConfig, rotary_dim: int, max_positions: int, device: torch.device):
+        inv = inv_frequencies(rope, rotary_dim).to(device)
         t = torch.arange(max_positions, dtype=torch.float32, device=device)
         freqs = torch.outer(t, inv)
         emb = torch.cat((freqs, freqs), dim=-1)
@@ -44,15 +47,20 @@ class RotaryTable:
 
 
 class Rotation:
-    """cos/sin [T, 1, D] of one step's positions."""
+    """cos/sin [T, 1, R] of one step's positions (R: the rotated dims per head)."""
 
     def __init__(self, cos: torch.Tensor, sin: torch.Tensor) -> None:
         self.cos, self.sin = cos, sin
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        """x [T, heads, D] rotated (rotate-half form), computed in float32."""
+        """x [T, heads, D] rotated (rotate-half form over the first R dims), in float32."""
         dtype = x.dtype
+        r = self.cos.shape[-1]
         xf = x.float()
-        half = xf.shape[-1] // 2
-        rotated = torch.cat((-xf[..., half:], xf[..., :half]), dim=-1)
-        return (xf * self.cos + rotated * self.sin).to(dtype)
+        xr = xf if r == xf.shape[-1] else xf[..., :r]
+        half = r // 2
+        rotated = torch.cat((-xr[..., half:], xr[..., :half]), dim=-1)
+        out = xr * self.cos + rotated * self.sin
+        if r != xf.shape[-1]:
+            out = torch.cat((out, xf[..., r:]), dim=-1)
+        return out.to(dtype)

@@ -23,13 +23,15 @@ from kvfence.engine.request import GenerateRequest
 from kvfence.engine.sequence import SeqMode, Sequence
 from kvfence.faults import Faults
 from kvfence.kv.pool import Grant
-from kvfence.pd import auth, glue, kvio, wire
+from kvfence.kv.prefix import held_digest
+from kvfence.pd import glue, kvio, wire
 from kvfence.pd import protocol as p
 from kvfence.pd.ioloop import IOLoop
 from kvfence.pd.pairing import model_fingerprint, node_info, pairing_problem
 from kvfence.pd.stats import TransferStats
+from kvfence.pd.tls import TlsConfig
 from kvfence.pd.transport.link import page_receiver
-from kvfence.pd.transport.tcp import Connection
+from kvfence.pd.transport.tcp import Connection, LinkLimits, PeerKey, RecordError, resolve
 from kvfence.role import EngineRole
 
 log = logging.getLogger("kvfence.pd.decode")
@@ -38,14 +40,29 @@ log = logging.getLogger("kvfence.pd.decode")
 _RUNS_IN_FLIGHT = 2
 
 
+# What a client sees when its prefill cannot be used: never the resolver's or the socket's words.
+UNAVAILABLE = "prefill unavailable"
+
+
+class _Unpaired(ConnectionError):
+    """The prefill and this decode disagree on a pairing fact (I7)."""
+
+
 @dataclass
 class _Room:
     state: p.DecodeRoom
-    peer: str
-    pages: list[int]
+    peer: PeerKey | None  # the resolved prefill address, once resolved
+    pages: list[int]  # every page of the prompt: the cached prefix's, then the reserved ones
     grant: Grant
     deadline: float
     started: float
+    cached: int = 0  # leading pages from decode's prefix cache (referenced, never written)
+    prefix_sums: list[int] = field(default_factory=list)  # theirs when RESERVE went out
+
+    @property
+    def reserved(self) -> list[int]:
+        """The pages prefill writes (PageRun.first counts from the first of them)."""
+        return self.pages[self.cached :]
 
 
 @dataclass
@@ -54,6 +71,7 @@ class _Peer:
     ready: asyncio.Event = field(default_factory=asyncio.Event)
     error: str | None = None
     rooms: set[str] = field(default_factory=set)
+    idle_since: float = field(default_factory=time.monotonic)  # when its last room ended
 
 
 class DecodeService(EngineRole):
@@ -62,14 +80,18 @@ class DecodeService(EngineRole):
         cfg: EngineConfig,
         timeout_s: float = 30.0,
         backend: str = "tcp",
-        secret: bytes = b"",
+        tls: TlsConfig | None = None,
         faults: Faults | None = None,
         host: str = "127.0.0.1",
+        limits: LinkLimits | None = None,
     ) -> None:
         """host: where this worker is reachable (a Mooncake peer's one-sided writes go there)."""
         self.faults = faults if faults is not None else Faults()
+        if tls is None or tls.role != "decode":
+            raise ValueError("a decode worker needs its decode TLS certificate (I8)")
         super().__init__(Engine(cfg, self.faults, hooks=self))
-        self.secret = secret  # I8: every frame is MACed under keys derived from it
+        self.tls = tls  # I8: every connection is mutual TLS with prefill certificates
+        self.limits = limits or LinkLimits()
         self.link = page_receiver(backend, self.engine.pool, host)
         info = node_info(self.engine, "decode", model_fingerprint(cfg.model), backend)
         if cfg.unsafe_skip_preflight:
@@ -77,7 +99,7 @@ class DecodeService(EngineRole):
         self.pairing = info  # the I7 facts; HELLO adds what the transport needs
         self.timeout_s = timeout_s
         self.rooms: dict[str, _Room] = {}
-        self.peers: dict[str, _Peer] = {}
+        self.peers: dict[PeerKey, _Peer] = {}  # one connection per resolved prefill address
         self.transfer_stats = TransferStats("decode")
         self.pairing_errors: dict[str, str] = {}
         self.io = IOLoop("kvfence-decode-io")
@@ -137,16 +159,34 @@ class DecodeService(EngineRole):
     def on_reserved(self, seq: Sequence) -> None:
         req = seq.admitted.request
         assert seq.grant is not None and req.peer is not None
+        cached = seq.num_sealed  # the scheduler's hit: cache pages the sequence references
         reserve = p.Reserve(
             room=seq.request_id,
             tenant=req.tenant,
             prompt=req.prompt_token_ids,
             sampling=req.sampling.to_dict(),
             max_tokens=seq.admitted.max_tokens,
-            dst_pages=tuple(seq.pages),
+            dst_pages=tuple(seq.pages[cached:]),
             grant=seq.grant.grant_id,
+            cache_salt=req.cache_salt or "",
+            cached_tokens=cached * self.engine.pool.page_size,
+            prefix_digest=self._held_digest(seq.pages[:cached]) if cached else "",
         )
-        self.loop.call_soon_threadsafe(self._reserve, reserve, req.peer, seq.grant)
+        self.loop.call_soon_threadsafe(
+            self._reserve, reserve, req.peer, seq.grant, list(seq.pages), cached
+        )
+
+    def _held_digest(self, pages: list[int]) -> str:
+        """What these cache pages hold, as the cache recorded it when they were sealed (engine
+        thread: the cache's bookkeeping is the engine's)."""
+        prefix = self.engine.pool.prefix
+        assert prefix is not None
+        entries = [prefix.entry(page) for page in pages]
+        assert all(e is not None for e in entries), "a referenced page left the cache"
+        return held_digest(
+            ((e.namespace, e.tokens) for e in entries if e is not None),
+            self.faults.guards().on("prefix_namespace"),
+        )
 
     def on_prefilled(self, seq: Sequence) -> None:  # pragma: no cover - prefill only
         raise AssertionError("a decode engine never prefills for a transfer")
@@ -156,25 +196,51 @@ class DecodeService(EngineRole):
 
     # ---- rooms ----------------------------------------------------------------------------------
 
-    def _reserve(self, r: p.Reserve, peer_addr: str, grant: Grant) -> None:
+    def _reserve(
+        self, r: p.Reserve, peer_addr: str, grant: Grant, pages: list[int], cached: int
+    ) -> None:
         self.transfer_stats.inc("reserved")
-        room = p.DecodeRoom(r.room, len(r.prompt), len(r.dst_pages))
+        pool = self.engine.pool
+        room = p.DecodeRoom(
+            r.room, len(r.prompt), len(pages), cached_pages=cached, cached_tokens=r.cached_tokens
+        )
+        # The cached prefix as it is now: the read-back at DONE must find it unchanged.
+        sums = kvio.pool_checksums(pool, pages[:cached], r.cached_tokens) if cached else []
         self.rooms[r.room] = _Room(
             room,
-            peer_addr,
-            list(r.dst_pages),
+            None,
+            pages,
             grant,
             time.monotonic() + self.timeout_s,
             time.monotonic(),
+            cached,
+            sums,
         )
+        self.transfer_stats.inc("prompt_tokens", len(r.prompt))
+        self.transfer_stats.inc("prefix_cached_tokens", r.cached_tokens)
+        self.transfer_stats.inc(
+            "bytes_not_transferred", cached * kvio.payload_size(pool, pool.page_size)
+        )
+        if cached and self.faults.active("stale_cached_page"):
+            kvio.corrupt_page(pool, pages[0])
         asyncio.ensure_future(self._send_reserve(r, peer_addr))
 
     async def _send_reserve(self, r: p.Reserve, peer_addr: str) -> None:
-        peer = await self._peer(peer_addr)
-        if peer.conn is None or peer.conn.closed:
-            # Never connected: no prefill can write these pages, so they may go at once.
+        try:
+            key = await asyncio.wait_for(resolve(peer_addr), self.timeout_s)
+        except (TimeoutError, OSError, ValueError) as e:
+            log.error("cannot resolve prefill %r: %s", peer_addr, e)
+            self._feed(r.room, p.ConnectionLost(), reason=UNAVAILABLE)
+            return
+        peer = await self._peer(key)
+        room = self.rooms.get(r.room)
+        if peer.conn is None or peer.conn.closed or room is None:
+            # Never connected (or the room ended meanwhile): nothing was sent, no prefill can
+            # write these pages, so they may go at once.
             self._feed(r.room, p.ConnectionLost(), reason=peer.error)
             return
+        # Only now, TLS and HELLO done in this connection, does anything of the request leave.
+        room.peer = key
         peer.rooms.add(r.room)
         try:
             await peer.conn.send(r)
@@ -184,51 +250,51 @@ class DecodeService(EngineRole):
             # The client hangs up mid-transfer: by then prefill is computing or sending.
             asyncio.get_running_loop().call_later(0.5, self.engine.abort, r.room)
 
-    async def _peer(self, addr: str) -> _Peer:
-        peer = self.peers.get(addr)
+    async def _peer(self, key: PeerKey) -> _Peer:
+        peer = self.peers.get(key)
         if peer is None:
-            peer = self.peers[addr] = _Peer()
-            asyncio.ensure_future(self._connect(addr, peer))
+            peer = self.peers[key] = _Peer()
+            asyncio.ensure_future(self._connect(key, peer))
         await peer.ready.wait()
         return peer
 
-    async def _connect(self, addr: str, peer: _Peer) -> None:
+    async def _connect(self, key: PeerKey, peer: _Peer) -> None:
+        addr = f"{key[0]}:{key[1]}"
+        conn: Connection | None = None
         try:
-            host, port = addr.rsplit(":", 1)
-            conn = await Connection.open(
-                host, int(port), self.timeout_s, self.secret, self.faults
-            )
-            client_nonce = auth.new_nonce()
-            hello = {**self.pairing, **self.link.hello_info(), "nonce": client_nonce}
-            await conn.send(wire.Hello(hello))
+            # TLS first: the peer proves a prefill certificate of the cluster CA in this very
+            # connection before the pairing facts, let alone a request, are sent (I8).
+            conn = await Connection.open(*key, self.timeout_s, self.tls, self.faults)
+            await conn.send(wire.Hello({**self.pairing, **self.link.hello_info()}))
             msg, _ = await asyncio.wait_for(conn.recv(), self.timeout_s)
             if isinstance(msg, wire.HelloRefused):
                 self.transfer_stats.inc("pairing_refused")
                 self.pairing_errors[addr] = msg.reason
-                raise ConnectionError(f"prefill {addr} refused to pair: {msg.reason}")
+                raise _Unpaired(f"prefill refused to pair: {msg.reason}")
             if not isinstance(msg, wire.HelloOk):
                 raise wire.WireError("expected HelloOk")
             problem = pairing_problem(self.pairing, msg.info, self.faults.guards())
             if problem is not None:
                 self.transfer_stats.inc("pairing_refused")
                 self.pairing_errors[addr] = problem
-                raise ConnectionError(f"refusing to pair with prefill {addr}: {problem}")
+                raise _Unpaired(f"refusing to pair with the prefill: {problem}")
             self.pairing_errors.pop(addr, None)
-            conn.start_session(client_nonce, str(msg.info.get("nonce", "")))
             peer.conn = conn
         except (TimeoutError, OSError, ConnectionError, ValueError) as e:
             log.error("cannot use prefill %s: %s", addr, e)
-            # The client learns that, and a pairing refusal (our own words, about configuration);
-            # the resolver's and the socket's words are the operator's, in this log.
-            problem = self.pairing_errors.get(addr)
-            peer.error = f"prefill unavailable: {problem}" if problem else "prefill unavailable"
-            self.peers.pop(addr, None)  # the next request tries again
+            if conn is not None:
+                conn.close()
+            # A pairing mismatch (I7) is configuration the client may see; a failed dial says
+            # nothing more: the resolver's and the socket's words are the operator's (log).
+            peer.error = f"{UNAVAILABLE}: {e}" if isinstance(e, _Unpaired) else UNAVAILABLE
+            self.peers.pop(key, None)  # the next request tries again
             peer.ready.set()
             return
+        peer.idle_since = time.monotonic()
         peer.ready.set()
-        await self._read(addr, peer)
+        await self._read(key, peer)
 
-    async def _read(self, addr: str, peer: _Peer) -> None:
+    async def _read(self, addr: PeerKey, peer: _Peer) -> None:
         assert peer.conn is not None
         conn = peer.conn
         writing: deque[asyncio.Future] = deque()  # runs handed to the writer, in arrival order
@@ -248,7 +314,7 @@ class DecodeService(EngineRole):
                     await writing.popleft()
                 self._on_message(msg, payload)
         except (ConnectionError, wire.WireError) as e:
-            if isinstance(e, wire.WireError):
+            if isinstance(e, (wire.WireError, RecordError)):
                 self.transfer_stats.inc("bad_frames")
             log.warning("connection to prefill %s ended: %s", addr, e)
         finally:
@@ -289,16 +355,17 @@ class DecodeService(EngineRole):
         pool = self.engine.pool
         n = len(run.checksums)
         expected = self.link.payload_bytes(pool, n, run.n_tokens)
+        reserved = room.reserved
         ok_shape = (
             0 <= run.first
-            and run.first + n <= len(room.pages)
+            and run.first + n <= len(reserved)
             and 0 < run.n_tokens <= pool.page_size
             and payload.nbytes == expected
         )
         if not ok_shape:
             self._run_applied(run, [False] * n, 0, 0)
             return None
-        pages = room.pages[run.first : run.first + n]
+        pages = reserved[run.first : run.first + n]
         check = self.faults.guards().on("checksum")  # off: mutation twin, the bytes as they come
         return self.link.apply(
             conn,
@@ -383,12 +450,16 @@ class DecodeService(EngineRole):
             marks.observe_phase("receive", end - first)
 
     def _pool_matches(self, room: _Room, done: p.Done) -> bool:
-        """Read the pages back from the pool and hash them: what decode will attend to must be
-        exactly what prefill computed, whatever wrote it (late, foreign or one-sided writes)."""
+        """Read every page decode will attend to back from the pool and hash it: the sent ones
+        must be exactly what prefill computed, whatever wrote them (late, foreign or one-sided
+        writes), and the cached prefix exactly what it held when RESERVE went out."""
         if done.n_tokens != room.state.n_tokens or done.n_pages != len(room.pages):
             return False
         sums = kvio.pool_checksums(self.engine.pool, room.pages, done.n_tokens)
-        return p.digest_of(tuple(enumerate(sums)), done.n_tokens) == done.digest
+        k = room.cached
+        if sums[:k] != room.prefix_sums:
+            return False
+        return p.digest_of(tuple(enumerate(sums[k:])), done.n_tokens) == done.digest
 
     def _feed(self, rid: str, event: Any, reason: str | None = None) -> None:
         """reason: why the connection was lost, for the client's error message."""
@@ -402,11 +473,13 @@ class DecodeService(EngineRole):
         room.state = state
         if glue.decode_ended(state):
             del self.rooms[rid]
-            peer = self.peers.get(room.peer)
+            peer = self.peers.get(room.peer) if room.peer is not None else None
             if peer is not None:
                 peer.rooms.discard(rid)
+                if not peer.rooms:
+                    peer.idle_since = time.monotonic()
 
-    def _send(self, rid: str, peer_addr: str | None, msg: p.Message) -> None:
+    def _send(self, rid: str, peer_addr: PeerKey | None, msg: p.Message) -> None:
         peer = self.peers.get(peer_addr) if peer_addr else None
         if peer is None or peer.conn is None:
             return
@@ -423,7 +496,7 @@ class DecodeService(EngineRole):
         asyncio.ensure_future(go())
 
     def _committed(self, rid: str, room: _Room, first_token: int, first_logprobs: dict) -> None:
-        self.link.committed(self.engine.pool, room.pages, room.grant)
+        self.link.committed(self.engine.pool, room.reserved, room.grant)
         self.transfer_stats.inc("transfers_committed")
         self.transfer_stats.observe_latency(time.monotonic() - room.started)
         self.engine.commit(rid, first_token, first_logprobs)
@@ -432,6 +505,7 @@ class DecodeService(EngineRole):
         while True:
             await asyncio.sleep(0.5)
             now = time.monotonic()
+            self._close_idle(now)
             for rid, room in list(self.rooms.items()):
                 if now <= room.deadline:
                     continue
@@ -441,13 +515,24 @@ class DecodeService(EngineRole):
                 elif room.state.state is p.DState.ABORTING:
                     # No ack within a second timeout: fence by closing the connection; its
                     # reader then stops and every room on it is released safely.
-                    peer = self.peers.get(room.peer)
+                    peer = self.peers.get(room.peer) if room.peer is not None else None
                     if peer is not None and peer.conn is not None:
                         log.error(
                             "no ABORT_ACK for room %s: closing connection to %s", rid, room.peer
                         )
                         peer.conn.close()
                     room.deadline = now + self.timeout_s
+
+    def _close_idle(self, now: float) -> None:
+        """Close prefill connections that carried no room for the idle timeout: each holds fds
+        and buffers on both sides. Its reader then ends and forgets it; a later request dials
+        afresh."""
+        for key, peer in list(self.peers.items()):
+            idle = now - peer.idle_since > self.limits.idle_timeout_s
+            if peer.conn is not None and not peer.rooms and idle:
+                log.info("closing idle connection to prefill %s:%s", *key)
+                self.transfer_stats.inc("idle_closed")
+                peer.conn.close()
 
 
 class _RoomEffects:
@@ -469,7 +554,7 @@ class _RoomEffects:
     def fail_client(self, code: str, message: str, status: int) -> None:
         self.svc.transfer_stats.inc(f"transfers_failed_{code}")
         if self.reason is not None:
-            message = f"{message}: {self.reason}"
+            message = self.reason  # why this request could not be served, without detail
         self.svc.engine.fail(self.rid, message, code, status)
 
     def release(self) -> None:

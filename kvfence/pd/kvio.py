@@ -149,6 +149,14 @@ def pool_checksums(pool: KVPool, pages: list[int], n_tokens: int) -> list[int]:
     return out
 
 
+def corrupt_page(pool: KVPool, page: int) -> None:
+    """Fault injection only: scramble a page's K and V in every layer (a cached page changing
+    under a room that references it, e.g. evicted and rewritten)."""
+    slots = slice(page * pool.page_size, (page + 1) * pool.page_size)
+    pool.k[:, slots] *= -1
+    pool.v[:, slots] *= -16
+
+
 def pool_blocks(pool: KVPool, pages: list[int], count: int) -> list[memoryview]:
     """The bytes gather() would copy, as views of a CPU pool in run layout order ([2, layers,
     pages] blocks of each page's first `count` tokens; a page's block that directly follows the

@@ -14,6 +14,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, replace
 from typing import Any
 
+import torch
 from prometheus_client.core import Metric
 
 from kvfence.config import EngineConfig
@@ -22,13 +23,16 @@ from kvfence.engine.engine import Engine
 from kvfence.engine.request import GenerateRequest, RequestOutput, SamplingParams
 from kvfence.engine.sequence import SeqMode, Sequence
 from kvfence.faults import Faults
-from kvfence.pd import auth, glue, kvio, wire
+from kvfence.kv.pool import SealedReads
+from kvfence.kv.prefix import Namespace, held_digest
+from kvfence.pd import glue, kvio, wire
 from kvfence.pd import protocol as p
 from kvfence.pd.ioloop import IOLoop
 from kvfence.pd.pairing import model_fingerprint, node_info, pairing_problem
 from kvfence.pd.stats import TransferStats
+from kvfence.pd.tls import TlsConfig
 from kvfence.pd.transport.link import RoomSend, page_sender
-from kvfence.pd.transport.tcp import Connection, Listener
+from kvfence.pd.transport.tcp import Connection, LinkLimits, Listener, RecordError
 from kvfence.role import EngineRole
 
 log = logging.getLogger("kvfence.pd.prefill")
@@ -55,12 +59,16 @@ class PrefillService(EngineRole):
         port: int,
         timeout_s: float = 30.0,
         backend: str = "tcp",
-        secret: bytes = b"",
+        tls: TlsConfig | None = None,
         faults: Faults | None = None,
+        limits: LinkLimits | None = None,
     ) -> None:
         self.faults = faults if faults is not None else Faults()
+        if tls is None or tls.role != "prefill":
+            raise ValueError("a prefill worker needs its prefill TLS certificate (I8)")
         super().__init__(Engine(cfg, self.faults, hooks=self))
-        self.secret = secret  # I8: every frame is MACed under keys derived from it
+        self.tls = tls  # I8: every connection is mutual TLS with decode certificates
+        self.limits = limits or LinkLimits()
         self.host, self.port = host, port
         # What decode workers should dial: the bind address unless it is a wildcard.
         self.advertise_host = "127.0.0.1" if host in ("0.0.0.0", "") else host
@@ -90,7 +98,14 @@ class PrefillService(EngineRole):
 
     async def _listen(self) -> None:
         self._server = await Listener.start(
-            self.host, self.port, self._serve_conn, self.secret, self.faults
+            self.host,
+            self.port,
+            self._serve_conn,
+            self.tls,
+            self.faults,
+            max_pending=self.limits.max_pending_handshakes,
+            handshake_timeout=self.limits.handshake_timeout_s,
+            on_refused=lambda reason: self.transfer_stats.inc(f"handshakes_refused_{reason}"),
         )
         self.port = self._server.port
         asyncio.ensure_future(self._expire())
@@ -152,8 +167,9 @@ class PrefillService(EngineRole):
         except asyncio.CancelledError:
             pass  # shutting down: asyncio would log a cancelled connection callback as an error
         except (ConnectionError, wire.WireError, asyncio.IncompleteReadError, TimeoutError) as e:
-            if isinstance(e, wire.WireError):
-                # Forged, replayed or malformed: counted, the connection dropped, nothing else.
+            if isinstance(e, (wire.WireError, RecordError)):
+                # Malformed, or a record TLS refused (forged, replayed, injected): counted, the
+                # connection dropped, nothing else.
                 self.transfer_stats.inc("bad_frames")
                 log.warning("dropping connection from %s: %s", conn.peer, e)
         finally:
@@ -165,6 +181,8 @@ class PrefillService(EngineRole):
                     self._feed(rid, p.ConnectionLost())
 
     async def _handshake(self, conn: Connection) -> bool:
+        """The pairing facts (I7), exchanged inside this connection's TLS session: the decode
+        proved its certificate before a byte of this was read."""
         msg, _ = await asyncio.wait_for(conn.recv(), self.timeout_s)
         if not isinstance(msg, wire.Hello):
             raise wire.WireError("expected Hello")
@@ -175,9 +193,7 @@ class PrefillService(EngineRole):
             await conn.send(wire.HelloRefused(problem))
             return False
         self.link.peer_joined(conn, msg.info)
-        server_nonce = auth.new_nonce()
-        await conn.send(wire.HelloOk({**self.pairing, "nonce": server_nonce}))
-        conn.start_session(str(msg.info.get("nonce", "")), server_nonce)
+        await conn.send(wire.HelloOk(dict(self.pairing)))
         return True
 
     def _on_message(self, conn: Connection, msg: wire.Frame) -> None:
@@ -208,8 +224,16 @@ class PrefillService(EngineRole):
         try:
             # max_tokens as decode's admission resolved it (the request's may be None).
             sampling = replace(SamplingParams.from_dict(r.sampling), max_tokens=r.max_tokens)
-            req = GenerateRequest(r.room, r.tenant, r.prompt, sampling)
-            verdict = self.engine.submit(req, _ignore, SeqMode.PREFILL_ONLY)
+            req = GenerateRequest(
+                r.room, r.tenant, r.prompt, sampling, cache_salt=r.cache_salt or None
+            )
+            problem = self._prefix_problem(r)
+            if problem is not None:
+                self.transfer_stats.inc("prefix_mismatches")
+                # The workers' fault, not the client's: a 500, fail-closed.
+                verdict = Rejected(r.room, "kv_prefix_mismatch", problem, status=500)
+            else:
+                verdict = self.engine.submit(req, _ignore, SeqMode.PREFILL_ONLY)
         except (TypeError, ValueError) as e:
             verdict = Rejected(r.room, "invalid_request", f"bad RESERVE: {e}")
         if isinstance(verdict, Rejected) and self.faults.active("placeholder_on_reject"):
@@ -229,6 +253,36 @@ class PrefillService(EngineRole):
             now = time.monotonic()
             self.rooms[r.room] = _Room(state, conn, r, now + self.timeout_s, now)
 
+    def _prefix_problem(self, r: p.Reserve) -> str | None:
+        """Why RESERVE's cached-prefix claim cannot be honoured, or None: the count must be
+        page-aligned and leave prefill at least the last token, the reserved pages must be the
+        rest of the prompt, and what decode's cached pages hold (prefix_digest) must be this
+        room's namespace and prompt tokens, as prefill recomputes them."""
+        ps = self.engine.pool.page_size
+        k, rest = divmod(r.cached_tokens, ps)
+        if rest or not 0 <= k <= (len(r.prompt) - 1) // ps:
+            return (
+                f"decode claims {r.cached_tokens} cached tokens of a {len(r.prompt)}-token prompt"
+            )
+        if len(r.dst_pages) != -(-len(r.prompt) // ps) - k:
+            return f"decode reserved {len(r.dst_pages)} pages beyond its {k} cached ones"
+        guards = self.faults.guards()
+        if not guards.on("prefix_digest"):
+            return None
+        expected = ""
+        if k:
+            ns = Namespace.of_tenant(r.tenant, r.cache_salt or None)
+            tokens = r.prompt[: k * ps]
+            prefix = self.engine.pool.prefix
+            # Declared public pages are the shared namespace's on both sides (same
+            # --shared-prefix-file); without a cache here every page is the tenant's.
+            names = prefix.chain(tokens, ns).namespaces if prefix is not None else [ns] * k
+            pages = ((names[i], tokens[i * ps : (i + 1) * ps]) for i in range(k))
+            expected = held_digest(pages, guards.on("prefix_namespace"))
+        if r.prefix_digest != expected:
+            return "decode's cached prefix does not hold this room's prompt and namespace"
+        return None
+
     def _prefilled(self, seq: Sequence) -> None:
         room = self.rooms.get(seq.request_id)
         if room is None:
@@ -236,6 +290,8 @@ class PrefillService(EngineRole):
             return
         room.seq = seq
         room.first_token = seq.token_ids[-1]
+        self.transfer_stats.inc("prompt_tokens", seq.prompt_len)
+        self.transfer_stats.inc("prefix_cached_tokens", seq.cached_tokens)
         self._feed(seq.request_id, p.Prefilled())
 
     # ---- the state machine ----------------------------------------------------------------------
@@ -258,22 +314,26 @@ class PrefillService(EngineRole):
         assert room.seq is not None and room.first_token is not None
         started = self.transfer_stats.mark(rid, "send_start")
         n_tokens = room.seq.prompt_len  # what was computed (a placeholder's is shorter)
+        pool = self.engine.pool
+        # Decode holds the first `skip` pages in its own cache: they are never sent.
+        skip = room.reserve.cached_tokens // pool.page_size
+        sent_tokens = n_tokens - skip * pool.page_size
         late = self.faults.active("late_write")
         corrupt = self.faults.active("corrupt_page")  # decided once per room (chaos: per room)
         if self.faults.active("stall_transfer"):
             await asyncio.sleep(self.faults.stall_s)
             if (room.stop_sending and not late) or room.conn.closed:
                 return
-        if not self._source_is_sound(room.seq, n_tokens):
+        src = room.seq.pages[skip:]
+        if sent_tokens <= 0 or not self._source_is_sound(room.seq, skip, sent_tokens):
             self.transfer_stats.inc("source_integrity_errors")
             self._feed(rid, p.ComputeFailed("kv_integrity_error", "KV source check failed"))
             return
-        pool = self.engine.pool
-        runs = kvio.runs(pool, n_tokens)
+        runs = kvio.runs(pool, sent_tokens, self.link.run_bytes)
         if self.faults.active("truncate_transfer"):
-            first_count = min(n_tokens, pool.page_size)
-            runs, n_tokens = [(0, 1, first_count)], first_count
-        n_pages = sum(n for _, n, _ in runs)
+            sent_tokens = min(sent_tokens, pool.page_size)
+            runs, n_tokens = [(0, 1, sent_tokens)], skip * pool.page_size + sent_tokens
+        n_pages = skip + sum(n for _, n, _ in runs)
 
         def hold(fut: asyncio.Future) -> None:
             room.writing = fut
@@ -288,10 +348,10 @@ class PrefillService(EngineRole):
             rid,
             room.conn,
             pool,
-            list(room.seq.pages),
+            src,
             list(room.reserve.dst_pages),
             runs,
-            n_tokens,
+            sent_tokens,
             corrupt,
             cancelled=lambda: room.stop_sending,
             stopped=lambda: (room.stop_sending and not late) or room.conn.closed,
@@ -313,29 +373,59 @@ class PrefillService(EngineRole):
             lp = room.seq.pending_logprobs[-1]
             first_lp = {"logprob": lp.logprob, "top": [list(t) for t in lp.top]}
         digest = p.digest_of(tuple(sums), n_tokens)
-        done = p.Done(rid, n_tokens, n_pages, digest, room.first_token, first_lp)
+        done = p.Done(
+            rid,
+            n_tokens,
+            n_pages,
+            digest,
+            room.first_token,
+            first_lp,
+            cached_tokens=room.reserve.cached_tokens,
+        )
         self.transfer_stats.inc("transfers_done")
+        self.transfer_stats.inc(
+            "bytes_not_transferred", skip * kvio.payload_size(pool, pool.page_size)
+        )
         now = self.transfer_stats.mark(rid, "done_queued")
         self.transfer_stats.observe_phase("send", now - started)
         self.transfer_stats.observe_latency(now - room.started)
         self._feed(rid, p.SendComplete(done))
 
-    def _source_is_sound(self, seq: Sequence, n_tokens: int) -> bool:
-        """I2 on the transfer source: every page sent must be owned by the room's grant and
-        hold data written under it (one compare over the room's pages)."""
+    def _source_is_sound(self, seq: Sequence, skip: int, n_tokens: int) -> bool:
+        """I2 on the transfer source: every page sent (the room's pages from `skip` on, holding
+        n_tokens) must be owned by the room's grant and hold data written under it, or be a
+        sealed page of the room's namespace, with its key there, that the room references (one
+        compare over the pages)."""
         if not self.faults.guards().on("tag_check") or seq.grant is None:
             return seq.grant is not None
         pool = self.engine.pool
-        if not pool.check_source(seq.grant, seq.pages, n_tokens):
+        pages = seq.pages[skip:]
+        if not pool.check_source(seq.grant, pages, n_tokens, self._sealed_source(seq, skip)):
             log.error(
                 "transfer source check failed: room=%s tenant=%s pages=%s %s",
                 seq.request_id,
                 seq.tenant,
-                seq.pages,
-                pool.describe_owners(seq.pages),
+                pages,
+                pool.describe_owners(pages),
             )
             return False
         return True
+
+    def _sealed_source(self, seq: Sequence, skip: int) -> SealedReads | None:
+        """Which sealed pages the room may send: those its own chain keys, in its namespace."""
+        prefix = self.engine.pool.prefix
+        if prefix is None or seq.chain is None:
+            return None
+        width = len(seq.pages) - skip
+        tags = list(seq.chain.tags[skip : skip + width])
+        tags += [0] * (width - len(tags))
+        device = self.engine.pool.device
+        return SealedReads(
+            read_only=torch.ones((1, width), dtype=torch.bool, device=device),
+            ns_ids=torch.tensor([prefix.namespace_id(seq.chain.tenant_ns)], device=device),
+            key_tags=torch.tensor([tags], dtype=torch.int64, device=device),
+            namespace=self.faults.guards().on("prefix_namespace"),
+        )
 
     async def _expire(self) -> None:
         while True:
@@ -345,7 +435,6 @@ class PrefillService(EngineRole):
                 if now > room.deadline:
                     log.warning("room %s timed out in %s", rid, room.state.state.value)
                     self._feed(rid, p.TimedOut())
-
 
 
 class _RoomEffects:
@@ -384,6 +473,7 @@ class _RoomEffects:
     def send_pages(self) -> None:
         assert self.room is not None
         asyncio.ensure_future(self.svc._send_pages(self.rid, self.room))
+
 
 def _ignore(_: RequestOutput) -> None:
     """Prefill sequences have no HTTP client; their result travels as pages and DONE."""

@@ -25,7 +25,12 @@ from kvfence.guards import Guards as Guards
 
 @dataclass(frozen=True)
 class Reserve:
-    """decode -> prefill: pages are pre-allocated for the whole prompt; compute and send."""
+    """decode -> prefill: pages are pre-allocated for the prompt beyond the first
+    `cached_tokens` (page-aligned) tokens, whose KV decode already holds in its prefix cache;
+    compute the prompt and send the pages decode lacks (dst_pages: prompt pages
+    cached_tokens / page_size onwards). prefix_digest: `prefix_digest` over what decode's
+    cached pages hold (namespace and tokens of each), which prefill recomputes from this
+    RESERVE's own tenant, salt and prompt: a disagreement aborts the room before any compute."""
 
     room: str
     tenant: str
@@ -34,10 +39,17 @@ class Reserve:
     max_tokens: int
     dst_pages: tuple[int, ...]
     grant: int
+    cache_salt: str = ""  # the request's cache_salt ("" for none): prefill's namespace too
+    cached_tokens: int = 0
+    prefix_digest: str = ""
 
 
 @dataclass(frozen=True)
 class Done:
+    """prefill -> decode: the prompt's n_tokens / n_pages (the whole prompt), the prefix it did
+    not send (cached_tokens, decode's as RESERVE said) and the digest of the pages it sent
+    (indices counted from the first page sent); decode's read-back covers every page."""
+
     room: str
     n_tokens: int
     n_pages: int
@@ -45,6 +57,7 @@ class Done:
     first_token: int
     # The first token's logprob entry when the client asked for logprobs (prefill sampled it).
     first_logprobs: dict = field(default_factory=dict, compare=False)
+    cached_tokens: int = 0
 
 
 @dataclass(frozen=True)
@@ -142,8 +155,10 @@ class DState(enum.Enum):
 class DecodeRoom:
     room: str
     n_tokens: int
-    n_pages: int
+    n_pages: int  # the whole prompt's pages
     state: DState = DState.RESERVED
+    cached_pages: int = 0  # leading pages decode holds from its prefix cache: never sent
+    cached_tokens: int = 0  # their tokens (cached_pages * page size)
     received: frozenset[int] = frozenset()
     checksums: tuple[tuple[int, int], ...] = ()  # (index, checksum) as declared by prefill
     bad_page: bool = False  # a page failed its checksum or grant check on arrival
@@ -168,7 +183,9 @@ class RunArrived:
 @dataclass(frozen=True)
 class DoneArrived:
     done: Done
-    pool_digest_ok: bool  # read-back of the pool pages hashes to done.digest
+    # Read-back of every page decode will attend to: the sent ones hash to done.digest and the
+    # cached ones still hold what they held when RESERVE went out.
+    pool_digest_ok: bool
 
 
 @dataclass(frozen=True)
@@ -300,10 +317,16 @@ def _verify(room: DecodeRoom, event: DoneArrived, guards: Guards) -> str | None:
     if guards.on("count_check"):
         if d.n_tokens != room.n_tokens:
             return f"prefill computed {d.n_tokens} tokens, decode reserved {room.n_tokens}"
-        if d.n_pages != room.n_pages or len(room.received) != room.n_pages:
+        if d.cached_tokens != room.cached_tokens:
             return (
-                f"decode reserved {room.n_pages} pages, prefill reported {d.n_pages}, "
-                f"{len(room.received)} arrived"
+                f"prefill skipped {d.cached_tokens} cached tokens, decode holds "
+                f"{room.cached_tokens}"
+            )
+        sent = room.n_pages - room.cached_pages
+        if d.n_pages != room.n_pages or len(room.received) != sent:
+            return (
+                f"decode reserved {sent} of {room.n_pages} pages, prefill reported "
+                f"{d.n_pages}, {len(room.received)} arrived"
             )
     if guards.on("checksum"):
         if room.bad_page:

@@ -100,6 +100,13 @@ class TransferStats:
         )
         for phase, hist in sorted(phases.items()):
             yield hist.family(f"kvfence_pd_{phase}_seconds", f"PD {PHASES[phase]}, per room.")
+        if counters.get("prompt_tokens"):
+            # prefill: prompt tokens it did not compute; decode: prompt tokens not transferred.
+            yield GaugeMetricFamily(
+                "kvfence_pd_prefix_hit_rate",
+                f"PD {self.role}: share of prompt tokens served from this worker's prefix cache.",
+                value=counters.get("prefix_cached_tokens", 0) / counters["prompt_tokens"],
+            )
         yield GaugeMetricFamily(
             "kvfence_pd_pages_held",
             "Pages held for a transfer or its deferred release.",

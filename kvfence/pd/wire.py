@@ -1,9 +1,11 @@
 """Wire format of the transfer protocol: length-prefixed frames of a JSON header and a payload.
 
-frame = MAGIC | u32 header_len | u64 payload_len | u64 seq | mac (16) | header (JSON) | payload.
-The MAC (pd/auth.py) covers everything but itself. Sizes are bounded so a malformed or hostile
-frame is refused before anything is allocated for it. K/V travel as PageRun frames: a run of a
-room's pages in one frame (decode feeds its pages to the protocol as one RunArrived).
+frame = MAGIC | u32 header_len | u64 payload_len | header (JSON) | payload, inside the
+connection's TLS session (pd/tls.py: integrity, order, replay and confidentiality are TLS's).
+Sizes are bounded so a malformed or hostile frame is refused before anything is allocated for
+it, and strictly decoded so a peer's bug cannot become an exception anywhere else. K/V travel
+as PageRun frames: a run of a room's pages in one frame (decode feeds its pages to the protocol
+as one RunArrived).
 """
 
 from __future__ import annotations
@@ -13,14 +15,13 @@ import struct
 from dataclasses import dataclass, fields
 from typing import Any
 
-from kvfence.pd import auth
 from kvfence.pd import protocol as p
 
-MAGIC = b"KVF3"  # KVF3: 16-byte tags, PageRun frames
-_PREFIX = struct.Struct("!4sIQQ")  # magic, header_len, payload_len, seq; then the MAC
+MAGIC = b"KVF4"  # KVF4: frames inside TLS, no MAC or sequence number of their own
+_PREFIX = struct.Struct("!4sIQ")  # magic, header_len, payload_len
 MAX_HEADER = 64 << 20  # a RESERVE carries the prompt's token ids
 MAX_PAYLOAD = 256 << 20  # a PageRun is a few MiB (kvio.RUN_BYTES), or one page if larger
-MAX_HELLO_HEADER = 1 << 20  # before the session keys, nothing is authenticated yet
+MAX_HELLO_HEADER = 64 << 10  # the pairing facts: a hello claiming more is refused unread
 
 
 class WireError(ValueError):
@@ -85,32 +86,29 @@ _TYPES: dict[str, type] = {
 Payload = bytes | memoryview | list[memoryview]
 
 
-def encode(msg: Frame, payload: Payload, seq: int, mac: auth.FrameMac) -> list[memoryview]:
-    """The frame as buffers to write in order: prefix, tag and header joined, then the payload
-    (not copied; a list is one payload in pieces: the MAC covers them in order, exactly the
-    bytes that go out)."""
+def encode(msg: Frame, payload: Payload = b"") -> list[memoryview]:
+    """The frame as buffers to write in order: prefix and header joined, then the payload
+    (not copied; a list is one payload in pieces, in order)."""
     # Fields are flat (ints, strings, int tuples, plain dicts): a shallow dict gives the same JSON
     # as asdict(), which deep-copies a RESERVE's prompt token by token on the loop.
     body = {f.name: getattr(msg, f.name) for f in fields(msg)}
     header = json.dumps({"t": type(msg).__name__, **body}, separators=(",", ":")).encode()
     parts = [memoryview(b).cast("B") for b in (payload if isinstance(payload, list) else [payload])]
-    prefix = _PREFIX.pack(MAGIC, len(header), sum(b.nbytes for b in parts), seq)
-    tag = mac.tag(seq, prefix, header, *parts)
-    return [memoryview(b"".join((prefix, tag, header))), *parts]
+    prefix = _PREFIX.pack(MAGIC, len(header), sum(b.nbytes for b in parts))
+    return [memoryview(prefix + header), *parts]
 
 
-def parse_prefix(prefix: bytes) -> tuple[int, int, int]:
-    """(header_len, payload_len, seq) of a frame's fixed part, checked before any allocation."""
-    magic, header_len, payload_len, seq = _PREFIX.unpack(prefix)
+def parse_prefix(prefix: bytes) -> tuple[int, int]:
+    """(header_len, payload_len) of a frame's fixed part, checked before any allocation."""
+    magic, header_len, payload_len = _PREFIX.unpack(prefix)
     if magic != MAGIC:
         raise WireError("bad magic")
     if header_len > MAX_HEADER or payload_len > MAX_PAYLOAD:
         raise WireError(f"frame too large ({header_len}, {payload_len})")
-    return header_len, payload_len, seq
+    return header_len, payload_len
 
 
 PREFIX_SIZE = _PREFIX.size
-MAC_SIZE = auth.MAC_SIZE
 
 
 def decode_header(raw: bytes) -> Frame:

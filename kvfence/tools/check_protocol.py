@@ -1,5 +1,7 @@
 """`kvfence check-protocol`: model-check the KV transfer protocol (formal/) in a bounded
-configuration and print either "all invariants hold" or the shortest counterexample."""
+configuration and print either "all invariants hold" or the shortest counterexample. With
+--handshake, check the PD handshake against a recording, replaying, forging network attacker
+instead (formal/handshake.py)."""
 
 from __future__ import annotations
 
@@ -10,7 +12,17 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-TWINS = ("admission", "count_check", "checksum", "deferred_release", "abort_ack", "tag_check")
+TWINS = (
+    "admission",
+    "count_check",
+    "checksum",
+    "deferred_release",
+    "abort_ack",
+    "tag_check",
+    "prefix_pin",
+    "prefix_digest",
+)
+HANDSHAKE_TWINS = ("peer_verify", "role_check", "transcript")
 
 
 def _formal() -> tuple[Any, Any]:
@@ -33,9 +45,17 @@ def parser() -> argparse.ArgumentParser:
         nargs="+",
         action="extend",
         default=[],
-        choices=TWINS,
+        choices=TWINS + HANDSHAKE_TWINS,
         metavar="GUARD",
-        help=f"remove guards (mutation twins): {', '.join(TWINS)}",
+        help=f"remove guards (mutation twins): {', '.join(TWINS)}; with --handshake tls: "
+        f"{', '.join(HANDSHAKE_TWINS)}",
+    )
+    ap.add_argument(
+        "--handshake",
+        choices=("legacy", "tls"),
+        default=None,
+        help="check the handshake against a network attacker instead: the old HELLO MAC "
+        "handshake (legacy) or the TLS 1.3 mutual-certificate one kvfence runs (tls)",
     )
     ap.add_argument(
         "--with-placeholder",
@@ -75,6 +95,8 @@ def parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = parser().parse_args(list(sys.argv[1:] if argv is None else argv))
+    if args.handshake or set(args.without) & set(HANDSHAKE_TWINS):
+        return check_handshake(args)
     explorer, model = _formal()
     from formal.configs import config_for
 
@@ -120,6 +142,33 @@ def main(argv: Sequence[str] | None = None) -> int:
     for cx in shown:
         print()
         print(explorer.render(m, cx))
+    return 1
+
+
+def check_handshake(args: argparse.Namespace) -> int:
+    _formal()  # puts formal/ on the path
+    import formal.handshake as hs
+
+    off = set(args.without)
+    if off - set(HANDSHAKE_TWINS) or (off and args.handshake != "tls"):
+        print(f"--without {', '.join(HANDSHAKE_TWINS)} go with --handshake tls, and only they")
+        return 2
+    cfg = hs.Config(args.handshake, frozenset(off))
+    print(
+        f"handshake {cfg.handshake}: {cfg.decode_sessions} decode connections, "
+        f"{cfg.prefill_sessions} prefill answers, a network attacker that records, replays and "
+        "forges (holding a decode certificate of the cluster and a CA of its own)"
+        + (f"; without {', '.join(sorted(off))}" if off else "")
+    )
+    res = hs.explore(hs.HandshakeModel(cfg))
+    print(f"states explored: {res.states}")
+    if not res.found:
+        print("all properties hold: " + "; ".join(hs.PROPERTIES.values()))
+        return 0
+    print(f"violated: {', '.join(sorted(res.found))}")
+    for cx in sorted(res.found.values(), key=lambda c: len(c.trace)):
+        print()
+        print(hs.render(cx))
     return 1
 
 

@@ -113,6 +113,7 @@ def format_plan(plan: PoolPlan, memory_from: str) -> str:
         ("tp size", str(plan.tp_size)),
         ("device memory", f"{_gib(plan.device_memory_bytes)} ({memory_from})"),
         ("mem fraction static", str(plan.mem_fraction_static)),
+        ("parameters", _params(plan)),
         ("model bytes / rank", f"{_gib(plan.model_bytes)} (from {plan.weights_source})"),
         ("activation reserve", _gib(plan.activation_reserve_bytes)),
         ("KV bytes / token / rank", str(plan.kv_bytes_per_token)),
@@ -131,6 +132,13 @@ def format_plan(plan: PoolPlan, memory_from: str) -> str:
     if not plan.fits:
         lines.append(f"error: {plan.problem()}")
     return "\n".join(lines)
+
+
+def _params(plan: PoolPlan) -> str:
+    total = f"{plan.num_params / 1e9:.2f}B"
+    if plan.num_active_params == plan.num_params:
+        return total
+    return f"{total} total, {plan.num_active_params / 1e9:.2f}B active per token (all resident)"
 
 
 def main(argv: Sequence[str] | None = None) -> int:

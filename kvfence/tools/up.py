@@ -37,13 +37,17 @@ from kvfence.args import (
     PORT,
     ROUTING_OPTIONS,
     SERVER_OPTIONS,
+    TLS_CA,
+    TLS_CERT,
+    TLS_KEY,
     TRANSFER_OPTIONS,
     add_options,
     command_line,
 )
 from kvfence.config import ConfigError, RoutingConfig
-from kvfence.env import admin_api_key, cluster_secret
-from kvfence.pd import auth
+from kvfence.env import admin_api_key
+from kvfence.pd import certs
+from kvfence.pd.certs import TlsFiles
 from kvfence.server.operator import load_operator_key, new_operator_key, operator_headers
 
 BUNDLED_MODEL = Path(__file__).resolve().parents[2] / "models" / "kvfence-tiny"
@@ -108,13 +112,8 @@ def add_up_args(p: argparse.ArgumentParser) -> None:
         default="127.0.0.1",
         help="address the workers bind (HTTP and bootstrap); keep it private",
     )
-    add_options(
-        p,
-        TRANSFER_OPTIONS,
-        cluster_secret_file={
-            "help": "secret the workers share (default: KVFENCE_CLUSTER_SECRET, else a new one)"
-        },
-    )
+    # Certificates are not among them: up makes a cluster CA and one certificate per worker.
+    add_options(p, TRANSFER_OPTIONS)
     # The router's policy, as `kvfence router` takes it (--router-policy etc. read better here).
     add_options(p.add_argument_group("the router's routing policy"), ROUTING_OPTIONS)
     p.add_argument(
@@ -166,13 +165,31 @@ def _prefix(given: str | None, default: list[str]) -> list[str]:
 
 
 def worker_command(
-    args: argparse.Namespace, role: str, port: int, bootstrap_port: int | None = None
+    args: argparse.Namespace,
+    role: str,
+    port: int,
+    bootstrap_port: int | None = None,
+    tls: TlsFiles | None = None,
 ) -> list[str]:
+    """tls: the worker's own certificate files (I8), when it has some."""
     cmd = _prefix(args.worker_cmd_prefix, [sys.executable, "-m", "kvfence.cli", "serve"])
     cmd += HOST.argv(args.worker_host) + PORT.argv(port)
     if bootstrap_port is not None:
         cmd += BOOTSTRAP_PORT.argv(bootstrap_port)
+    if tls is not None:
+        cmd += TLS_CERT.argv(tls.cert) + TLS_KEY.argv(tls.key) + TLS_CA.argv(tls.ca)
     return cmd + worker_args(args, role)
+
+
+def make_certificates(state: Path, host: str, n_prefill: int, n_decode: int) -> list[TlsFiles]:
+    """I8: a fresh cluster CA in `state` and a short-lived certificate per worker (prefill-0..,
+    then decode-0..), keys 0600. The CA key is deleted once they are signed: nothing can issue
+    another certificate of this cluster afterwards."""
+    certs.make_ca(state)
+    out = [certs.issue(state, "prefill", state, f"prefill-{i}", (host,)) for i in range(n_prefill)]
+    out += [certs.issue(state, "decode", state, f"decode-{i}", (host,)) for i in range(n_decode)]
+    (state / "ca.key").unlink()
+    return out
 
 
 def router_command(
@@ -358,23 +375,15 @@ def run_up(args: argparse.Namespace) -> int:
     args.model = str(Path(args.model).resolve())
     if args.api_key_file:
         args.api_key_file = str(Path(args.api_key_file).resolve())
-    secret_dir = None
-    if args.cluster_secret_file:
-        args.cluster_secret_file = str(Path(args.cluster_secret_file).resolve())
-    elif not cluster_secret():
-        # I8: the workers of this cluster share a fresh secret nobody else knows.
-        secret_dir = tempfile.TemporaryDirectory(prefix="kvfence-up-")
-        path = Path(secret_dir.name) / "cluster-secret"
-        path.touch(mode=0o600)
-        path.write_text(auth.new_secret())
-        args.cluster_secret_file = str(path)
+    # I8: this cluster's CA and certificates, in a state directory only this user can read,
+    # gone when up exits.
+    state_dir = tempfile.TemporaryDirectory(prefix="kvfence-up-")
+    tls = make_certificates(Path(state_dir.name), args.worker_host, args.prefill, args.decode)
     if args.admin_api_key_file:
         args.admin_api_key_file = str(Path(args.admin_api_key_file).resolve())
     elif not admin_api_key():
         # The router and every worker share a fresh operator key; tenants never see it.
-        if secret_dir is None:
-            secret_dir = tempfile.TemporaryDirectory(prefix="kvfence-up-")
-        path = Path(secret_dir.name) / "operator-key"
+        path = Path(state_dir.name) / "operator-key"
         path.touch(mode=0o600)
         path.write_text(new_operator_key())
         args.admin_api_key_file = str(path)
@@ -413,7 +422,7 @@ def run_up(args: argparse.Namespace) -> int:
         ports = _free_ports(wh, 2 * args.prefill + args.decode)
         for i in range(args.prefill):
             port, bootstrap = ports.pop(), ports.pop()
-            cmd = worker_command(args, "prefill", port, bootstrap)
+            cmd = worker_command(args, "prefill", port, bootstrap, tls[i])
             prefills.append(
                 _start(
                     f"prefill-{i}",
@@ -424,7 +433,7 @@ def run_up(args: argparse.Namespace) -> int:
             )
         for i in range(args.decode):
             port = ports.pop()
-            cmd = worker_command(args, "decode", port)
+            cmd = worker_command(args, "decode", port, tls=tls[args.prefill + i])
             decodes.append(_start(f"decode-{i}", cmd, f"http://{_hostport(wh, port)}"))
         wait_healthy(prefills + decodes, args.startup_timeout)
         cmd = router_command(args, [c.url for c in prefills], [c.url for c in decodes])

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from typing import Any, TypeVar
 
 from kvfence.kv.pool import Grant, KVPool
+from kvfence.pd import kvio
 from kvfence.pd.transport.tcp import Connection
 
 BACKENDS = ("tcp", "mooncake")
@@ -42,6 +43,7 @@ class PageSender(ABC):
     """Prefill's side of the transport."""
 
     backend: str
+    run_bytes: int = kvio.RUN_BYTES  # payload bytes per PageRun frame (kvio.runs)
 
     @abstractmethod
     def peer_joined(self, conn: Connection, info: dict[str, Any]) -> None:

@@ -1,59 +1,110 @@
-"""An ordered, framed, authenticated, bidirectional connection over a TCP socket (asyncio).
+"""An ordered, framed, bidirectional connection over TLS 1.3 with mutual certificates (I8,
+pd/tls.py), driven on asyncio; and the bootstrap Listener that accepts them.
+
+The TLS socket is driven directly, non-blocking (recv_into / send raising SSLWant*), rather than
+through asyncio streams or memory BIOs: OpenSSL decrypts a payload straight into its destination
+buffer and encrypts from the caller's memory, so the only copies are the cipher's own (streams
+copy a large frame three times on the way in; memory BIOs add one copy each way). The GIL is
+released inside SSL_read / SSL_write.
 
 One writer lock keeps frames whole and in order, which the protocol relies on: an ABORT_ACK or
-DONE sent after a room's last page also arrives after it. Every frame carries a sequence number
-and a MAC under the connection's current key for its direction (pd/auth.py); a bad one raises
-WireError.
+DONE sent after a room's last page also arrives after it. Integrity, order, replay and secrecy
+are TLS's; the frames themselves are strictly bounded and decoded (pd/wire.py).
 
-The socket is driven directly (non-blocking recv_into / sendmsg) rather than through asyncio
-streams: a payload is received straight into a reused buffer and sent from the caller's memory,
-with no intermediate copies (streams copy a large frame three times on the way in and join it
-once on the way out).
+Before a peer has proved its certificate, the Listener bounds what it may hold: at most
+max_pending connections in their handshake at once (more are closed on accept), each for at most
+handshake_timeout seconds, and nothing allocated for it but OpenSSL's handshake buffers.
 """
 
 from __future__ import annotations
 
 import asyncio
 import socket
-from collections.abc import Awaitable, Callable
+import ssl
+from collections.abc import Awaitable, Callable, Iterator
+from dataclasses import dataclass
 
 from kvfence.faults import Faults
-from kvfence.pd import auth, wire
+from kvfence.pd import wire
+from kvfence.pd.tls import TlsConfig
 
 _STAGE = 64 << 10  # small reads (prefixes, headers) go through a staging buffer of this size
 # While a big payload is due, the socket reports readable only once this much of it is queued
 # (SO_RCVLOWAT): a frame of MiBs then costs a few loop wake-ups instead of one per segment burst.
 _LOWAT = 256 << 10
+# OpenSSL may already hold a partial record of what is due (at most one record's ciphertext):
+# the mark stays that far below the plaintext still owed, so it never waits for bytes that
+# will not come.
+_RECORD_SLACK = (16 << 10) + 256
 _SPARES = 4  # payload buffers a connection keeps for reuse
-_IOV_MAX = 1024  # buffers per sendmsg (Linux's UIO_MAXIOV)
+# Pieces smaller than a TLS record are copied together before encryption: one small SSL_write
+# per piece would cost a record and a syscall each.
+_COALESCE = 16 << 10
+_BATCH = 256 << 10
+
+_WANT = (ssl.SSLWantReadError, ssl.SSLWantWriteError, BlockingIOError, InterruptedError)
+
+PeerKey = tuple[str, int]  # a resolved address: (ip, port)
+
+
+class RecordError(ConnectionError):
+    """A TLS record that does not authenticate inside an established session: forged, replayed,
+    reordered or from another connection. The connection is dropped; nothing it carried counts."""
+
+
+@dataclass(frozen=True)
+class LinkLimits:
+    """Bounds on PD connections (flags: --tls-handshake-timeout, --max-pending-handshakes,
+    --pd-idle-timeout)."""
+
+    handshake_timeout_s: float = 10.0  # an unauthenticated peer's whole TLS handshake
+    max_pending_handshakes: int = 64  # per listener, at once
+    idle_timeout_s: float = 300.0  # decode closes a prefill connection idle this long
+
+    def __post_init__(self) -> None:
+        if not (self.handshake_timeout_s > 0 and self.idle_timeout_s > 0):
+            raise ValueError("PD timeouts must be positive")
+        if self.max_pending_handshakes < 1:
+            raise ValueError("--max-pending-handshakes must be at least 1")
+
+
+async def resolve(addr: str) -> PeerKey:
+    """host:port (or [v6]:port) as the address it resolves to, the key of one connection: any
+    spelling of one address (127.0.0.00001, a name) shares it. ValueError / OSError when it
+    does not parse or resolve."""
+    host, sep, port_s = addr.rpartition(":")
+    if not sep or not host or not port_s.isdigit() or not 0 < int(port_s) < 65536:
+        raise ValueError(f"not host:port: {addr!r}")
+    host = host[1:-1] if host.startswith("[") and host.endswith("]") else host
+    infos = await asyncio.get_running_loop().getaddrinfo(
+        host, int(port_s), type=socket.SOCK_STREAM
+    )
+    if not infos:
+        raise OSError(f"{host} does not resolve")
+    ip, port = infos[0][4][:2]
+    return str(ip), int(port)
 
 
 class Connection:
-    def __init__(
-        self, sock: socket.socket, secret: bytes, client: bool, faults: Faults | None = None
-    ) -> None:
+    """A TLS connection whose handshake (and the peer's role check) has completed."""
+
+    def __init__(self, sock: socket.socket, client: bool, faults: Faults | None = None) -> None:
         sock.setblocking(False)
-        if sock.family in (socket.AF_INET, socket.AF_INET6):  # tests also use socketpairs
-            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
         self.sock = sock
         self._fd = sock.fileno()
         self._loop = asyncio.get_running_loop()
         self._lock = asyncio.Lock()
         self.closed = False
-        self.secret = secret
-        self.client = client  # decode dials, prefill accepts: it picks each direction's key
+        self.client = client  # decode dials, prefill accepts
         self._faults = faults if faults is not None else Faults()
-        hello = auth.HelloMac(auth.hello_key(secret))
-        self._mac_out: auth.FrameMac = hello
-        self._mac_in: auth.FrameMac = hello
-        self._seq_out = 0
-        self._seq_in = 0
+        self._hello = True  # until the first frame (the hello) is in: its size is capped
         self._stage = bytearray(_STAGE)
+        self._batch = bytearray(_BATCH)
         self._lo = self._hi = 0
         self._spares: list[bytearray] = []  # payload buffers, reused once handed back
         self._lent: bytearray | None = None
         self._lowat = 1
+        self._want_write = False
         self._waiters: set[asyncio.Future] = set()
         try:
             self.peer = sock.getpeername()
@@ -62,33 +113,24 @@ class Connection:
 
     @classmethod
     async def open(
-        cls, host: str, port: int, timeout: float, secret: bytes, faults: Faults | None = None
+        cls, ip: str, port: int, timeout: float, tls: TlsConfig, faults: Faults | None = None
     ) -> Connection:
+        """Dial a resolved prefill address, complete TLS and check its certificate's role."""
+        faults = faults if faults is not None else Faults()
         loop = asyncio.get_running_loop()
 
-        async def dial() -> socket.socket:
-            err: OSError | None = None
-            for family, kind, proto, _, addr in await loop.getaddrinfo(
-                host, port, type=socket.SOCK_STREAM
-            ):
-                sock = socket.socket(family, kind, proto)
-                sock.setblocking(False)
-                try:
-                    await loop.sock_connect(sock, addr)
-                    return sock
-                except OSError as e:
-                    sock.close()
-                    err = e
-            raise err or OSError(f"cannot resolve {host}")
+        async def dial() -> Connection:
+            family = socket.AF_INET6 if ":" in ip else socket.AF_INET
+            raw = socket.socket(family, socket.SOCK_STREAM)
+            raw.setblocking(False)
+            try:
+                await loop.sock_connect(raw, (ip, port))
+                return await _secure(raw, tls, faults, client=True)
+            except BaseException:
+                raw.close()
+                raise
 
-        return cls(await asyncio.wait_for(dial(), timeout), secret, client=True, faults=faults)
-
-    def start_session(self, client_nonce: str, server_nonce: str) -> None:
-        """Switch both directions to their session keys once HELLO/HELLO_OK are exchanged."""
-        c2s, s2c = auth.session_keys(self.secret, client_nonce, server_nonce)
-        out, inn = (c2s, s2c) if self.client else (s2c, c2s)
-        self._mac_out, self._mac_in = auth.SessionMac(out), auth.SessionMac(inn)
-        self._seq_out = self._seq_in = 0
+        return await asyncio.wait_for(dial(), timeout)
 
     # ---- sending ------------------------------------------------------------------------------
 
@@ -97,44 +139,43 @@ class Connection:
         if self.closed:
             raise ConnectionError("connection closed")
         async with self._lock:
-            self._seq_out += 1
-            bufs = wire.encode(msg, payload, self._seq_out, self._mac_out)
-            i = 0
-            while i < len(bufs):
-                if self.closed:
-                    raise ConnectionError("connection closed")
-                try:
-                    sent = self.sock.sendmsg(bufs[i : i + _IOV_MAX])
-                except (BlockingIOError, InterruptedError):
-                    await self._ready(self._loop.add_writer, self._loop.remove_writer)
-                    continue
-                except OSError as e:
-                    raise ConnectionError(f"send failed: {e}") from e
-                while i < len(bufs) and sent >= bufs[i].nbytes:
-                    sent -= bufs[i].nbytes
-                    i += 1
-                if i < len(bufs):
-                    bufs[i] = bufs[i][sent:]
+            for chunk in _batches(wire.encode(msg, payload), self._batch):
+                await self._send_all(chunk)
+
+    async def _send_all(self, view: memoryview) -> None:
+        while view.nbytes:
+            if self.closed:
+                raise ConnectionError("connection closed")
+            try:
+                # A write that wants to wait is retried with the same bytes (OpenSSL's rule).
+                sent = self.sock.send(view)
+            except ssl.SSLWantReadError:
+                await self._ready(self._loop.add_reader, self._loop.remove_reader)
+                continue
+            except _WANT:
+                await self._ready(self._loop.add_writer, self._loop.remove_writer)
+                continue
+            except OSError as e:
+                raise ConnectionError(f"send failed: {e}") from e
+            view = view[sent:]
 
     # ---- receiving ----------------------------------------------------------------------------
 
     async def recv(self) -> tuple[wire.Frame, memoryview]:
-        """The next authentic frame; ConnectionError at EOF, wire.WireError on a frame that is
-        malformed, forged (bad MAC), replayed or reordered (bad sequence number). The payload
-        is a view of a buffer this connection reuses: it is valid until the next recv(), unless
-        keep() takes it."""
+        """The next frame; ConnectionError at EOF or when TLS fails (a forged, replayed or
+        reordered record), wire.WireError on a malformed frame. The payload is a view of a
+        buffer this connection reuses: it is valid until the next recv(), unless keep() takes
+        it."""
         if self._lent is not None:
             self.give_back(self._lent)
             self._lent = None
-        fixed = bytearray(wire.PREFIX_SIZE + wire.MAC_SIZE)
+        fixed = bytearray(wire.PREFIX_SIZE)
         await self._read_into(memoryview(fixed))
-        prefix, tag = bytes(fixed[: wire.PREFIX_SIZE]), bytes(fixed[wire.PREFIX_SIZE :])
-        header_len, payload_len, seq = wire.parse_prefix(prefix)
-        if isinstance(self._mac_in, auth.HelloMac) and (
-            payload_len or header_len > wire.MAX_HELLO_HEADER
-        ):
-            # Nothing is authenticated yet: allocate no more than a hello needs.
+        header_len, payload_len = wire.parse_prefix(bytes(fixed))
+        if self._hello and (payload_len or header_len > wire.MAX_HELLO_HEADER):
+            # The pairing facts are small: a hello claiming more is refused before allocation.
             raise wire.WireError(f"hello frame too large ({header_len}, {payload_len})")
+        self._hello = False
         header = bytearray(header_len)
         await self._read_into(memoryview(header))
         payload = memoryview(b"")
@@ -148,13 +189,6 @@ class Connection:
             self._lent = buf
             payload = memoryview(buf)[:payload_len]
             await self._read_into(payload)
-        if self._faults.guards().on("mac"):
-            expected = self._mac_in.tag(seq, prefix, header, payload)
-            if not auth.verify(expected, tag):
-                raise wire.WireError("bad MAC: forged, corrupted or from another connection")
-            if seq != self._seq_in + 1:
-                raise wire.WireError(f"sequence {seq} after {self._seq_in}: replayed or reordered")
-        self._seq_in = seq
         return wire.decode_header(bytes(header)), payload
 
     def keep(self) -> bytearray | None:
@@ -172,34 +206,54 @@ class Connection:
         dst[:got] = self._stage[self._lo : self._lo + got]
         self._lo += got
         while got < dst.nbytes:
-            if dst.nbytes - got >= _STAGE:  # big: straight into its destination
-                got += await self._recv_into(dst[got:], dst.nbytes - got)
+            # A record at most per call: read synchronously while records are there, and go
+            # back to the loop only when OpenSSL wants more bytes from the socket.
+            big = dst.nbytes - got >= _STAGE  # big: decrypted straight into its destination
+            n = self._try_recv(dst[got:] if big else memoryview(self._stage))
+            if n is None:
+                await self._wait_readable(dst.nbytes - got)
                 continue
-            n = await self._recv_into(memoryview(self._stage), dst.nbytes - got)
+            if big:
+                got += n
+                continue
             take = min(n, dst.nbytes - got)
             dst[got : got + take] = self._stage[:take]
             self._lo, self._hi = take, n
             got += take
 
-    async def _recv_into(self, buf: memoryview, need: int) -> int:
-        """Some bytes into buf; `need` (what the frame being read still owes) is how many to
-        wait for before the loop wakes this reader again."""
-        while True:
-            if self.closed:
-                raise ConnectionError("connection closed")
-            try:
-                n = self.sock.recv_into(buf)
-            except (BlockingIOError, InterruptedError):
-                self._set_lowat(min(need, _LOWAT))
-                await self._ready(self._loop.add_reader, self._loop.remove_reader)
-                continue
-            except OSError as e:
-                raise ConnectionError(f"receive failed: {e}") from e
-            if n == 0:
-                raise ConnectionError("peer closed the connection")
-            return n
+    def _try_recv(self, buf: memoryview) -> int | None:
+        """Bytes read into buf, or None when none can be read without waiting."""
+        if self.closed:
+            raise ConnectionError("connection closed")
+        try:
+            n = self.sock.recv_into(buf)
+        except ssl.SSLWantWriteError:
+            self._want_write = True
+            return None
+        except _WANT:
+            return None
+        except ssl.SSLError as e:
+            if isinstance(e, ssl.SSLEOFError):
+                raise ConnectionError("peer closed the connection") from e
+            raise RecordError(f"bad TLS record: {e}") from e
+        except OSError as e:
+            raise ConnectionError(f"receive failed: {e}") from e
+        if n == 0:
+            raise ConnectionError("peer closed the connection")
+        return n
+
+    async def _wait_readable(self, need: int) -> None:
+        """Until the socket has bytes; `need` (what the frame being read still owes) is how
+        many to wait for before the loop wakes this reader again."""
+        if self._want_write:  # OpenSSL must write before it can read (not in TLS 1.3 data)
+            self._want_write = False
+            await self._ready(self._loop.add_writer, self._loop.remove_writer)
+            return
+        self._set_lowat(min(need, _LOWAT) - _RECORD_SLACK)
+        await self._ready(self._loop.add_reader, self._loop.remove_reader)
 
     def _set_lowat(self, n: int) -> None:
+        n = max(1, n)
         if n != self._lowat and self.sock.family in (socket.AF_INET, socket.AF_INET6):
             try:
                 self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVLOWAT, n)
@@ -232,21 +286,98 @@ class Connection:
             self.sock.close()
 
 
+def _batches(bufs: list[memoryview], stage: bytearray) -> Iterator[memoryview]:
+    """The frame's buffers as writes: big ones as they are, runs of small ones copied together
+    into stage (each yielded view must be sent before the next is asked for)."""
+    fill = 0
+    for b in bufs:
+        if b.nbytes >= _COALESCE:
+            if fill:
+                yield memoryview(stage)[:fill]
+                fill = 0
+            yield b
+            continue
+        if fill + b.nbytes > len(stage):
+            yield memoryview(stage)[:fill]
+            fill = 0
+        stage[fill : fill + b.nbytes] = b
+        fill += b.nbytes
+    if fill:
+        yield memoryview(stage)[:fill]
+
+
+async def _wait_fd(fd: int, write: bool) -> None:
+    loop = asyncio.get_running_loop()
+    fut = loop.create_future()
+    add, remove = (loop.add_writer, loop.remove_writer) if write else (
+        loop.add_reader,
+        loop.remove_reader,
+    )
+    add(fd, lambda: fut.done() or fut.set_result(None))
+    try:
+        await fut
+    finally:
+        remove(fd)
+
+
+async def _secure(
+    raw: socket.socket, tls: TlsConfig, faults: Faults, client: bool
+) -> Connection:
+    """TLS over a connected socket, then the peer's role check; the Connection. Any failure is
+    a ConnectionError (the socket is the caller's to close)."""
+    guards = faults.guards()
+    if raw.family in (socket.AF_INET, socket.AF_INET6):
+        raw.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        raw.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
+    ctx = tls.context(server=not client, verify=guards.on("peer_verify"))
+    sock = ctx.wrap_socket(raw, server_side=not client, do_handshake_on_connect=False)
+    sock.setblocking(False)
+    try:
+        while True:
+            try:
+                sock.do_handshake()
+                break
+            except ssl.SSLWantReadError:
+                await _wait_fd(sock.fileno(), write=False)
+            except ssl.SSLWantWriteError:
+                await _wait_fd(sock.fileno(), write=True)
+        tls.check_peer(sock, guards)
+    except ConnectionError:
+        sock.close()
+        raise
+    except OSError as e:  # ssl.SSLError: an unverifiable certificate, a bad record
+        sock.close()
+        raise ConnectionError(f"TLS handshake failed: {e}") from e
+    except BaseException:
+        sock.close()
+        raise
+    return Connection(sock, client, faults)
+
+
 class Listener:
-    """Accepts connections on host:port and runs handler(conn) for each."""
+    """Accepts connections on host:port, completes TLS and the peer's role check, and runs
+    handler(conn) for each. on_refused(reason) counts what did not get that far."""
 
     def __init__(
         self,
         sock: socket.socket,
         handler: Callable[[Connection], Awaitable[None]],
-        secret: bytes,
+        tls: TlsConfig,
         faults: Faults | None = None,
+        max_pending: int = 64,
+        handshake_timeout: float = 10.0,
+        on_refused: Callable[[str], None] | None = None,
     ) -> None:
         self.sock = sock
         self.port = sock.getsockname()[1]
         self._handler = handler
-        self._secret = secret
-        self._faults = faults
+        self._tls = tls
+        self._faults = faults if faults is not None else Faults()
+        self.max_pending = max_pending
+        self.handshake_timeout = handshake_timeout
+        self._on_refused = on_refused or (lambda _reason: None)
+        self.pending = 0  # connections accepted whose handshake is still under way
+        self._handshakes: set[asyncio.Task] = set()
         self._task = asyncio.ensure_future(self._accept())
 
     @classmethod
@@ -255,21 +386,44 @@ class Listener:
         host: str,
         port: int,
         handler: Callable[[Connection], Awaitable[None]],
-        secret: bytes,
+        tls: TlsConfig,
         faults: Faults | None = None,
+        **limits: object,
     ) -> Listener:
         sock = socket.create_server((host or "0.0.0.0", port), backlog=128)
         sock.setblocking(False)
-        return cls(sock, handler, secret, faults)
+        return cls(sock, handler, tls, faults, **limits)  # type: ignore[arg-type]
 
     async def _accept(self) -> None:
         loop = asyncio.get_running_loop()
         while True:
-            sock, _ = await loop.sock_accept(self.sock)
-            conn = Connection(sock, self._secret, client=False, faults=self._faults)
-            asyncio.ensure_future(self._handler(conn))
+            raw, _ = await loop.sock_accept(self.sock)
+            if self.pending >= self.max_pending:
+                # Unauthenticated peers hold no more than max_pending handshakes at once.
+                raw.close()
+                self._on_refused("too_many_handshakes")
+                continue
+            self.pending += 1
+            task = asyncio.ensure_future(self._admit(raw))
+            self._handshakes.add(task)
+            task.add_done_callback(self._handshakes.discard)
+
+    async def _admit(self, raw: socket.socket) -> None:
+        try:
+            conn = await asyncio.wait_for(
+                _secure(raw, self._tls, self._faults, client=False), self.handshake_timeout
+            )
+        except (ConnectionError, OSError, TimeoutError) as e:
+            raw.close()
+            self._on_refused("handshake_timeout" if isinstance(e, TimeoutError) else "tls")
+            return
+        finally:
+            self.pending -= 1
+        await self._handler(conn)
 
     def close(self) -> None:
         self._task.cancel()
+        for task in list(self._handshakes):
+            task.cancel()
         asyncio.get_running_loop().remove_reader(self.sock.fileno())
         self.sock.close()

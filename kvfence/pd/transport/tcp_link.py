@@ -1,10 +1,11 @@
-"""The tcp transport: page bytes ride in the PageRun frames' payloads on the authenticated
-connection, and decode writes them into its pool itself (so it can refuse any write).
+"""The tcp transport: page bytes ride in the PageRun frames' payloads on the TLS connection, and
+decode writes them into its pool itself (so it can refuse any write).
 
-Sender: a CPU pool's runs go out straight from its pages as sendmsg iovecs (no copy); a GPU
-pool's, or a corrupted one's (fault injection), are gathered into two reused buffers. Run i + 1
-is gathered and hashed on a thread while run i is being sent. Receiver: a run's checksums, grant
-check and writes run on one writer thread while the loop receives the next.
+Sender: each run is gathered into one of two reused buffers and hashed on a thread while the
+previous run is being encrypted and sent: one contiguous SSL_write per run (a page's blocks
+are a few KiB, and one TLS record and syscall per block would cost more than the gather).
+Receiver: a run's checksums, grant check and writes run on one writer thread while the loop
+receives the next.
 """
 
 from __future__ import annotations
@@ -24,6 +25,11 @@ R = TypeVar("R")
 
 class TcpSender(PageSender):
     backend = "tcp"
+    # Over TLS, runs of 1 MiB pipeline: run i + 1 is gathered and hashed while run i is
+    # encrypted, and decode checks and writes run i while run i + 1 is decrypted. One 8 MiB run
+    # serialised them (2 shared cores, in-process sweep, best of 8: 8 MiB 39 ms, 1 MiB 23 ms,
+    # 512 KiB 23 ms, 256 KiB 31 ms, 128 KiB 46 ms per 8 MiB prompt; see benchmarks/RESULTS.md).
+    run_bytes = 1 << 20
 
     def __init__(self) -> None:
         self._bufs: list[bytearray] = []  # gather buffers, reused across rooms
@@ -43,9 +49,12 @@ class TcpSender(PageSender):
         pending: asyncio.Future | None = None  # the next run's gather and checksums
         sums: list[tuple[int, int]] = []
         try:
-            if job.corrupt or pool.k.is_cuda:
-                size = max(kvio.RUN_BYTES, *(kvio.payload_size(pool, c) for _, _, c in runs))
-                bufs += [self._bufs.pop() if self._bufs else bytearray(size) for _ in range(2)]
+            size = max(self.run_bytes, *(kvio.payload_size(pool, c) for _, _, c in runs))
+            for _ in range(2):
+                fits = [b for b in self._bufs if len(b) >= size]
+                if fits:
+                    self._bufs.remove(fits[0])
+                bufs.append(fits[0] if fits else bytearray(size))
             for i, (first, n, count) in enumerate(runs):
                 # send() returns once the bytes are in the kernel: the pages or the buffer are
                 # free again then. job.hold keeps the pages held until every read of them is
@@ -80,17 +89,12 @@ class TcpSender(PageSender):
 
     def _prepare(self, job: RoomSend, i: int, bufs: list[bytearray]) -> asyncio.Future:
         """Run i's payload and per-page checksums, on the gather thread (numpy and xxhash
-        release the GIL over whole blocks, so the loop keeps sending): views of the pool's
-        pages, or a copy in bufs[i % 2] when there are buffers."""
+        release the GIL over whole blocks, so the loop keeps sending): a copy in bufs[i % 2]."""
         pool = job.pool
         first, n, count = job.runs[i]
         pages = job.src[first : first + n]
 
         def work() -> tuple[wire.Payload, list[int]]:
-            if not bufs:
-                return kvio.pool_blocks(pool, pages, count), kvio.pool_checksums(
-                    pool, pages, n * count
-                )
             data = kvio.gather(pool, pages, count, bufs[i % 2])
             sums = kvio.run_checksums(data)
             if first == 0 and job.corrupt:

@@ -1,0 +1,300 @@
+"""The cost of I8's TLS on the tcp KV transfer, in one run, interleaved by repeat:
+
+- before: the tcp backend of another tree (default: `main`, exported with `git archive`), i.e.
+  plaintext frames under the old AES-GMAC (its workers get KVFENCE_CLUSTER_SECRET);
+- after: this tree's tcp backend, TLS 1.3 with mutual certificates (KVFENCE_TLS_DIR);
+- the ceiling: two bare processes (this one sending, a sink process receiving) moving the same
+  bytes over the same kind of TLS channel (Python ssl, TLS 1.3, the same EC certificates, the
+  sender's 8 MiB SSL_writes, the sink's recv_into a reused buffer) with nothing of kvfence;
+- raw loopback TCP between the same two processes, for scale.
+
+kvfence's figure is a transfer window (prefill's send_start to decode's done_handled, the
+workers' own marks in /pd/info; kv_transfer.py says what it holds), the others the wall time
+of the same bytes after the handshake. Each side is a `kvfence serve` pair of OS processes with
+torch kernels (compute is outside the window; no native build needed for the exported tree).
+The request goes straight to decode naming its prefill, as the router sends it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import io
+import json
+import os
+import socket
+import ssl
+import subprocess
+import sys
+import tarfile
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from benchmarks.common import RESULTS, machine, random_prompts, this_command, write_json  # noqa: E402
+
+# The TLS sink: per connection (TLS, client certificate required), an 8-byte length, then that
+# many bytes read into a reused 1 MiB buffer, then a 1-byte ack; length 0 ends it. argv: ROOT,
+# the certificate directory, "tls" or "raw".
+_SINK = r"""
+import socket, ssl, sys
+tls = sys.argv[3] == "tls"
+if tls:
+    ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    ctx.minimum_version = ssl.TLSVersion.TLSv1_3
+    ctx.load_cert_chain(sys.argv[2] + "/prefill.crt", sys.argv[2] + "/prefill.key")
+    ctx.load_verify_locations(sys.argv[2] + "/ca.crt")
+    ctx.verify_mode = ssl.CERT_REQUIRED
+    ctx.options |= ssl.OP_NO_TICKET
+srv = socket.create_server(("127.0.0.1", 0))
+print(srv.getsockname()[1], flush=True)
+buf = memoryview(bytearray(1 << 20))
+while True:
+    raw, _ = srv.accept()
+    raw.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    conn = ctx.wrap_socket(raw, server_side=True) if tls else raw
+    head = b""
+    while len(head) < 8:
+        head += conn.recv(8 - len(head))
+    total = int.from_bytes(head, "big")
+    if not total:
+        break
+    got = 0
+    while got < total:
+        n = conn.recv_into(buf)
+        if not n:
+            break
+        got += n
+    conn.sendall(b"k")
+    conn.close()
+"""
+
+
+class Sink:
+    """The bare receiving process; rate() is the sending side, in this process."""
+
+    def __init__(self, certs: Path, tls: bool) -> None:
+        self.tls = tls
+        self.p = subprocess.Popen(
+            [sys.executable, "-c", _SINK, str(ROOT), str(certs), "tls" if tls else "raw"],
+            stdout=subprocess.PIPE,
+            text=True,
+        )
+        assert self.p.stdout is not None
+        self.port = int(self.p.stdout.readline())
+        ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
+        ctx.minimum_version = ssl.TLSVersion.TLSv1_3
+        ctx.load_cert_chain(str(certs / "decode.crt"), str(certs / "decode.key"))
+        ctx.load_verify_locations(str(certs / "ca.crt"))
+        ctx.check_hostname = False
+        self.ctx = ctx
+
+    def _connect(self) -> socket.socket:
+        raw = socket.create_connection(("127.0.0.1", self.port))
+        raw.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        return self.ctx.wrap_socket(raw) if self.tls else raw
+
+    def rate(self, total: int, frame: int) -> float:
+        payload = memoryview(bytearray(os.urandom(frame)))
+        with self._connect() as c:
+            start = time.perf_counter()  # after the handshake, as kvfence's window is
+            c.sendall(total.to_bytes(8, "big"))
+            sent = 0
+            while sent < total:
+                part = payload[: min(frame, total - sent)]
+                c.sendall(part)
+                sent += part.nbytes
+            assert c.recv(1) == b"k"
+            return total / (time.perf_counter() - start)
+
+    def close(self) -> None:
+        with self._connect() as c:
+            c.sendall((0).to_bytes(8, "big"))
+        self.p.wait(10)
+
+
+class Workers:
+    """`kvfence serve` prefill + decode of `tree` as two OS processes, with `env` added."""
+
+    def __init__(self, name: str, tree: Path, env: dict[str, str], a: argparse.Namespace) -> None:
+        import httpx
+
+        from kvfence.tools.cluster import free_port
+
+        self.name = name
+        self.http = httpx.Client(timeout=300)
+        full = {**os.environ, **env, "PYTHONPATH": str(tree)}
+        full.pop("KVFENCE_FAULT_INJECTION", None)
+        self.procs: list[subprocess.Popen] = []
+        self.urls: dict[str, str] = {}
+        self.commands: list[list[str]] = []
+        for role in ("prefill", "decode"):
+            port = free_port()
+            cmd = [
+                sys.executable, "-m", "kvfence.cli", "serve", "--model", a.model,
+                "--port", str(port), "--context-length", str(a.ctx),
+                "--kv-pool-tokens", str(2 * a.ctx), "--disaggregation-mode", role,
+                "--attention-backend", "torch", "--linear-backend", "torch",
+                "--log-level", "warning",
+            ]  # fmt: skip
+            if role == "prefill":
+                cmd += ["--disaggregation-bootstrap-port", str(free_port())]
+            log = (Path(a.out) / f"tls_transfer-{name}-{role}.log").open("wb")
+            self.procs.append(
+                subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=full, cwd=tree)
+            )
+            self.commands.append(cmd)
+            self.urls[role] = f"http://127.0.0.1:{port}"
+        deadline = time.monotonic() + 300
+        for role, url in self.urls.items():
+            while True:
+                assert time.monotonic() < deadline, f"{name} {role} never became healthy"
+                assert all(p.poll() is None for p in self.procs), f"{name} {role} exited"
+                try:
+                    if self.http.get(f"{url}/health", timeout=2).status_code == 200:
+                        break
+                except httpx.HTTPError:
+                    pass
+                time.sleep(0.2)
+        info = self.http.get(f"{self.urls['prefill']}/pd/info").json()
+        self.peer = f"{info['bootstrap_host']}:{info['bootstrap_port']}"
+        self.model_name = info["model"]
+        self.seen: set[str] = set()
+
+    def transfer(self, prompt: list[int]) -> float:
+        """Seconds of one prompt's transfer window."""
+        r = self.http.post(
+            f"{self.urls['decode']}/v1/completions",
+            json={"model": self.model_name, "prompt": prompt, "max_tokens": 1,
+                  "temperature": 0, "ignore_eos": True},
+            headers={"X-Kvfence-Prefill": self.peer},
+        )  # fmt: skip
+        assert r.status_code == 200, f"{self.name}: {r.status_code} {r.text}"
+        deadline = time.monotonic() + 10
+        while True:
+            marks = self.http.get(f"{self.urls['decode']}/pd/info").json()["transfer_marks"]
+            new = [k for k, m in marks.items() if k not in self.seen and "done_handled" in m]
+            if new:
+                break
+            assert time.monotonic() < deadline, "DONE handling never finished"
+            time.sleep(0.002)
+        room = new[0]
+        self.seen.add(room)
+        sent = self.http.get(f"{self.urls['prefill']}/pd/info").json()["transfer_marks"][room]
+        return marks[room]["done_handled"] - sent["send_start"]
+
+    def close(self) -> None:
+        for p in self.procs:
+            p.terminate()
+        for p in self.procs:
+            try:
+                p.wait(20)
+            except subprocess.TimeoutExpired:
+                p.kill()
+        self.http.close()
+
+
+def export_tree(ref: str, into: Path) -> Path:
+    """`git archive ref` unpacked into `into` (the repository itself is only read)."""
+    data = subprocess.run(
+        ["git", "-C", str(ROOT), "archive", "--format=tar", ref], check=True, capture_output=True
+    ).stdout
+    with tarfile.open(fileobj=io.BytesIO(data)) as tar:
+        tar.extractall(into, filter="data")
+    return into
+
+
+def _median(xs: list[float]) -> float:
+    return sorted(xs)[len(xs) // 2]
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__)
+    p.add_argument("--model", default=str(ROOT / "models" / "kvfence-tiny"))
+    p.add_argument("--prompt-len", type=int, default=2048)
+    p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--before-ref", default="main", help="git ref of the GMAC tree")
+    p.add_argument("--out", default=str(RESULTS))
+    p.add_argument("--name", default="tls_transfer")
+    a = p.parse_args(argv)
+    a.ctx = max(4096, a.prompt_len + 16)
+    out = Path(a.out)
+    out.mkdir(parents=True, exist_ok=True)
+
+    from kvfence.config import EngineConfig
+    from kvfence.engine.engine import Engine
+    from kvfence.pd import certs, kvio
+
+    cfg = json.loads((Path(a.model) / "config.json").read_text())
+    pool = Engine(EngineConfig(model=a.model, context_length=a.ctx, kv_pool_tokens=2 * a.ctx)).pool
+    nbytes = kvio.payload_size(pool, a.prompt_len)
+    # Enough transfers for decode's pool to hand out every page once (first-touch page faults).
+    warmup = max(1, -(-pool.num_pages // -(-a.prompt_len // pool.page_size)))
+    del pool
+    prompts = random_prompts(a.repeats + warmup, a.prompt_len, int(cfg["vocab_size"]), seed=7)
+    frame = min(kvio.RUN_BYTES, nbytes)
+
+    tmp = Path(tempfile.mkdtemp(prefix="kvfence-tls-bench-"))
+    cert_dir = certs.cluster(tmp / "certs")
+    before_tree = export_tree(a.before_ref, tmp / "before")
+    sides = [
+        Workers("before", before_tree, {"KVFENCE_CLUSTER_SECRET": "bench-" + "0" * 40}, a),
+        Workers("after", ROOT, {"KVFENCE_TLS_DIR": str(cert_dir)}, a),
+    ]
+    tls_sink, raw_sink = Sink(cert_dir, tls=True), Sink(cert_dir, tls=False)
+    rates: dict[str, list[float]] = {"before": [], "after": [], "tls_ceiling": [], "raw_tcp": []}
+    try:
+        for i, prompt in enumerate(prompts):
+            for w in sides:
+                wall = w.transfer(prompt)
+                if i >= warmup:
+                    rates[w.name].append(nbytes / wall)
+            if i >= warmup:
+                rates["tls_ceiling"].append(tls_sink.rate(nbytes, frame))
+                rates["raw_tcp"].append(raw_sink.rate(nbytes, frame))
+    finally:
+        for w in sides:
+            w.close()
+        tls_sink.close()
+        raw_sink.close()
+    med = {k: _median(v) / 1e6 for k, v in rates.items()}
+    # Repeat by repeat (each pair ran back to back, so under a shared machine's load swings the
+    # paired ratio is steadier than a ratio of medians).
+    paired = {
+        f"{x}_over_{y}_paired_median": _median(
+            [p / q for p, q in zip(rates[x], rates[y], strict=True)]
+        )
+        for x, y in (("after", "tls_ceiling"), ("after", "before"))
+    }
+    summary = {
+        **{f"{k}_median_MBps": v for k, v in med.items()},
+        **paired,
+        "after_over_tls_ceiling": med["after"] / med["tls_ceiling"],
+        "after_over_before": med["after"] / med["before"],
+        "before_over_raw_tcp": med["before"] / med["raw_tcp"],
+        "tls_ceiling_over_raw_tcp": med["tls_ceiling"] / med["raw_tcp"],
+    }
+    for k, v in summary.items():
+        print(f"{k}: {v:.2f}")
+    write_json(
+        out / f"{a.name}.json",
+        {
+            "command": this_command(),
+            "machine": machine(),
+            "before_ref": a.before_ref,
+            "prompt_len": a.prompt_len,
+            "kv_bytes": nbytes,
+            "send_bytes": frame,
+            "warmup": warmup,
+            "worker_commands": [c for w in sides for c in w.commands],
+            "rates_Bps": rates,
+            "summary": summary,
+        },
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

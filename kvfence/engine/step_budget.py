@@ -1,0 +1,209 @@
+"""The step-time budget: how many prefill tokens a step that also decodes may carry.
+
+A decode step's time is every running stream's inter-token latency (ITL). A prompt chunk that
+rides in the same step lengthens it by roughly its tokens times the cost of one prefill token,
+so the budget follows from a step-time target instead of a fixed token count:
+
+    step_ms ~= a + b * prefill_tokens + c * decode_rows          (StepCost)
+
+fit online on the engine's recent steps (StepCostModel: least squares with the coefficients
+kept non-negative, then refit without the steps whose residual is far out: a step slowed by a
+neighbour's burst of work must not shrink every later budget). The target is either absolute
+(`--max-decode-step-ms`) or, by default, AUTO_STEP_FACTOR times the predicted decode-only step of
+the rows now running, which keeps the budget the same whatever the hardware or the machine's
+load (both sides of the ratio slow down together). A step with no decode is not bounded here:
+it takes the whole `--chunked-prefill-size`.
+
+Two floors keep prompts moving (the TTFT side). A minimum chunk, when the target leaves no
+room. And the backlog: a step takes at least 1/`--prefill-backlog-steps` of the prompt tokens
+waiting to be computed. Without it the auto target feeds on itself under load: prompts queue,
+fewer streams decode, the decode step gets shorter, so does the budget, and more prompts queue;
+with it a burst drains in about that many steps and the decode batch stays full.
+`--decode-step-prefill-budget` stays a hard cap on top of everything.
+
+Tokens served from the prefix cache are never computed, so they never count: the scheduler
+charges a chunk's computed tokens only. This module is arithmetic only (no clock, no engine):
+the engine measures steps and feeds them in.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import deque
+from dataclasses import dataclass
+from itertools import product
+
+# The default target: a step that decodes may take this many times the decode-only step of the
+# same rows (measured, benchmarks/RESULTS.md "Session 6": ITL p99 vs throughput and TTFT).
+AUTO_STEP_FACTOR = 2.0
+WINDOW = 64  # recent steps the fit reads
+MIN_SAMPLES = 8  # below this the model does not predict; mixed steps take the minimum chunk
+REFIT_EVERY = 4  # steps between fits (a fit is a few 3x3 solves; cheap, but not free)
+OUTLIER_MADS = 4.0  # a step whose residual is this many MADs out is left out of the refit
+
+
+@dataclass(frozen=True)
+class StepCost:
+    """step_ms = a + b * prefill_tokens + c * decode_rows; every coefficient >= 0."""
+
+    a: float
+    b: float
+    c: float
+
+    def predict(self, prefill_tokens: int, decode_rows: int) -> float:
+        return self.a + self.b * prefill_tokens + self.c * decode_rows
+
+
+@dataclass(frozen=True)
+class BudgetPolicy:
+    """The flags behind the budget. max_decode_step_ms: None = auto (AUTO_STEP_FACTOR x the
+    decode-only step), 0 = no time bound (the token cap alone, as before this policy)."""
+
+    max_chunk: int  # --chunked-prefill-size: the most any step computes
+    min_chunk: int  # --min-prefill-chunk: a mixed step's floor, so prefills never starve
+    max_decode_step_ms: float | None = None
+    token_cap: int | None = None  # --decode-step-prefill-budget: a hard cap in mixed steps
+    backlog_steps: int | None = None  # --prefill-backlog-steps: drain the backlog in about this
+
+
+def prefill_budget(
+    policy: BudgetPolicy, cost: StepCost | None, decode_rows: int, backlog: int = 0
+) -> int:
+    """Prefill tokens a step with `decode_rows` decodes may add, `backlog` prompt tokens waiting
+    to be computed. The floors (minimum chunk, share of the backlog) win over the time target
+    (prefills progress), the token cap over everything (an operator's hard limit)."""
+    cap = policy.max_chunk if policy.token_cap is None else min(policy.token_cap, policy.max_chunk)
+    if decode_rows == 0:
+        return policy.max_chunk
+    if policy.max_decode_step_ms == 0:
+        return cap
+    floor = policy.min_chunk
+    if policy.backlog_steps:
+        floor = max(floor, -(-backlog // policy.backlog_steps))
+    floor = min(floor, cap)
+    if cost is None or cost.b <= 0:
+        return floor  # nothing measured yet: the smallest step that still makes progress
+    decode_ms = cost.predict(0, decode_rows)
+    target = (
+        AUTO_STEP_FACTOR * decode_ms
+        if policy.max_decode_step_ms is None
+        else policy.max_decode_step_ms
+    )
+    room = (target - decode_ms) / cost.b
+    tokens = math.floor(room) if math.isfinite(room) else cap
+    return max(floor, min(cap, tokens))
+
+
+def fit_nonnegative(rows: list[tuple[int, int, float]]) -> StepCost | None:
+    """Least squares of ms on (1, prefill, decode rows) with every coefficient >= 0: the best
+    of the 7 fits on each non-empty subset of free coefficients (others held at 0) whose result
+    is non-negative. None when nothing fits (no rows, or no positive cost per prefill token can
+    be told from them). Reads the rows once, into the normal equations' moments."""
+    xtx = [[0.0] * 3 for _ in range(3)]
+    xty = [0.0] * 3
+    yty = 0.0
+    for p, d, ms in rows:
+        x = (1.0, float(p), float(d))
+        for r in range(3):
+            xty[r] += x[r] * ms
+            for c in range(3):
+                xtx[r][c] += x[r] * x[c]
+        yty += ms * ms
+    best: tuple[float, tuple[float, ...]] | None = None
+    for free in product((True, False), repeat=3):
+        idx = [i for i in range(3) if free[i]]
+        coef = _solve(xtx, xty, idx) if idx else None
+        if coef is None or min(coef) < 0:
+            continue
+        theta = [0.0, 0.0, 0.0]
+        for i, v in zip(idx, coef, strict=True):
+            theta[i] = v
+        quad = sum(theta[r] * xtx[r][c] * theta[c] for r in range(3) for c in range(3))
+        sse = yty - 2 * sum(t * v for t, v in zip(theta, xty, strict=True)) + quad
+        if best is None or sse < best[0]:
+            best = (sse, tuple(theta))
+    if best is None or best[1][1] <= 0:
+        return None
+    a, b, c = best[1]
+    return StepCost(a, b, c)
+
+
+def _solve(xtx: list[list[float]], xty: list[float], idx: list[int]) -> list[float] | None:
+    """The normal equations restricted to the columns idx (Gaussian elimination with partial
+    pivoting; None when singular: that coefficient cannot be told from these steps)."""
+    n = len(idx)
+    m = [[xtx[r][c] for c in idx] + [xty[r]] for r in idx]
+    scale = max(abs(m[r][r]) for r in range(n)) or 1.0
+    for col in range(n):
+        pivot = max(range(col, n), key=lambda r: abs(m[r][col]))
+        if abs(m[pivot][col]) <= 1e-9 * scale:
+            return None
+        m[col], m[pivot] = m[pivot], m[col]
+        for r in range(n):
+            if r != col:
+                f = m[r][col] / m[col][col]
+                for c in range(col, n + 1):
+                    m[r][c] -= f * m[col][c]
+    return [m[r][n] / m[r][r] for r in range(n)]
+
+
+def _median(xs: list[float]) -> float:
+    s = sorted(xs)
+    mid = len(s) // 2
+    return s[mid] if len(s) % 2 else (s[mid - 1] + s[mid]) / 2
+
+
+def fit_robust(rows: list[tuple[int, int, float]]) -> StepCost | None:
+    """fit_nonnegative, then again without the steps whose residual lies more than
+    OUTLIER_MADS median absolute deviations from the median residual."""
+    first = fit_nonnegative(rows)
+    if first is None:
+        return None
+    res = [ms - first.predict(p, d) for p, d, ms in rows]
+    med = _median(res)
+    mad = _median([abs(r - med) for r in res])
+    if mad <= 0:
+        return first
+    kept = [row for row, r in zip(rows, res, strict=True) if abs(r - med) <= OUTLIER_MADS * mad]
+    return fit_nonnegative(kept) or first
+
+
+class StepCostModel:
+    """The engine's recent steps and the StepCost fit on them (refit every REFIT_EVERY steps)."""
+
+    def __init__(self, window: int = WINDOW) -> None:
+        self.steps: deque[tuple[int, int, float]] = deque(maxlen=window)
+        self._since_fit = 0
+        self._cost: StepCost | None = None
+
+    def observe(self, prefill_tokens: int, decode_rows: int, ms: float) -> None:
+        if prefill_tokens == 0 and decode_rows == 0:
+            return
+        if not (math.isfinite(ms) and ms >= 0):
+            return
+        self.steps.append((prefill_tokens, decode_rows, ms))
+        self._since_fit += 1
+
+    def cost(self) -> StepCost | None:
+        """The current fit; None until MIN_SAMPLES steps were seen."""
+        if len(self.steps) < MIN_SAMPLES:
+            return None
+        if self._cost is None or self._since_fit >= REFIT_EVERY:
+            self._cost = fit_robust(list(self.steps)) or self._cost
+            self._since_fit = 0
+        return self._cost
+
+
+class StepBudget:
+    """What the scheduler asks (the prefill budget of a step) and the engine tells (how long
+    a step took)."""
+
+    def __init__(self, policy: BudgetPolicy, model: StepCostModel | None = None) -> None:
+        self.policy = policy
+        self.model = model if model is not None else StepCostModel()
+
+    def for_step(self, decode_rows: int, backlog: int = 0) -> int:
+        return prefill_budget(self.policy, self.model.cost(), decode_rows, backlog)
+
+    def observe(self, prefill_tokens: int, decode_rows: int, ms: float) -> None:
+        self.model.observe(prefill_tokens, decode_rows, ms)
