@@ -13,6 +13,7 @@ from collections.abc import Iterator
 import pytest
 from conftest import TINY_MODEL
 from fastapi.testclient import TestClient
+from tls_certs import tls
 
 from kvfence.config import EngineConfig
 from kvfence.faults import Faults
@@ -30,7 +31,7 @@ BODY = {"model": "kvfence-tiny", "prompt": "hello there", "max_tokens": 2}
 def decode() -> Iterator[tuple[TestClient, DecodeService, Faults]]:
     faults = Faults()
     cfg = EngineConfig(model=str(TINY_MODEL), kv_pool_tokens=1024, context_length=128)
-    svc = DecodeService(cfg, 5.0, "tcp", b"hop-tests-cluster-secret-0123456789", faults)
+    svc = DecodeService(cfg, 5.0, "tcp", tls("decode"), faults)
     app = build_app(svc, api_keys={"sk-tenant-a": "a"}, faults=faults, operator_key=OPERATOR_KEY)
     svc.start()
     try:

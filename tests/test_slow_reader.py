@@ -87,7 +87,9 @@ def test_a_client_that_never_reads_its_socket_is_aborted_not_buffered() -> None:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)  # a reader that stalls early
         sock.connect(("127.0.0.1", port))
         body = json.dumps({"model": "fake-model", "prompt": "slow reader " * 4,
-                           "max_tokens": 65_000, "stream": True}).encode()
+                           "max_tokens": 65_000, "stream": True,
+                           # Big events: the kernel's socket buffers hold few of them.
+                           "logprobs": 5}).encode()
         sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: "
                      b"application/json\r\nContent-Length: %d\r\n\r\n%s" % (len(body), body))
         # Never read: without the bound the engine would run all 65,000 tokens into memory.
