@@ -152,7 +152,17 @@ class Workers:
 
         self.backend = backend
         self.http = httpx.Client(timeout=300)
-        env = {**os.environ, "KVFENCE_TLS_DIR": str(certs)}
+        from kvfence.server.hop import sign_prefill
+        from kvfence.server.operator import new_operator_key, operator_headers
+
+        self.operator_key = new_operator_key()
+        self.sign = lambda peer: sign_prefill(self.operator_key, peer)
+        self.http.headers.update(operator_headers(self.operator_key))  # reads /pd/info
+        env = {
+            **os.environ,
+            "KVFENCE_TLS_DIR": str(certs),
+            "KVFENCE_ADMIN_API_KEY": self.operator_key,
+        }
         env.pop("KVFENCE_FAULT_INJECTION", None)
         self.procs: list[subprocess.Popen] = []
         self.urls: dict[str, str] = {}
@@ -192,7 +202,7 @@ class Workers:
             f"{self.urls['decode']}/v1/completions",
             json={"model": self.model_name, "prompt": prompt, "max_tokens": 1,
                   "temperature": 0, "ignore_eos": True},
-            headers={"X-Kvfence-Prefill": self.peer},
+            headers=self.sign(self.peer),  # as the router signs it
         )  # fmt: skip
         assert r.status_code == 200, f"{self.backend}: {r.status_code} {r.text}"
         deadline = time.monotonic() + 10

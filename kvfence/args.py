@@ -219,6 +219,20 @@ SKIP_TOKENIZER_INIT = _engine(
     help="load no tokenizer (the model dir may have none): serve token-id prompts only; outputs "
     "are token ids (logprobs with return_tokens_as_token_ids) and empty text",
 )
+MAX_RUNNING_REQUESTS_PER_TENANT = _engine(
+    "--max-running-requests-per-tenant",
+    "max_running_requests_per_tenant",
+    type=int,
+    help="running slots one tenant may hold (default: no cap; a free slot always goes to the "
+    "waiting tenant holding the fewest)",
+)
+SPECIAL_TOKENS_IN_CHAT = _engine(
+    "--special-tokens-in-chat",
+    "special_tokens_in_chat",
+    switch=True,
+    help="let control-token text typed in chat messages (<|eos|>, <|system|>) act as control "
+    "tokens; off by default, so a user cannot forge a turn or an end of text",
+)
 
 ENGINE_OPTIONS: tuple[Option, ...] = (
     MODEL, SERVED_MODEL_NAME, DEVICE, DTYPE, KV_CACHE_DTYPE, CONTEXT_LENGTH, PAGE_SIZE,
@@ -226,7 +240,7 @@ ENGINE_OPTIONS: tuple[Option, ...] = (
     ATTENTION_BACKEND, LINEAR_BACKEND, MAX_RUNNING_REQUESTS, THREADS, SEED,
     UNSAFE_SKIP_PREFLIGHT, KV_POISON_ON_FREE, ENABLE_PREFIX_CACHING, SHARED_PREFIX_FILE,
     PREFIX_CACHE_TTL, SKIP_TOKENIZER_INIT, MAX_DECODE_STEP_MS, MIN_PREFILL_CHUNK,
-    PREFILL_BACKLOG_STEPS,
+    PREFILL_BACKLOG_STEPS, MAX_RUNNING_REQUESTS_PER_TENANT, SPECIAL_TOKENS_IN_CHAT,
 )  # fmt: skip
 # What sizes a node's pool (kv/sizing.plan_for_engine reads these fields): `kvfence preflight`
 # takes exactly these, so it plans what `serve` would build.
@@ -252,7 +266,16 @@ DRAIN_TIMEOUT = Option(
     help="on SIGTERM: admit nothing new and give what is in flight this long to finish; the "
     "rest gets a 503 (a second SIGTERM stops at once)",
 )
-SERVER_OPTIONS: tuple[Option, ...] = (HOST, PORT, API_KEY_FILE, LOG_LEVEL, DRAIN_TIMEOUT)
+ADMIN_API_KEY_FILE = Option(
+    ("--admin-api-key-file",),
+    "admin_api_key_file",
+    metavar="FILE",
+    help="the operator key (or KVFENCE_ADMIN_API_KEY), separate from tenant keys: it alone "
+    "reads /metrics, /pd/info and /health's detail, and signs the router's word to a decode",
+)
+SERVER_OPTIONS: tuple[Option, ...] = (
+    HOST, PORT, API_KEY_FILE, LOG_LEVEL, DRAIN_TIMEOUT, ADMIN_API_KEY_FILE,
+)  # fmt: skip
 # Chat answers with tool_choice "auto" are read for calls in this model family's format.
 TOOL_CALL_PARSER = Option(
     ("--tool-call-parser",),

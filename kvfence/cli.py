@@ -75,6 +75,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
             faults=faults,
             drain_timeout=args.drain_timeout,
             tool_call_parser=args.tool_call_parser,
+            admin_api_key_file=args.admin_api_key_file,
         )
     except CapacityError as e:
         print(f"kvfence: refusing to start: {e}", file=sys.stderr)

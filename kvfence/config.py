@@ -60,6 +60,11 @@ class EngineConfig:
     # vLLM's --skip-tokenizer-init: no tokenizer is loaded (the model dir may have none); only
     # token-id prompts are served and outputs carry token ids with empty text.
     skip_tokenizer_init: bool = False
+    # Running slots one tenant may hold (None: no cap). Admission is fair either way: a free
+    # slot goes to the waiting tenant that holds the fewest (kvfence/engine/fairness.py).
+    max_running_requests_per_tenant: int | None = None
+    # Operator opt-in: control-token text typed in chat content becomes control tokens.
+    special_tokens_in_chat: bool = False
 
     def __post_init__(self) -> None:
         if self.device != "cpu" and not self.device.startswith("cuda"):
@@ -111,6 +116,9 @@ class EngineConfig:
             raise ConfigError(f"--min-prefill-chunk {self.min_prefill_chunk}: must be >= 1")
         if self.max_running_requests < 1:
             raise ConfigError(f"--max-running-requests {self.max_running_requests}: must be >= 1")
+        per_tenant = self.max_running_requests_per_tenant
+        if per_tenant is not None and per_tenant < 1:
+            raise ConfigError(f"--max-running-requests-per-tenant {per_tenant}: must be >= 1")
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> EngineConfig:

@@ -14,6 +14,7 @@ FAULT_RATE = "KVFENCE_FAULT_RATE"  # probability an armed point fires per check 
 FAULT_SEED = "KVFENCE_FAULT_SEED"  # seed of that draw, so a soak's faults can be replayed
 STALL_S = "KVFENCE_STALL_S"  # seconds the stall_transfer fault waits
 TLS_DIR = "KVFENCE_TLS_DIR"  # PD TLS files (ca.crt, ROLE.crt, ROLE.key) when no --tls-* flags
+ADMIN_API_KEY = "KVFENCE_ADMIN_API_KEY"  # the operator key when no --admin-api-key-file
 KERNEL_VERBOSE = "KVFENCE_KERNEL_VERBOSE"  # "1": show the native kernels' compiler output
 
 
@@ -63,3 +64,7 @@ def tls_dir() -> str | None:
 
 def kernel_verbose() -> bool:
     return os.environ.get(KERNEL_VERBOSE) == "1"
+
+
+def admin_api_key() -> str | None:
+    return os.environ.get(ADMIN_API_KEY) or None

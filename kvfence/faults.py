@@ -39,6 +39,10 @@ GUARD_POINTS = {
     "router_ignore_tenant": "router_tenant",
     # The sampler ignores structured-output masks (the engine must then fail the row closed).
     "skip_grammar_mask": "grammar_mask",
+    "unfair_admission": "fair_share",  # the scheduler admits the queue's head, FIFO
+    "unbounded_output": "output_bound",  # a slow reader's events pile up without limit
+    "skip_operator_check": "operator_credential",  # internal endpoints open to any caller
+    "skip_hop_check": "hop_signature",  # decode dials whatever X-Kvfence-Prefill names
 }
 # Points that make a component misbehave.
 ACTION_POINTS = frozenset(

@@ -25,6 +25,10 @@ GUARDS = frozenset(
         "prefix_pin",
         "router_tenant",  # the router routes a tenant by its own prefixes only (I6)
         "grammar_mask",  # a constrained row samples only tokens its grammar allows
+        "fair_share",  # a free running slot goes to the waiting tenant holding the fewest
+        "output_bound",  # a stream's undelivered events are bounded per slow reader
+        "operator_credential",  # internal endpoints and detailed health need the operator key
+        "hop_signature",  # decode dials a prefill only on the router's signed word
     }
 )
 

@@ -10,12 +10,18 @@ from fake_engine import FakeEngine
 from fastapi.testclient import TestClient
 
 from kvfence.server.api import build_app
+from kvfence.server.operator import operator_headers
 
 MODEL = "fake-model"
+OPERATOR_KEY = "op-api-tests-0123456789abcdef"
+OPERATOR = operator_headers(OPERATOR_KEY)
 
 
-def client_for(engine: FakeEngine, api_keys: dict[str, str] | None = None) -> TestClient:
-    return TestClient(build_app(engine, api_keys=api_keys), raise_server_exceptions=False)
+def client_for(
+    engine: FakeEngine, api_keys: dict[str, str] | None = None, operator_key: str | None = None
+) -> TestClient:
+    app = build_app(engine, api_keys=api_keys, operator_key=operator_key)
+    return TestClient(app, raise_server_exceptions=False)
 
 
 def sse_data(text: str) -> list[str]:

@@ -11,9 +11,15 @@ import httpx
 from conftest import TINY_MODEL
 from waiting import wait_for
 
+from kvfence.server.operator import operator_headers
 from kvfence.tools.cluster import free_port, worker_pages_used
 
-__all__ = ["Proc", "free_port", "serve"]
+__all__ = ["OPERATOR", "OPERATOR_KEY", "Proc", "free_port", "serve"]
+
+# The operator key every role started here holds (a decode needs one to check its router's
+# signed prefill address); tests read /pd/info and /metrics with OPERATOR.
+OPERATOR_KEY = "op-tests-0123456789abcdef0123456789abcdef"
+OPERATOR = operator_headers(OPERATOR_KEY)
 
 
 class Proc:
@@ -21,7 +27,7 @@ class Proc:
         self.port = port
         self.url = f"http://127.0.0.1:{port}"
         self.log = log
-        full_env = {**os.environ, **(env or {})}
+        full_env = {**os.environ, "KVFENCE_ADMIN_API_KEY": OPERATOR_KEY, **(env or {})}
         self.p = subprocess.Popen(
             [sys.executable, "-m", "kvfence.cli", *args],
             stdout=log.open("wb"),
@@ -44,7 +50,7 @@ class Proc:
         wait_for(healthy, timeout, log_tail, interval=0.2)
 
     def pages_used(self) -> int:
-        return worker_pages_used(self.url)
+        return worker_pages_used(self.url, OPERATOR_KEY)
 
     def kill(self) -> None:
         self.p.kill()

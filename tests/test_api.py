@@ -17,7 +17,7 @@ import httpx
 import openai
 import pytest
 import uvicorn
-from api_client import MODEL, client_for, sse_json
+from api_client import MODEL, OPERATOR, OPERATOR_KEY, client_for, sse_json
 from fake_engine import BOS, EOS, ByteTokenizer, FakeEngine
 from fastapi import FastAPI
 from fastapi.testclient import TestClient
@@ -311,7 +311,7 @@ def test_metrics_registries_are_per_app(engine: FakeEngine) -> None:
 
 @pytest.fixture
 def authed(engine: FakeEngine) -> Iterator[TestClient]:
-    with client_for(engine, KEYS) as c:
+    with client_for(engine, KEYS, OPERATOR_KEY) as c:
         yield c
 
 
@@ -351,14 +351,19 @@ def test_i6_tenant_comes_from_the_key_not_the_body_or_headers(authed: TestClient
     )
     assert r.status_code == 200, r.text
     assert [req.tenant for req in engine.submitted] == ["acme", "globex"]
-    text = authed.get("/metrics").text
+    text = authed.get("/metrics", headers=OPERATOR).text
     assert 'kvfence_requests_total{status="200",tenant="acme"} 1.0' in text
     assert 'kvfence_requests_total{status="200",tenant="globex"} 1.0' in text
 
 
-def test_health_and_metrics_need_no_key(authed: TestClient) -> None:
+def test_health_needs_no_key_and_metrics_need_the_operator_key(authed: TestClient) -> None:
+    # Changed in issue 15: /metrics names every tenant and their counts, so with tenant keys
+    # configured it is the operator's alone (it needed no key before).
     assert authed.get("/health").status_code == 200
-    assert authed.get("/metrics").status_code == 200
+    assert authed.get("/metrics").status_code == 403
+    tenant = {"Authorization": "Bearer sk-acme-123"}
+    assert authed.get("/metrics", headers=tenant).status_code == 403
+    assert authed.get("/metrics", headers=OPERATOR).status_code == 200
 
 
 def test_without_key_file_everyone_is_the_default_tenant(client: TestClient,

@@ -66,3 +66,15 @@ def test_forged_tokens_change_nothing_outside_them() -> None:
     assert len(plain) > 1 and ids[:cut] == a[:cut]
     assert ids[cut : cut + len(plain)] == plain
     assert ids[cut + len(plain) + 1 :] == a[cut:]  # "b", then the template's tail unchanged
+
+
+def test_the_operator_opts_in_with_a_flag() -> None:
+    from kvfence.cli import build_parser
+    from kvfence.config import EngineConfig
+
+    def cfg(*flags: str) -> EngineConfig:
+        args = build_parser().parse_args(["serve", "--model", str(MODEL_DIR), *flags])
+        return EngineConfig.from_args(args)
+
+    assert cfg().special_tokens_in_chat is False
+    assert cfg("--special-tokens-in-chat").special_tokens_in_chat is True

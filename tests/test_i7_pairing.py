@@ -7,7 +7,7 @@ from __future__ import annotations
 import httpx
 from conftest import hf_greedy, random_prompts
 from pd_harness import PDPair, Result
-from procs import Proc, free_port, serve
+from procs import OPERATOR, Proc, free_port, serve
 from waiting import wait_for
 
 from kvfence.engine.request import FinishReason, SamplingParams
@@ -86,7 +86,7 @@ def test_i7_page_size_mismatch_shows_in_router_health(tmp_path) -> None:
 
         def refused() -> bool:
             try:
-                body = httpx.get(f"{router.url}/health", timeout=2).json()
+                body = httpx.get(f"{router.url}/health", timeout=2, headers=OPERATOR).json()
             except httpx.HTTPError:
                 return False
             return any("page_size" in e["error"] for e in body.get("pairing_errors", []))

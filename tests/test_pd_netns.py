@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 from conftest import TINY_MODEL
+from procs import OPERATOR_KEY
 
 NS_P, NS_D = "kvf-prefill", "kvf-decode"
 IP_P, IP_D = "10.77.0.1", "10.77.0.2"
@@ -64,11 +65,13 @@ def in_ns(ns: str, args: list[str], log: Path) -> subprocess.Popen:
         ["ip", "netns", "exec", ns, sys.executable, "-m", "kvfence.cli", *args],
         stdout=log.open("wb"),
         stderr=subprocess.STDOUT,
+        env={**os.environ, "KVFENCE_ADMIN_API_KEY": OPERATOR_KEY},
     )
 
 
 CLIENT = """
 import httpx, sys, time
+from kvfence.server.hop import sign_prefill
 url, prefill_url = sys.argv[1], sys.argv[3]
 for u in (prefill_url, url):  # both roles up (the prefill answers across the veth link)
     for _ in range(900):
@@ -78,7 +81,7 @@ for u in (prefill_url, url):  # both roles up (the prefill answers across the ve
         except httpx.HTTPError:
             pass
         time.sleep(0.2)
-r = httpx.post(url + "/v1/completions", timeout=60, headers={"X-Kvfence-Prefill": sys.argv[2]},
+r = httpx.post(url + "/v1/completions", timeout=60, headers=sign_prefill(sys.argv[4], sys.argv[2]),
                json={"model": "kvfence-tiny", "prompt": "pin: Q8vR2kLm7Tz\\npin:",
                      "max_tokens": 12, "temperature": 0, "stop": "\\n"})
 print(r.status_code, r.json()["choices"][0]["text"] if r.status_code == 200 else r.text)
@@ -122,6 +125,7 @@ def test_pd_across_two_network_namespaces(namespaces, tmp_path: Path) -> None:
                 f"http://{IP_D}:8002",
                 f"{IP_P}:8998",
                 f"http://{IP_P}:8001",
+                OPERATOR_KEY,
             ],
             capture_output=True,
             text=True,

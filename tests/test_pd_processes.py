@@ -7,8 +7,10 @@ import threading
 
 import httpx
 import pytest
-from procs import serve
+from procs import OPERATOR, OPERATOR_KEY, serve
 from waiting import wait_for
+
+from kvfence.server.hop import sign_prefill
 
 STALL = {"KVFENCE_FAULT_INJECTION": "1", "KVFENCE_FAULTS": "stall_transfer"}
 BODY = {"model": "kvfence-tiny", "prompt": "code: X7qPz91LmWk2\n" * 20 + "code:",
@@ -23,7 +25,7 @@ def pd(tmp_path):
     try:
         for p in procs:
             p.wait_healthy()
-        info = httpx.get(f"{prefill.url}/pd/info").json()
+        info = httpx.get(f"{prefill.url}/pd/info", headers=OPERATOR).json()
         yield prefill, decode, f"{info['bootstrap_host']}:{info['bootstrap_port']}"
     finally:
         for p in procs:
@@ -31,8 +33,9 @@ def pd(tmp_path):
 
 
 def post(decode, peer: str, timeout: float = 30.0) -> httpx.Response:
+    # Signed as the router signs it: the decode dials nothing on a client's word.
     return httpx.post(f"{decode.url}/v1/completions", json=BODY, timeout=timeout,
-                      headers={"X-Kvfence-Prefill": peer})
+                      headers=sign_prefill(OPERATOR_KEY, peer))
 
 
 def in_background(fn):
@@ -78,7 +81,7 @@ def test_client_disconnect_mid_transfer_aborts_with_ack(pd) -> None:
     t.join(10)  # the client gave up after 1 s, inside the 3 s stall
     wait_for(lambda: prefill.pages_used() == 0 and decode.pages_used() == 0, 15,
              "both pools back to zero", interval=0.1)
-    counters = httpx.get(f"{decode.url}/pd/info").json()["counters"]
+    counters = httpx.get(f"{decode.url}/pd/info", headers=OPERATOR).json()["counters"]
     assert counters.get("aborts_sent") == 1 and counters.get("transfers_committed", 0) == 0
     r = post(decode, peer)  # the connection is still good for the next request
     assert r.status_code == 200

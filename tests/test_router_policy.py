@@ -20,6 +20,7 @@ from prometheus_client import CollectorRegistry
 from kvfence.config import ConfigError, RoutingConfig
 from kvfence.faults import Faults
 from kvfence.kv.prefix import Namespace
+from kvfence.server.operator import operator_headers
 from kvfence.server.router import Role, WorkerPool, build_router_app
 from kvfence.server.router.policy import Reason, Routing, prefix_owner, too_busy
 from kvfence.server.router.prefix_index import CHUNK_TOKENS, PrefixIndex
@@ -315,6 +316,7 @@ def test_i6_twin_an_index_shared_across_tenants_routes_b_by_as_prefix() -> None:
 # ---- through the router app --------------------------------------------------------------------
 
 KEYS = {"sk-a": "tenant-a", "sk-b": "tenant-b"}
+OPERATOR_KEY = "op-router-policy-tests-0123456789"
 
 
 @pytest.fixture
@@ -327,7 +329,10 @@ def cluster() -> Iterator[tuple[str, list[FakeState], list[FakeState]]]:
             servers.append(ServerThread(app).start())
             states.append(app.state.fake)
     urls = [s.url for s in servers]
-    router = ServerThread(build_router_app(urls[:2], urls[2:], api_keys=KEYS)).start()
+    # The router's /metrics (worker URLs in labels) is the operator's: this test reads it.
+    router = ServerThread(
+        build_router_app(urls[:2], urls[2:], api_keys=KEYS, operator_key=OPERATOR_KEY)
+    ).start()
     servers.append(router)
     yield router.url, prefills, decodes
     stop_all(servers)
@@ -353,7 +358,7 @@ def test_second_chat_turns_go_to_the_first_turns_pairs_and_load_is_spread(cluste
     for k, s in chats.items():
         assert send(k, s, "q1", "a1", "q2") == first[k]
         assert send(k, s, "q1", "a1", "q2", "a2", "q3") == first[k]
-    metrics = httpx.get(url + "/metrics", timeout=5).text
+    metrics = httpx.get(url + "/metrics", timeout=5, headers=operator_headers(OPERATOR_KEY)).text
     for role in ("decode", "prefill"):
         labels = f'policy="cache_aware",reason="cache_hit",role="{role}"'
         assert f"kvfence_router_decisions_total{{{labels}}} 4.0" in metrics, metrics

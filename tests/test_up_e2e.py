@@ -120,12 +120,14 @@ def test_up_2p2d_two_tenants_40_concurrent_and_over_length(tmp_path: Path) -> No
         r = cluster.post({"model": "kvfence-tiny", "prompt": [7] * (CTX + 1), "max_tokens": 4})
         assert r.status_code == 400 and r.json()["error"]["code"] == "context_length_exceeded"
         before = {
-            w["url"]: httpx.get(f"{w['url']}/pd/info").json()["counters"] for w in cluster.workers()
+            w["url"]: httpx.get(f"{w['url']}/pd/info", headers=cluster.operator).json()["counters"]
+            for w in cluster.workers()
         }
         r = cluster.post({"model": "kvfence-tiny", "prompt": [7] * 2000, "max_tokens": 4})
         assert r.status_code == 400
         after = {
-            w["url"]: httpx.get(f"{w['url']}/pd/info").json()["counters"] for w in cluster.workers()
+            w["url"]: httpx.get(f"{w['url']}/pd/info", headers=cluster.operator).json()["counters"]
+            for w in cluster.workers()
         }
         assert before == after, "a rejected request reserved pages or started a transfer"
         assert cluster.pages_used() == [0, 0, 0, 0]

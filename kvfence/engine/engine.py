@@ -104,7 +104,7 @@ class Engine:
         self.tokenizer: Tokenizer | NoTokenizer = (
             NoTokenizer(self.model_config.vocab_size)
             if cfg.skip_tokenizer_init
-            else Tokenizer(cfg.model)
+            else Tokenizer(cfg.model, special_tokens_in_chat=cfg.special_tokens_in_chat)
         )
         self.model = load_model(cfg.model, cfg.dtype, self.device)
         self.model.init_rope(self.context_length, self.device)
@@ -137,6 +137,7 @@ class Engine:
                     token_cap=cfg.decode_step_prefill_budget,
                     backlog_steps=cfg.prefill_backlog_steps,
                 ),
+                cfg.max_running_requests_per_tenant,
             ),
             self.faults,
         )

@@ -1,7 +1,8 @@
-"""Scheduler: continuous batching with chunked prefill, FIFO entry to the pool, and preemption
-by recompute (newest first) when a running sequence needs a page and none is free. With the
-prefix cache, a sequence enters holding the cached pages that start its tokens and computes only
-the rest; its full pages are sealed into the cache as they fill. How many prefill tokens a step
+"""Scheduler: continuous batching with chunked prefill, fair entry to the pool (engine/fairness.py:
+FIFO within a tenant, the tenant holding the fewest slots first), and preemption by recompute
+(newest first) when a running sequence needs a page and none is free. With the prefix cache, a
+sequence enters holding the cached pages that start its tokens and computes only the rest; its
+full pages are sealed into the cache as they fill. How many prefill tokens a step
 that also decodes may carry is the step-time budget's call (kvfence/engine/step_budget.py)."""
 
 from __future__ import annotations
@@ -10,6 +11,7 @@ import logging
 from collections import deque
 from dataclasses import dataclass
 
+from kvfence.engine.fairness import next_waiting
 from kvfence.engine.sequence import SeqMode, SeqStatus, Sequence
 from kvfence.engine.step_budget import BudgetPolicy, StepBudget
 from kvfence.faults import Faults
@@ -36,6 +38,7 @@ class SchedulerLimits:
     chunked_prefill_size: int
     max_running_requests: int
     step: BudgetPolicy  # the prefill budget of a step that also decodes
+    max_running_requests_per_tenant: int | None = None
 
 
 class Scheduler:
@@ -120,7 +123,15 @@ class Scheduler:
             and self.waiting
             and len(self.running) < self.limits.max_running_requests
         ):
-            seq = self.waiting[0]
+            pick = next_waiting(
+                self.waiting,
+                self.running,
+                self.limits.max_running_requests_per_tenant,
+                self.faults.guards().on("fair_share"),
+            )
+            if pick is None:
+                break  # every waiting tenant holds its cap
+            seq = self.waiting[pick]
             hit = self._lookup(seq)
             if self._awaits_twin(seq, len(hit)):
                 break  # its next page is being computed right now; it reuses it next step
@@ -128,8 +139,8 @@ class Scheduler:
             # evictable once this sequence holds them.
             needed = self.pool.pages_for(len(seq.token_ids)) - len(hit)
             if needed > self.pool.num_free - self.pool.num_evictable_among(hit):
-                break  # FIFO: later arrivals never overtake the head of the queue
-            self.waiting.popleft()
+                break  # the pick waits: later arrivals never overtake it
+            del self.waiting[pick]
             seq.grant = self.pool.new_grant(seq.tenant, seq.request_id)
             self._enter(seq, len(hit), needed)
             if seq.mode is SeqMode.DECODE_ONLY and not seq.output_ids:

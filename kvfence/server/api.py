@@ -30,8 +30,10 @@ from kvfence.server.errors import (
     install_handlers,
 )
 from kvfence.server.generate import generate, record
+from kvfence.server.hop import HopVerifier
 from kvfence.server.httpio import read_body, server_config
 from kvfence.server.metrics import RequestRecorder, ServerMetrics
+from kvfence.server.operator import OperatorGate, load_operator_key
 from kvfence.server.request_id import RequestIdMiddleware
 from kvfence.server.schemas import (
     COMPLETIONS_DEFAULT_MAX_TOKENS,
@@ -58,17 +60,29 @@ def build_app(
     faults: Faults | None = None,
     drain: Drain | None = None,
     tool_call_parser: str | None = None,
+    operator_key: str | None = None,
 ) -> FastAPI:
     """The app for one role. It neither starts nor stops the role (serve() does). faults: the
     process's fault points (the I6 twin's); no request can arm one. drain: the node's graceful
     drain (serve() begins it on SIGTERM). tool_call_parser: how chat answers with tool_choice
-    "auto" are read for calls (server/tool_parsers.py; None: refused)."""
+    "auto" are read for calls (server/tool_parsers.py; None: refused). operator_key: the one
+    credential that reads /metrics and /pd/info (server/operator.py) and checks the router's
+    signed prefill address (server/hop.py)."""
     if max_body_bytes < 1:
         raise ValueError("max_body_bytes must be >= 1")
     metrics = ServerMetrics(engine)
     faults = faults if faults is not None else Faults()
     drain = drain if drain is not None else Drain(engine)
-    state = AppState(engine, Authenticator(api_keys), metrics, max_body_bytes, faults, drain)
+    state = AppState(
+        engine,
+        Authenticator(api_keys),
+        metrics,
+        max_body_bytes,
+        faults,
+        drain,
+        OperatorGate(operator_key, api_keys is not None, faults),
+        HopVerifier(operator_key, faults, dials=_role(engine) == "decode"),
+    )
     app = FastAPI(title="kvfence", docs_url=None, redoc_url=None, openapi_url=None)
     app.state.kvfence = state
     install_handlers(app)
@@ -96,13 +110,17 @@ def build_app(
         # Liveness: the engine loop runs, draining or not (a drain must not look like a hang).
         return JSONResponse({"status": "ok"}) if _engine_alive(engine) else _engine_dead()
 
+    # Anonymous /health says up or down, nothing else; what follows names rooms, tenants and
+    # their counts, so only the operator reads it.
     @app.get("/pd/info")
-    async def pd_info() -> JSONResponse:
+    async def pd_info(request: Request) -> JSONResponse:
         # The router learns each worker's role and bootstrap address here.
+        state.operator.require(request.headers)
         return JSONResponse(engine.info())
 
     @app.get("/metrics")
-    async def metrics_route() -> Response:
+    async def metrics_route(request: Request) -> Response:
+        state.operator.require(request.headers)
         data, content_type = metrics.render()
         return Response(data, media_type=content_type)
 
@@ -238,12 +256,20 @@ def serve(
     faults: Faults | None = None,
     drain_timeout: float = DEFAULT_DRAIN_TIMEOUT_S,
     tool_call_parser: str | None = None,
+    admin_api_key_file: str | None = None,
 ) -> None:
     """Run the HTTP server until interrupted. Owns the engine's lifetime: start() before the
     socket opens, shutdown() after the last connection closes. SIGTERM drains first
     (kvfence/server/drain.py); SIGINT or a second SIGTERM stops at once."""
     # A bad key file must stop us before anything listens or allocates.
     api_keys = load_api_keys(api_key_file) if api_key_file else None
+    operator_key = load_operator_key(admin_api_key_file)
+    if operator_key is None and engine.info()["role"] == "decode":
+        raise ValueError(
+            "a decode worker dials only the prefill its router signed for: give it the "
+            "router's operator key (--admin-api-key-file or KVFENCE_ADMIN_API_KEY; "
+            "`kvfence up` makes one)"
+        )
     if not logging.getLogger().handlers:
         logging.basicConfig(
             level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
@@ -256,6 +282,7 @@ def serve(
         faults=faults,
         drain=drain,
         tool_call_parser=tool_call_parser,
+        operator_key=operator_key,
     )
     # After a drain the connections are idle; the bound is for a second SIGTERM or SIGINT.
     config = server_config(
@@ -281,6 +308,13 @@ def _interrupt(signum: int, frame: FrameType | None) -> None:
 
 
 # ---- request handling ------------------------------------------------------------------------
+
+
+def _role(engine: RoleService) -> str:
+    try:
+        return str(engine.info().get("role"))
+    except Exception:  # a test double without info(): not a decode
+        return "unknown"
 
 
 def _engine_alive(engine: RoleService) -> bool:

@@ -13,12 +13,14 @@ from typing import Any
 from starlette.types import Receive
 
 from kvfence.engine.admission import Rejected
-from kvfence.engine.request import GenerateRequest, RequestOutput
+from kvfence.engine.request import FinishReason, GenerateRequest, RequestOutput
 from kvfence.faults import Faults
 from kvfence.role import RoleService
 from kvfence.server.auth import Authenticator
 from kvfence.server.drain import Drain
+from kvfence.server.hop import HopVerifier
 from kvfence.server.metrics import ServerMetrics
+from kvfence.server.operator import OperatorGate
 
 
 @dataclass
@@ -29,9 +31,17 @@ class AppState:
     max_body_bytes: int
     faults: Faults
     drain: Drain
+    operator: OperatorGate
+    hop: HopVerifier
 
 
 _CLIENT_GONE = object()
+# Events (one per token per choice) a stream may have waiting for its reader. A reader slower
+# than the engine would otherwise make the server hold its whole answer; past this, the request
+# is aborted (its slot and pages go back at once) and its stream ends in a slow_reader error.
+# Aborting, not pausing: a paused request would keep its running slot and pages while its
+# reader dawdles, which is the starvation the fair share exists to prevent.
+MAX_BUFFERED_EVENTS = 512
 
 Event = tuple[int, RequestOutput]
 
@@ -45,10 +55,15 @@ class Generation:
         self,
         engine: RoleService,
         requests: list[GenerateRequest],
+        faults: Faults | None = None,
+        max_buffered: int = MAX_BUFFERED_EVENTS,
         on_close: Callable[[Generation], None] | None = None,
     ) -> None:
         self.engine = engine
         self._on_close = on_close
+        self._faults = faults if faults is not None else Faults()
+        self._max_buffered = max_buffered * max(1, len(requests))
+        self.overflowed = False
         self.requests = requests
         self._index = {r.request_id: i for i, r in enumerate(requests)}
         self._loop = asyncio.get_running_loop()
@@ -62,14 +77,28 @@ class Generation:
         self.client_gone = False
 
     def _sink(self, index: int) -> Callable[[RequestOutput], None]:
-        loop, queue = self._loop, self._queue
+        loop, deliver = self._loop, self._deliver
 
         def sink(out: RequestOutput) -> None:
             # Runs on the engine thread: hand over and return; never touch the queue directly.
             with contextlib.suppress(RuntimeError):  # loop closed: server gone, engine lives on
-                loop.call_soon_threadsafe(queue.put_nowait, (index, out))
+                loop.call_soon_threadsafe(deliver, index, out)
 
         return sink
+
+    def _deliver(self, index: int, out: RequestOutput) -> None:
+        """On the loop: queue an output, unless the reader has fallen too far behind."""
+        if self.overflowed:
+            return  # the stream already ends in its error; later outputs have no reader
+        bounded = self._faults.guards().on("output_bound")
+        if self._queue.qsize() < self._max_buffered or not bounded:
+            self._queue.put_nowait((index, out))
+            return
+        self.overflowed = True
+        while not self._queue.empty():  # what it has not read is dropped with the answer
+            self._queue.get_nowait()
+        self.close_engine_side()
+        self._queue.put_nowait((index, _slow_reader(out)))
 
     def _submit_all(self) -> Rejected | None:
         for index, req in enumerate(self.requests):
@@ -142,3 +171,20 @@ class Generation:
         self.close_engine_side()
         if self._on_close is not None:
             self._on_close(self)
+
+
+def _slow_reader(out: RequestOutput) -> RequestOutput:
+    """The failed finish a stream ends with when its reader fell too far behind (I5: an error
+    event, never a [DONE] after a cut answer)."""
+    return RequestOutput(
+        out.request_id,
+        (),
+        "",
+        FinishReason.ERROR,
+        out.prompt_tokens,
+        out.completion_tokens,
+        error=f"The client read its stream too slowly: more than {MAX_BUFFERED_EVENTS} events "
+        "per choice were waiting for it, so the request was aborted.",
+        error_code="slow_reader",
+        error_status=429,
+    )

@@ -67,7 +67,7 @@ class Authenticator:
     def tenant_for(self, authorization: str | None) -> str:
         if not self.enabled:
             return DEFAULT_TENANT
-        given = _bearer_token(authorization)
+        given = bearer_token(authorization)
         if given is None:
             raise _unauthorized("Missing API key: send 'Authorization: Bearer <key>'.")
         digest = _digest(given)
@@ -94,7 +94,7 @@ def single_authorization(values: list[str]) -> str | None:
     return values[0] if values else None
 
 
-def _bearer_token(authorization: str | None) -> str | None:
+def bearer_token(authorization: str | None) -> str | None:
     if not authorization:
         return None
     scheme, _, token = authorization.strip().partition(" ")

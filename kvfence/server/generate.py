@@ -114,6 +114,8 @@ async def generate(
     rec = record(request)
     rec.request_id = ids[0]
     rec.n_generations = len(ids)
+    # Before anything is admitted: a decode dials only the prefill its router signed for.
+    peer = state.hop.prefill(request.headers)
     # Choice index = prompt index * n + j, as OpenAI numbers them.
     reqs = [
         GenerateRequest(
@@ -121,14 +123,13 @@ async def generate(
             tenant=tenant,
             prompt_token_ids=tuple(prompt),
             sampling=sampling,
-            # Set by the router in PD mode; only a decode worker reads it.
-            peer=request.headers.get("x-kvfence-prefill"),
+            peer=peer,  # set by the router in PD mode; only a decode worker reads it
             cache_salt=cache_salt,
         )
         for p, prompt in enumerate(prompts)
         for j in range(n)
     ]
-    gen = Generation(state.engine, reqs, on_close=state.drain.untrack)
+    gen = Generation(state.engine, reqs, state.faults, on_close=state.drain.untrack)
     state.drain.track(gen)
     handed_off = False
     try:

@@ -221,7 +221,9 @@ def run(
             injected = sum(
                 int(float(v))
                 for w in workers
-                for v in pattern.findall(httpx.get(f"{w['url']}/metrics", timeout=5).text)
+                for v in pattern.findall(
+                    httpx.get(f"{w['url']}/metrics", timeout=5, headers=cluster.operator).text
+                )
             )
         finally:
             cluster.stop()

@@ -14,6 +14,8 @@ from pathlib import Path
 
 import httpx
 
+from kvfence.server.operator import new_operator_key, operator_headers
+
 
 def free_port() -> int:
     with socket.socket() as s:
@@ -37,6 +39,12 @@ class LocalCluster:
         startup_timeout: float = 240.0,
     ) -> None:
         port = free_port()
+        # Ours, so this harness can read the workers' internals as their operator.
+        self.operator_key = new_operator_key()
+        key_file = workdir / "operator-key"
+        key_file.write_text(self.operator_key)
+        key_file.chmod(0o600)
+        self.operator = operator_headers(self.operator_key)
         self.url = f"http://127.0.0.1:{port}"
         self.log = workdir / "up.log"
         cmd = [
@@ -50,6 +58,8 @@ class LocalCluster:
             str(port),
             "--log-level",
             "warning",
+            "--admin-api-key-file",
+            str(key_file),
             *up_args,
         ]
         if keys:
@@ -73,20 +83,21 @@ class LocalCluster:
         return httpx.post(f"{self.url}/v1/completions", json=body, headers=headers, timeout=timeout)
 
     def workers(self) -> list[dict]:
-        return httpx.get(f"{self.url}/health", timeout=5).json()["workers"]
+        return httpx.get(f"{self.url}/health", timeout=5, headers=self.operator).json()["workers"]
 
     def worker_url(self, role: str) -> str:
         return next(w["url"] for w in self.workers() if w["role"] == role)
 
     def counters(self, role: str) -> dict:
-        return httpx.get(f"{self.worker_url(role)}/pd/info", timeout=5).json()["counters"]
+        url = f"{self.worker_url(role)}/pd/info"
+        return httpx.get(url, timeout=5, headers=self.operator).json()["counters"]
 
     def pages_used(self) -> list[int]:
         """Used KV pages of every worker, in /health's order."""
-        return [worker_pages_used(w["url"]) for w in self.workers()]
+        return [worker_pages_used(w["url"], self.operator_key) for w in self.workers()]
 
     def role_pages_used(self, role: str) -> int:
-        return worker_pages_used(self.worker_url(role))
+        return worker_pages_used(self.worker_url(role), self.operator_key)
 
     def alive(self) -> bool:
         return self.proc.poll() is None
@@ -106,6 +117,7 @@ class LocalCluster:
         self.stop()
 
 
-def worker_pages_used(worker_url: str) -> int:
-    text = httpx.get(f"{worker_url}/metrics", timeout=5).text
+def worker_pages_used(worker_url: str, operator_key: str | None = None) -> int:
+    headers = operator_headers(operator_key) if operator_key else {}
+    text = httpx.get(f"{worker_url}/metrics", timeout=5, headers=headers).text
     return int(float(re.search(r"^kvfence_pool_pages_used (\S+)$", text, re.M)[1]))

@@ -25,6 +25,7 @@ from typing import IO
 import httpx
 
 from kvfence.args import (
+    ADMIN_API_KEY_FILE,
     API_KEY_FILE,
     BOOTSTRAP_PORT,
     DISAGGREGATION_MODE,
@@ -44,8 +45,10 @@ from kvfence.args import (
     command_line,
 )
 from kvfence.config import ConfigError, RoutingConfig
+from kvfence.env import admin_api_key
 from kvfence.pd import certs
 from kvfence.pd.certs import TlsFiles
+from kvfence.server.operator import load_operator_key, new_operator_key, operator_headers
 
 BUNDLED_MODEL = Path(__file__).resolve().parents[2] / "models" / "kvfence-tiny"
 DEFAULT_STARTUP_TIMEOUT_S = 300.0
@@ -152,6 +155,7 @@ def worker_args(args: argparse.Namespace, role: str) -> list[str]:
     if role_pool is not None:
         out += KV_POOL_TOKENS.argv(role_pool)
     out += command_line(args, (API_KEY_FILE, LOG_LEVEL, DRAIN_TIMEOUT, *TRANSFER_OPTIONS))
+    out += command_line(args, (ADMIN_API_KEY_FILE,))
     out += DISAGGREGATION_MODE.argv(role)
     return out
 
@@ -194,7 +198,9 @@ def router_command(
     cmd = _prefix(args.router_cmd_prefix, [sys.executable, "-m", "kvfence.cli", "router"])
     cmd += ["--prefill", *prefill_urls, "--decode", *decode_urls]
     cmd += HOST.argv(args.host) + PORT.argv(args.port)
-    return cmd + command_line(args, (API_KEY_FILE, LOG_LEVEL, DRAIN_TIMEOUT, *ROUTING_OPTIONS))
+    return cmd + command_line(
+        args, (API_KEY_FILE, LOG_LEVEL, DRAIN_TIMEOUT, *ROUTING_OPTIONS, ADMIN_API_KEY_FILE)
+    )
 
 
 # ---- processes ---------------------------------------------------------------------------------
@@ -311,8 +317,10 @@ def wait_healthy(
 
 
 def _model_name(args: argparse.Namespace, decode_url: str) -> str:
+    key = load_operator_key(args.admin_api_key_file)
+    headers = operator_headers(key) if key else {}
     try:
-        name = httpx.get(decode_url + "/pd/info", timeout=2.0).json().get("model")
+        name = httpx.get(decode_url + "/pd/info", timeout=2.0, headers=headers).json().get("model")
         if name:
             return str(name)
     except (httpx.HTTPError, ValueError, AttributeError):
@@ -371,6 +379,15 @@ def run_up(args: argparse.Namespace) -> int:
     # gone when up exits.
     state_dir = tempfile.TemporaryDirectory(prefix="kvfence-up-")
     tls = make_certificates(Path(state_dir.name), args.worker_host, args.prefill, args.decode)
+    if args.admin_api_key_file:
+        args.admin_api_key_file = str(Path(args.admin_api_key_file).resolve())
+    elif not admin_api_key():
+        # The router and every worker share a fresh operator key; tenants never see it.
+        path = Path(state_dir.name) / "operator-key"
+        path.touch(mode=0o600)
+        path.write_text(new_operator_key())
+        args.admin_api_key_file = str(path)
+        say(f"kvfence up: operator key (reads /metrics, /pd/info, /health detail) in {path}")
 
     if not _can_bind(args.host, args.port):
         # Else an old server still on the port could answer our router's health check for it.

@@ -62,8 +62,11 @@ def build_router_app(
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
     routing: RoutingConfig | None = None,
     faults: Faults | None = None,
+    operator_key: str | None = None,
 ) -> FastAPI:
-    """The router app. Its lifespan opens the HTTP clients, runs one health round, then polls."""
+    """The router app. Its lifespan opens the HTTP clients, runs one health round, then polls.
+    operator_key: reads the workers' /pd/info and /health, signs the prefill address each
+    decode is given, and alone reads this router's /metrics and /health detail."""
     prefill = [normalize_url(u) for u in prefill_urls]
     decode = [normalize_url(u) for u in decode_urls]
     if not prefill or not decode:
@@ -79,7 +82,7 @@ def build_router_app(
         max_body_bytes=max_body_bytes,
         routing=routing or RoutingConfig(),
     )
-    state = RouterState(prefill, decode, api_keys, settings, faults)
+    state = RouterState(prefill, decode, api_keys, settings, faults, operator_key)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> Any:
@@ -97,12 +100,15 @@ def build_router_app(
     app.add_middleware(RequestIdMiddleware)
 
     @app.get("/health")
-    async def health() -> JSONResponse:
-        ok, body = state.health()
+    async def health(request: Request) -> JSONResponse:
+        # Workers, their addresses and the bootstrap ports are the operator's to see.
+        detail = state.operator.is_operator(request.headers)
+        ok, body = state.health() if detail else state.public_health()
         return JSONResponse(body, status_code=200 if ok else 503)
 
     @app.get("/metrics")
-    async def metrics() -> Response:
+    async def metrics(request: Request) -> Response:
+        state.operator.require(request.headers)
         data, content_type = state.metrics.render()
         return Response(data, media_type=content_type)
 

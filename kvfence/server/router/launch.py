@@ -11,6 +11,7 @@ from kvfence.config import RoutingConfig
 from kvfence.faults import Faults
 from kvfence.server.auth import ApiKeyFileError, load_api_keys
 from kvfence.server.httpio import ReadyServer, server_config
+from kvfence.server.operator import load_operator_key
 from kvfence.server.router.app import build_router_app
 from kvfence.server.router.args import DEFAULT_GRACEFUL_SHUTDOWN_S, add_router_args
 from kvfence.server.router.state import RouterState
@@ -19,6 +20,7 @@ from kvfence.server.router.state import RouterState
 def run_router(args: argparse.Namespace) -> int:
     try:
         api_keys = load_api_keys(args.api_key_file) if args.api_key_file else None
+        operator_key = load_operator_key(args.admin_api_key_file)
         app = build_router_app(
             args.prefill,
             args.decode,
@@ -30,7 +32,14 @@ def run_router(args: argparse.Namespace) -> int:
             routing=RoutingConfig.from_args(args),
             # None armed unless a test harness started this process with KVFENCE_FAULTS.
             faults=Faults.from_env(),
+            operator_key=operator_key,
         )
+        if operator_key is None:
+            raise ValueError(
+                "the router reads its workers and signs each decode's prefill address with "
+                "the operator key: pass --admin-api-key-file (or set KVFENCE_ADMIN_API_KEY), "
+                "the same key its workers have; `kvfence up` makes one"
+            )
     except (ApiKeyFileError, ValueError, RuntimeError) as e:
         print(f"kvfence router: {e}", file=sys.stderr)
         return 1

@@ -18,6 +18,7 @@ from starlette.types import Message, Receive, Scope, Send
 from kvfence import sse
 from kvfence.server.drain import NOT_ADMITTED_HEADER
 from kvfence.server.errors import SERVER_ERROR, APIError
+from kvfence.server.hop import HEADER_PREFILL, sign_prefill
 from kvfence.server.request_id import client_request_id
 from kvfence.server.router.prefix_index import PrefixKey
 from kvfence.server.router.state import RouterState, no_workers
@@ -26,7 +27,6 @@ from kvfence.sse import Event, SSEParser
 
 logger = logging.getLogger("kvfence.router")
 
-HEADER_PREFILL = "X-Kvfence-Prefill"
 
 # An allowlist, not a denylist: only what an OpenAI client legitimately sends travels on, so no
 # spelling of an X-Kvfence-* header (or anything else a worker might trust) gets through.
@@ -224,7 +224,10 @@ class Relay(Response):
             p.decode, p.prefill = decode, prefill
             headers = dict(self._headers)
             if prefill is not None:
-                headers[HEADER_PREFILL] = prefill.bootstrap or ""
+                address = prefill.bootstrap or ""
+                key = st.operator_key
+                # Signed, so a decode knows the address is ours and not a client's word.
+                headers.update(sign_prefill(key, address) if key else {HEADER_PREFILL: address})
             self._hold(prefill, decode)
             try:
                 if await self._exchange(send, decode, headers):

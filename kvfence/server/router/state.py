@@ -14,6 +14,7 @@ import httpx
 from kvfence.faults import Faults
 from kvfence.server.auth import Authenticator
 from kvfence.server.errors import APIError
+from kvfence.server.operator import OperatorGate, operator_headers
 from kvfence.server.router.args import RouterSettings
 from kvfence.server.router.metrics import RouterMetrics
 from kvfence.server.router.policy import Routing
@@ -30,7 +31,12 @@ class RouterState:
         api_keys: dict[str, str] | None,
         settings: RouterSettings,
         faults: Faults | None = None,
+        operator_key: str | None = None,
     ) -> None:
+        self.operator_key = operator_key
+        # The worker endpoints the health poll reads are the operator's; so is our detail.
+        self.operator = OperatorGate(operator_key, api_keys is not None)
+        self._probe_headers = operator_headers(operator_key) if operator_key else {}
         self.prefill = WorkerPool(Role.PREFILL, prefill_urls)
         self.decode = WorkerPool(Role.DECODE, decode_urls)
         self.auth = Authenticator(api_keys)
@@ -61,7 +67,9 @@ class RouterState:
             limits=httpx.Limits(max_connections=None, max_keepalive_connections=0),
             follow_redirects=False,
         )
-        self._probe = httpx.AsyncClient(timeout=httpx.Timeout(s.health_timeout))
+        self._probe = httpx.AsyncClient(
+            timeout=httpx.Timeout(s.health_timeout), headers=self._probe_headers
+        )
         # One round before we listen, so the first request already has a rotation.
         await self.check_all()
         self._health_task = asyncio.create_task(self._health_loop(), name="kvfence-router-health")
@@ -115,6 +123,11 @@ class RouterState:
         if w.healthy:
             logger.warning("%s %s out of rotation: %s", w.name, w.url, detail)
         w.healthy, w.detail = False, detail
+
+    def public_health(self) -> tuple[bool, dict[str, Any]]:
+        """What anyone may read: up or down, nothing about the workers."""
+        ok, _ = self.health()
+        return ok, {"status": "ok" if ok else "unavailable"}
 
     def health(self) -> tuple[bool, dict[str, Any]]:
         pairs, refused = 0, []
