@@ -121,11 +121,18 @@ class Workers:
     def __init__(self, name: str, tree: Path, env: dict[str, str], a: argparse.Namespace) -> None:
         import httpx
 
+        from kvfence.server.hop import sign_prefill
+        from kvfence.server.operator import new_operator_key, operator_headers
         from kvfence.tools.cluster import free_port
 
         self.name = name
         self.http = httpx.Client(timeout=300)
-        full = {**os.environ, **env, "PYTHONPATH": str(tree)}
+        # The operator key reads /pd/info and signs the prefill address as the router does; a
+        # tree from before the operator credential ignores both.
+        operator_key = new_operator_key()
+        self.sign = lambda peer: sign_prefill(operator_key, peer)
+        self.http.headers.update(operator_headers(operator_key))
+        full = {**os.environ, **env, "PYTHONPATH": str(tree), "KVFENCE_ADMIN_API_KEY": operator_key}
         full.pop("KVFENCE_FAULT_INJECTION", None)
         self.procs: list[subprocess.Popen] = []
         self.urls: dict[str, str] = {}
@@ -169,7 +176,7 @@ class Workers:
             f"{self.urls['decode']}/v1/completions",
             json={"model": self.model_name, "prompt": prompt, "max_tokens": 1,
                   "temperature": 0, "ignore_eos": True},
-            headers={"X-Kvfence-Prefill": self.peer},
+            headers=self.sign(self.peer),  # as the router signs it
         )  # fmt: skip
         assert r.status_code == 200, f"{self.name}: {r.status_code} {r.text}"
         deadline = time.monotonic() + 10
@@ -240,7 +247,9 @@ def main(argv: list[str] | None = None) -> int:
     cert_dir = certs.cluster(tmp / "certs")
     before_tree = export_tree(a.before_ref, tmp / "before")
     sides = [
-        Workers("before", before_tree, {"KVFENCE_CLUSTER_SECRET": "bench-" + "0" * 40}, a),
+        # A GMAC tree reads the secret, a TLS one (the smoke test's HEAD) the certificates.
+        Workers("before", before_tree, {"KVFENCE_CLUSTER_SECRET": "bench-" + "0" * 40,
+                                        "KVFENCE_TLS_DIR": str(cert_dir)}, a),  # fmt: skip
         Workers("after", ROOT, {"KVFENCE_TLS_DIR": str(cert_dir)}, a),
     ]
     tls_sink, raw_sink = Sink(cert_dir, tls=True), Sink(cert_dir, tls=False)

@@ -24,6 +24,7 @@ from kvfence.kv.pool import KVPool, SealedReads
 from kvfence.kv.prefix import SHARED, Namespace, PageKeyer, PrefixCache, SharedPrefixes
 from kvfence.role import UnifiedService
 from kvfence.server.api import build_app
+from kvfence.server.operator import new_operator_key, operator_headers
 from kvfence.tools.canary import ALPHABET
 
 PAGE = 16
@@ -119,7 +120,9 @@ def test_usage_reports_cached_tokens_and_metrics_have_no_tenant(checkpoint_dir) 
     engine.start()
     keys = {"sk-a": "A", "sk-b": "B"}
     try:
-        with TestClient(build_app(UnifiedService(engine), api_keys=keys)) as client:
+        operator_key = new_operator_key()
+        app = build_app(UnifiedService(engine), api_keys=keys, operator_key=operator_key)
+        with TestClient(app) as client:
             [p] = random_prompts([60], 256, seed=6)
             body = {"model": "tiny", "prompt": p, "max_tokens": 4, "temperature": 0}
 
@@ -147,7 +150,7 @@ def test_usage_reports_cached_tokens_and_metrics_have_no_tenant(checkpoint_dir) 
                 headers={"Authorization": "Bearer sk-a"},
             )
             assert r.status_code == 400
-            metrics = client.get("/metrics").text
+            metrics = client.get("/metrics", headers=operator_headers(operator_key)).text
         hits = [x for x in metrics.splitlines() if x.startswith("kvfence_prefix_cache")]
         assert any(x.startswith("kvfence_prefix_cache_hits_total 96.0") for x in hits), hits
         assert all("tenant" not in x for x in hits)
