@@ -154,17 +154,11 @@ class Workers:
             )
             self.commands.append(cmd)
             self.urls[role] = f"http://127.0.0.1:{port}"
-        deadline = time.monotonic() + 300
-        for role, url in self.urls.items():
-            while True:
-                assert time.monotonic() < deadline, f"{name} {role} never became healthy"
-                assert all(p.poll() is None for p in self.procs), f"{name} {role} exited"
-                try:
-                    if self.http.get(f"{url}/health", timeout=2).status_code == 200:
-                        break
-                except httpx.HTTPError:
-                    pass
-                time.sleep(0.2)
+        try:
+            self._wait_healthy(name)
+        except BaseException:
+            self.close()  # a worker that did start must not outlive a failed start
+            raise
         info = self.http.get(f"{self.urls['prefill']}/pd/info").json()
         self.peer = f"{info['bootstrap_host']}:{info['bootstrap_port']}"
         self.model_name = info["model"]
@@ -191,6 +185,21 @@ class Workers:
         self.seen.add(room)
         sent = self.http.get(f"{self.urls['prefill']}/pd/info").json()["transfer_marks"][room]
         return marks[room]["done_handled"] - sent["send_start"]
+
+    def _wait_healthy(self, name: str) -> None:
+        import httpx
+
+        deadline = time.monotonic() + 300
+        for role, url in self.urls.items():
+            while True:
+                assert time.monotonic() < deadline, f"{name} {role} never became healthy"
+                assert all(p.poll() is None for p in self.procs), f"{name} {role} exited"
+                try:
+                    if self.http.get(f"{url}/health", timeout=2).status_code == 200:
+                        break
+                except httpx.HTTPError:
+                    pass
+                time.sleep(0.2)
 
     def close(self) -> None:
         for p in self.procs:
