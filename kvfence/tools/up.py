@@ -316,9 +316,14 @@ def wait_healthy(
                 time.sleep(_POLL_S)
 
 
-def _model_name(args: argparse.Namespace, decode_url: str) -> str:
+def _operator_headers(args: argparse.Namespace) -> dict[str, str]:
+    """What the workers' /pd/info and the router's detailed /health want from `up`."""
     key = load_operator_key(args.admin_api_key_file)
-    headers = operator_headers(key) if key else {}
+    return operator_headers(key) if key else {}
+
+
+def _model_name(args: argparse.Namespace, decode_url: str) -> str:
+    headers = _operator_headers(args)
     try:
         name = httpx.get(decode_url + "/pd/info", timeout=2.0, headers=headers).json().get("model")
         if name:
@@ -529,7 +534,9 @@ def rolling_restart(
             pool[i] = new
             try:
                 wait_healthy([new], args.startup_timeout)
-                wait_in_rotation(router_url, new.url, args.startup_timeout)
+                wait_in_rotation(
+                    router_url, new.url, args.startup_timeout, _operator_headers(args)
+                )
             except StartupError as e:
                 say(f"kvfence up: rolling restart failed: {e}", err=True)
                 return False
