@@ -203,11 +203,12 @@ def test_router_takes_a_prefill_a_decode_reports_gone_out_of_rotation_at_once(pr
 
 @pytest.mark.skipif(not os.environ.get("RUN_SLOW"), reason="multi-process soak: RUN_SLOW=1")
 def test_rolling_restart_under_load_loses_no_request(tmp_path: Path) -> None:
+    keys = {"key-a": "tenant-a", "key-b": "tenant-b"}  # two tenants: a leak would show
     with LocalCluster(tmp_path, TINY_MODEL, "--prefill", "2", "--decode", "2",
                       "--context-length", "512", "--kv-pool-tokens", "4096",
-                      "--drain-timeout", "60") as cluster:
+                      "--drain-timeout", "60", keys=keys) as cluster:
         baseline = cluster.pages_used()
-        results: list[tuple[int, str]] = []
+        results: list[tuple[int, str, int]] = []
         failures: list[str] = []
         stop = threading.Event()
 
@@ -216,11 +217,11 @@ def test_rolling_restart_under_load_loses_no_request(tmp_path: Path) -> None:
                     "max_tokens": 12, "temperature": 0, "ignore_eos": True, "stream": i % 2 == 0}
             while not stop.is_set():
                 try:
-                    r = cluster.post(body)
+                    r = cluster.post(body, key=("key-a", "key-b")[i % 2])
                 except httpx.HTTPError as e:  # a reset or a cut: exactly what must not happen
                     failures.append(f"{type(e).__name__}: {e}")
                     continue
-                results.append((r.status_code, r.text))
+                results.append((r.status_code, r.text, i))
 
         threads = [threading.Thread(target=client, args=(i,)) for i in range(4)]
         for t in threads:
@@ -236,7 +237,8 @@ def test_rolling_restart_under_load_loses_no_request(tmp_path: Path) -> None:
             t.join(120)
         assert failures == []
         refusals: dict[str, int] = {}
-        for status, text in results:
+        codes = [f"Q{i}x7Lm" for i in range(len(threads))]
+        for status, text, i in results:
             if status == 503:
                 # Clear 503s: a draining worker's door; a prefill that left before the router's
                 # next health poll (the request reached decode's engine, so it is not retried).
@@ -248,10 +250,16 @@ def test_rolling_restart_under_load_loses_no_request(tmp_path: Path) -> None:
             if text.startswith("data: "):
                 data = sse_data(text)
                 assert data[-1] == "[DONE]"
-                assert sum(1 for d in data[:-1] if json.loads(d)["choices"]) == 12
+                chunks = [json.loads(d)["choices"] for d in data[:-1]]
+                assert sum(1 for c in chunks if c) == 12
+                answer = "".join(c[0]["text"] for c in chunks if c)
             else:
                 assert json.loads(text)["usage"]["completion_tokens"] == 12
-        ok = sum(1 for s, _ in results if s == 200)
+                answer = json.loads(text)["choices"][0]["text"]
+            # Zero leaks: the recall model answers with this client's code, never another's.
+            assert codes[i] in answer, (i, answer)
+            assert not [c for c in codes if c != codes[i] and c in answer], (i, answer)
+        ok = sum(1 for s, _, _ in results if s == 200)
         print(f"rolling restart under load: {len(results)} answers, {ok} full, "
               f"{len(results) - ok} clear 503s {refusals}")
         wait_for(lambda: cluster.pages_used() == baseline, 60, "pages did not come back")
