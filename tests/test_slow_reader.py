@@ -12,6 +12,7 @@ import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 
+import h11
 import uvicorn
 from fake_engine import FakeEngine
 from waiting import wait_for
@@ -79,7 +80,7 @@ SOCKET_TOKENS = 5000
 
 
 @contextmanager
-def _never_reading_client(faults: Faults) -> Iterator[tuple[FakeEngine, socket.socket]]:
+def _never_reading_client(faults: Faults) -> Iterator[tuple[FakeEngine, _Answer]]:
     """A server over the real HTTP app, and a client that sent a streaming request (big events:
     logprobs) and has not read a byte of the answer."""
     engine = FakeEngine(context_length=SOCKET_TOKENS + 100, pool_tokens=SOCKET_TOKENS + 1000)
@@ -107,9 +108,12 @@ def _never_reading_client(faults: Faults) -> Iterator[tuple[FakeEngine, socket.s
                 "logprobs": 5,
             }
         ).encode()
+        http = h11.Connection(h11.CLIENT)
+        headers = [("host", "x"), ("content-type", "application/json")]
+        headers.append(("content-length", str(len(body))))
+        request = h11.Request(method="POST", target="/v1/completions", headers=headers)
         client.sendall(
-            b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: "
-            b"application/json\r\nContent-Length: %d\r\n\r\n%s" % (len(body), body)
+            http.send(request) + http.send(h11.Data(body)) + http.send(h11.EndOfMessage())
         )
         # Settled: aborted (the slot is freed on the engine's next step, so wait for that too),
         # or the whole answer generated.
@@ -118,7 +122,7 @@ def _never_reading_client(faults: Faults) -> Iterator[tuple[FakeEngine, socket.s
             60,
             lambda: f"the request neither finished nor was aborted ({engine.rejected})",
         )
-        yield engine, client
+        yield engine, _Answer(client, http)
     finally:
         client.close()
         server.should_exit = True
@@ -126,29 +130,47 @@ def _never_reading_client(faults: Faults) -> Iterator[tuple[FakeEngine, socket.s
         engine.shutdown()
 
 
-def _read_to_end(client: socket.socket) -> bytes:
-    """The rest of the (chunked) answer, once the client starts reading."""
-    client.settimeout(30)
-    data = b""
-    while not data.endswith(b"\r\n0\r\n\r\n"):
-        more = client.recv(1 << 16)
-        assert more, f"the server closed the stream mid-answer: ...{data[-300:]!r}"
-        data += more
-    return data
+class _Answer:
+    """The HTTP answer waiting on the client's socket, read only when a test says so."""
+
+    def __init__(self, sock: socket.socket, http: h11.Connection) -> None:
+        self.sock, self.http = sock, http
+
+    def read(self) -> tuple[int, bytes]:
+        """The status and the whole body (a stream's events, or an error's JSON)."""
+        self.sock.settimeout(30)
+        status, body = 0, b""
+        while True:
+            event = self.http.next_event()
+            if event is h11.NEED_DATA:
+                self.http.receive_data(self.sock.recv(1 << 16))
+            elif isinstance(event, h11.Response):
+                status = event.status_code
+            elif isinstance(event, h11.Data):
+                body += event.data
+            elif isinstance(event, h11.EndOfMessage):
+                return status, body
+            else:
+                raise AssertionError(f"the answer ended early ({event}): ...{body[-300:]!r}")
 
 
 def test_a_client_that_never_reads_its_socket_is_aborted_not_buffered() -> None:
     """The same over a real socket: the client's and server's socket buffers fill, the handler
-    blocks on send, events pile up behind it until the bound, and the request is aborted. Once
-    the client reads, its stream ends in the slow_reader error, never [DONE] (I5)."""
-    with _never_reading_client(Faults()) as (engine, client):
+    blocks on send, events pile up behind it until the bound, and the request is aborted; once
+    the client reads, its stream ends in the slow_reader error, never [DONE] (I5). On a starved
+    event loop the engine can outrun the handler by the bound before the first event is out:
+    then the same abort answers with the error's status instead of a stream (I5's other half)."""
+    with _never_reading_client(Faults()) as (engine, answer):
         assert engine.aborted == [engine.submitted[0].request_id], "the request was not aborted"
         stats = engine.stats()  # the slot and its pages are back
         assert stats.running == 0 and stats.pages_used == 0
-        answer = _read_to_end(client)
-    events = [e for e in answer.split(b"\n\n") if b"data: " in e]
+        status, body = answer.read()
+    if status != 200:
+        assert status == 429 and json.loads(body)["error"]["code"] == "slow_reader", body
+        return
+    events = [e for e in body.split(b"\n\n") if e.startswith(b"data: ")]
     assert b"slow_reader" in events[-1], f"the stream did not end in the error: {events[-1]!r}"
-    assert b"[DONE]" not in answer
+    assert b"[DONE]" not in body
     # What reached the client is what the socket buffers held (the queue behind them was dropped
     # with the answer); with the bound, that must leave most of the answer ungenerated.
     assert len(events) + MAX_BUFFERED_EVENTS < SOCKET_TOKENS, f"{len(events)} events got through"
@@ -157,11 +179,12 @@ def test_a_client_that_never_reads_its_socket_is_aborted_not_buffered() -> None:
 def test_twin_unbounded_output_a_client_that_never_reads_makes_the_server_hold_it_all() -> None:
     with (
         Faults().injected("unbounded_output") as faults,
-        _never_reading_client(faults) as (engine, client),
+        _never_reading_client(faults) as (engine, answer),
     ):
         assert engine.aborted == [], "the request was aborted without the bound"
         # The whole answer was generated while the client read none of it: all but what the
         # socket buffers took sat in the server's memory, and now comes out in full.
-        answer = _read_to_end(client)
-    assert answer.count(b'"tokens"') == SOCKET_TOKENS
-    assert answer.endswith(b"data: [DONE]\n\n\r\n0\r\n\r\n")
+        status, body = answer.read()
+    assert status == 200
+    assert body.count(b'"tokens"') == SOCKET_TOKENS
+    assert body.endswith(b"data: [DONE]\n\n")
