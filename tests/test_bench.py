@@ -132,9 +132,10 @@ SMOKE = {
 
 
 # The smoke starts ~35 processes at once on two cores. Torch's OpenMP threads spin-wait after
-# each parallel region by default, burning the cores the other processes are waiting for (a
-# third of the smoke's CPU time on the CI machine's size); one thread each, waiting passively,
-# changes nothing a smoke checks. Scripts that pass --threads still get their threads.
+# each parallel region by default, burning the cores the other processes are waiting for (13%
+# and 29% of the smoke's CPU time in two paired runs on a 2-core machine); one thread each,
+# waiting passively, changes nothing a smoke checks. Scripts that pass --threads still get
+# their threads.
 SMOKE_ENV = {"OMP_NUM_THREADS": "1", "OMP_WAIT_POLICY": "PASSIVE"}
 
 
