@@ -40,6 +40,7 @@ from kvfence.args import (
     TLS_CA,
     TLS_CERT,
     TLS_KEY,
+    TOOL_CALL_PARSER,
     TRANSFER_OPTIONS,
     add_options,
     command_line,
@@ -112,6 +113,9 @@ def add_up_args(p: argparse.ArgumentParser) -> None:
         default="127.0.0.1",
         help="address the workers bind (HTTP and bootstrap); keep it private",
     )
+    # The decodes answer the chat requests the router relays; every worker gets it, so any
+    # worker's own API reads tool calls as the cluster's does.
+    add_options(p, (TOOL_CALL_PARSER,))
     # Certificates are not among them: up makes a cluster CA and one certificate per worker.
     add_options(p, TRANSFER_OPTIONS)
     # The router's policy, as `kvfence router` takes it (--router-policy etc. read better here).
@@ -155,7 +159,7 @@ def worker_args(args: argparse.Namespace, role: str) -> list[str]:
     if role_pool is not None:
         out += KV_POOL_TOKENS.argv(role_pool)
     out += command_line(args, (API_KEY_FILE, LOG_LEVEL, DRAIN_TIMEOUT, *TRANSFER_OPTIONS))
-    out += command_line(args, (ADMIN_API_KEY_FILE,))
+    out += command_line(args, (ADMIN_API_KEY_FILE, TOOL_CALL_PARSER))
     out += DISAGGREGATION_MODE.argv(role)
     return out
 
