@@ -404,3 +404,79 @@ def test_up_refuses_a_routing_config_before_starting_anything(capsys) -> None:
 
     assert up_main(["--router-cache-threshold", "2", "--port", str(free_port())]) == 2
     assert "--cache-threshold 2.0: must be in [0, 1]" in capsys.readouterr().err
+
+
+# ---- a restarted worker: its predictions are dropped --------------------------------------------
+
+
+def test_index_forgets_one_worker_and_keeps_the_others() -> None:
+    index = PrefixIndex(1000, 1000, 60)
+    shared, only_w0 = index.key(A, text(LONG)), index.key(B, chunks_of(3, "b"))
+    index.insert(shared, "w0")
+    index.insert(shared, "w1")
+    index.insert(only_w0, "w0")
+    assert len(index) == len(shared.chunks) + 3
+    assert index.forget("w0") == 3  # B's chunks were on w0 alone: they leave the index
+    assert index.match(shared, ["w0", "w1"]) == {"w0": 0, "w1": len(shared.chunks)}
+    assert index.match(only_w0, ["w0"]) == {"w0": 0} and index.tenant_entries("tenant-b") == 0
+    assert len(index) == len(shared.chunks)
+
+
+def _probe_router(instances: dict[str, str | None]):
+    """A RouterState whose health poll reads stand-in /health and /pd/info answers (no sockets);
+    `instances[url]` is what that worker's /pd/info says its process is (None: says nothing)."""
+    import asyncio
+
+    from kvfence.server.router.args import RouterSettings
+    from kvfence.server.router.state import RouterState
+
+    def answer(request: httpx.Request) -> httpx.Response:
+        url = f"{request.url.scheme}://{request.url.netloc.decode()}"
+        if request.url.path == "/health":
+            return httpx.Response(200, json={"status": "ok"})
+        prefill = "//p" in url
+        info = {"role": "prefill" if prefill else "decode",
+                "bootstrap_port": 9 if prefill else None}  # fmt: skip
+        if instances[url] is not None:
+            info["instance"] = instances[url]
+        return httpx.Response(200, json=info)
+
+    state = RouterState(["http://p0:1", "http://p1:1"], ["http://d0:1", "http://d1:1"], None,
+                        RouterSettings())  # fmt: skip
+
+    def poll() -> None:
+        async def once() -> None:
+            state._probe = httpx.AsyncClient(transport=httpx.MockTransport(answer))
+            try:
+                await state.check_all()
+            finally:
+                await state._probe.aclose()
+
+        asyncio.run(once())
+
+    return state, poll
+
+
+def test_a_restarted_worker_is_dropped_from_the_routers_prefix_index() -> None:
+    instances: dict[str, str | None] = {u: "first" for u in
+                                         ("http://p0:1", "http://p1:1", "http://d0:1", "http://d1:1")}
+    state, poll = _probe_router(instances)
+    poll()
+    r = state.routing
+    key = r.key("tenant-a", COMPLETIONS, body(prompt=LONG))
+    pair = r.pick_pair(key)
+    assert key is not None and pair is not None
+    d, p = pair.decode.worker, pair.prefill.worker
+    full = len(key.chunks)
+    poll()  # same processes: the predictions stand
+    assert r.index.match(key, [d.url, p.url]) == {d.url: full, p.url: full}
+    instances[d.url] = "second"  # the decode restarted between two polls
+    poll()
+    assert r.index.match(key, [d.url, p.url]) == {d.url: 0, p.url: full}
+    # A worker that reports no instance counts as restarted when it comes back from down.
+    instances[p.url] = None
+    poll()
+    assert r.index.match(key, [p.url])[p.url] == full  # up all along: kept
+    state.mark_down(p, "test: gone")
+    poll()
+    assert r.index.match(key, [p.url])[p.url] == 0

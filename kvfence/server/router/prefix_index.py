@@ -144,6 +144,23 @@ class PrefixIndex:
                 biggest = max(self._tables, key=lambda t: len(self._tables[t]))
                 self._evict_front(biggest)
 
+    def forget(self, worker: str) -> int:
+        """Drop every prediction about `worker` (it restarted: its cache is empty). Returns the
+        chunks no worker is predicted to hold any more, which leave the index."""
+        dropped = 0
+        for tenant in list(self._tables):
+            table = self._tables[tenant]
+            for chunk in [c for c, sent in table.items() if worker in sent]:
+                sent = table[chunk]
+                del sent[worker]
+                if not sent:
+                    del table[chunk]
+                    dropped += 1
+            if not table:
+                del self._tables[tenant]
+        self._size -= dropped
+        return dropped
+
     def _expire(self, tenant: str, now: float) -> None:
         table = self._tables[tenant]
         while table:
