@@ -480,3 +480,60 @@ def test_a_restarted_worker_is_dropped_from_the_routers_prefix_index() -> None:
     state.mark_down(p, "test: gone")
     poll()
     assert r.index.match(key, [p.url])[p.url] == 0
+
+
+# ---- declared public prefixes (--shared-prefix-file): predicted from every tenant's traffic -----
+
+
+def test_public_prefix_chunks_are_shared_across_tenants_and_nothing_after_them() -> None:
+    from kvfence.server.router.prefix_index import PublicPrefixes
+
+    ids = list(range(100, 148))  # three full chunks of token ids
+    public = PublicPrefixes([SYSTEM, ids])
+    n = len(SYSTEM) // 64  # the declared text's full chunks
+    for declared in (True, False):
+        index = PrefixIndex(1000, 1000, 60, public=public if declared else None)
+        cases = [  # (A's prompt, B's prompt sharing only the public head, chunks of that head)
+            (text(LONG), text(SYSTEM + "Another question, asked by tenant b, long enough."), n),
+            (read_prompt(CHAT, chat(SYSTEM, "q1")), read_prompt(CHAT, chat(SYSTEM, "q2")), n),
+            (Prompt(PromptKind.IDS, tuple(ids + [7] * 20)), Prompt(PromptKind.IDS, tuple(ids)), 3),
+        ]
+        for a_prompt, b_prompt, head in cases:
+            assert a_prompt is not None and b_prompt is not None
+            a_key = index.key(A, a_prompt)
+            assert a_key.public == (head if declared else 0) and len(a_key.chunks) > head
+            index.insert(a_key, "w0")
+            got = index.match(index.key(B, b_prompt), ["w0"])["w0"]
+            assert got == (head if declared else 0), (a_prompt.kind, declared)
+            # B sending A's whole prompt is predicted the public head only, never A's own part.
+            assert index.match(index.key(B, a_prompt), ["w0"])["w0"] == (head if declared else 0)
+            assert index.match(a_key, ["w0"])["w0"] == len(a_key.chunks)  # A's own: all of it
+        assert index.tenant_entries(None) == (2 * n + 3 if declared else 0)
+
+
+def test_the_router_and_up_take_the_workers_shared_prefix_file(tmp_path) -> None:
+    import argparse
+
+    from kvfence.server.router.args import add_router_args
+    from kvfence.tools.up import add_up_args, router_command
+
+    path = tmp_path / "shared.json"
+    path.write_text(json.dumps([SYSTEM]))
+    up = argparse.ArgumentParser()
+    add_up_args(up)
+    cmd = router_command(up.parse_args(["--shared-prefix-file", str(path)]), ["http://p:1"],
+                         ["http://d:1"])  # fmt: skip
+    assert cmd[cmd.index("--shared-prefix-file") + 1] == str(path)
+    router = argparse.ArgumentParser()
+    add_router_args(router)
+    assert router.parse_args(cmd[cmd.index("router") + 1 :]).shared_prefix_file == str(path)
+    app = build_router_app(["http://p:1", "http://p:2"], ["http://d:1", "http://d:2"],
+                           api_keys=KEYS, operator_key=OPERATOR_KEY,
+                           shared_prefixes=[SYSTEM])  # fmt: skip
+    r = app.state.router.routing
+    for w in r.prefill.workers + r.decode.workers:
+        w.healthy, w.bootstrap = True, "127.0.0.1:9" if w.role is Role.PREFILL else None
+    first = r.pick_pair(r.key("tenant-a", COMPLETIONS, body(prompt=LONG)))
+    second = r.pick_pair(r.key("tenant-b", COMPLETIONS, body(prompt=SYSTEM + "Mine, not A's.")))
+    assert first is not None and second is not None
+    assert second.decode.reason is Reason.CACHE_HIT and second.decode.worker is first.decode.worker

@@ -43,7 +43,12 @@ class RouterState:
         self.settings = settings
         self.metrics = RouterMetrics(self.pools)
         self.routing = Routing(
-            self.prefill, self.decode, settings.routing, faults or Faults(), self.metrics.registry
+            self.prefill,
+            self.decode,
+            settings.routing,
+            faults or Faults(),
+            self.metrics.registry,
+            settings.shared_prefixes,
         )
         self._proxy: httpx.AsyncClient | None = None
         self._probe: httpx.AsyncClient | None = None
