@@ -311,6 +311,19 @@ def main(argv: list[str] | None = None) -> int:
     summary = {f"{c}|{w}": {k: med(c, w, f) for k, f in figures.items()}
                for c in configs for w in workloads}  # fmt: skip
 
+    def later_turns(rows: list[dict[str, Any]], key: str) -> float:
+        later = [r for r in rows if r["turn"] > 0]
+        return sum(r[key] for r in later) / max(1, sum(r["new_tokens"] for r in later))
+
+    for c in configs:  # the per-turn trace: turns after the first, per new token
+        traces = [rd[c]["per_turn"] for rd in rounds if rd.get(c, {}).get("per_turn")]
+        summary[f"{c}|trace"] = {
+            "kv_bytes_per_new_token_later_turns": statistics.median(
+                [later_turns(t, "kv_bytes") for t in traces]) if traces else float("nan"),
+            "history_tokens_per_new_token_later_turns": statistics.median(
+                [later_turns(t, "history_tokens") for t in traces]) if traces else float("nan"),
+        }  # fmt: skip
+
     def ratio(num: str, den: str, key: str) -> float:
         x, y = summary.get(num, {}).get(key, float("nan")), summary.get(den, {}).get(key)
         return x / y if y == y and y else float("nan")
@@ -322,6 +335,8 @@ def main(argv: list[str] | None = None) -> int:
             "least-loaded|multi-turn", "cache-aware|multi-turn", "ttft_p50_ms"),
         "shared-prefix TTFT p50 cache-off / cache-aware": ratio(
             "cache-off|shared-prefix", "cache-aware|shared-prefix", "ttft_p50_ms"),
+        "trace: later turns' KV bytes per new token cache-aware / cache-off": ratio(
+            "cache-aware|trace", "cache-off|trace", "kv_bytes_per_new_token_later_turns"),
         "multi-turn KV bytes per prompt token cache-aware / cache-off (goal: new tokens only)":
             ratio("cache-aware|multi-turn", "cache-off|multi-turn", "kv_bytes_per_prompt_token"),
     }  # fmt: skip
