@@ -13,9 +13,11 @@ Configurations, each a fresh `kvfence up` per round (cold caches), the order rev
 Multi-turn users think before their next turn (--think-time, exponential, the same pauses in
 every configuration). Without it the loop is closed: a chat's next turn leaves the moment its
 answer ends, when its own decode has just freed a slot and is the least loaded, so least-loaded
-routing sent every chat back to its decode and matched cache-aware's hit rate and bytes exactly
-(the session-6 run: both 0.72, same bytes; the policy had reached the router, its decisions said
-least_loaded/fallback).
+routing sends the chat back to its decode (all but ties: test_router_policy.py simulates it), and
+with seconds-long requests it matched cache-aware's hit rate and bytes exactly (the session-6 run:
+both 0.72, same bytes; the policy had reached the router, whose decisions said
+least_loaded/fallback). With the tiny model requests end within milliseconds of each other, ties
+are common and the effect is weaker.
 
 Then, per configuration, a per-turn trace: --trace-chats chats of two tenants, one request at a
 time, each request's KV bytes read from the prefill workers' counters around it, beside its
