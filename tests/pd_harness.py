@@ -153,6 +153,7 @@ class PDCluster:
         self.routing = Routing(
             prefill, decode, routing or RoutingConfig(), self.faults, CollectorRegistry()
         )
+        self._rid = 0
 
     @property
     def services(self) -> list[PrefillService | DecodeService]:
@@ -170,7 +171,7 @@ class PDCluster:
         decode = self.decodes[self.routing.decode.workers.index(pair.decode.worker)]
         prefill = self.prefills[self.routing.prefill.workers.index(pair.prefill.worker)]
         res = Result()
-        self._rid = getattr(self, "_rid", 0) + 1
+        self._rid += 1
         req = GenerateRequest(f"{self._rid:032x}", tenant, tuple(prompt), params,
                               f"127.0.0.1:{prefill.port}")  # fmt: skip
         pair.decode.worker.in_flight += 1

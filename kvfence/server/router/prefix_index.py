@@ -121,9 +121,9 @@ class PrefixIndex:
         for start in range(0, symbols - per_chunk + 1, per_chunk):
             # Public while every chunk so far lies inside one declared prefix (the workers'
             # rule for their shared pages), the tenant's own from the first that does not.
-            piece = tuple(head[start : start + per_chunk])
-            node = node.get(piece) if node is not None else None
-            public += node is not None
+            if node is not None:  # (no declared prefix, or left it: no per-chunk tuple)
+                node = node.get(tuple(head[start : start + per_chunk]))
+                public += node is not None
             ns = SHARED if node is not None else namespace
             parent = self._keyer.key(ns, parent, units[start : start + per_chunk])
             chunks.append(parent[:_KEY_BYTES])
@@ -131,7 +131,7 @@ class PrefixIndex:
 
     def match(self, key: PrefixKey, workers: Iterable[str]) -> dict[str, int]:
         """For each of `workers`, how many leading chunks of `key` the router sent it within the
-        ttl. Reads the key's tenant's table only."""
+        ttl. Reads the key's tenant's table only (and the public table for its public head)."""
         alive = set(workers)
         matched = dict.fromkeys(alive, 0)
         fresh_after = self._clock() - self.ttl
