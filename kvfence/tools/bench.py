@@ -122,8 +122,12 @@ def body(
 
 
 def next_turn(prompt: Prompt, answer: str, question: Prompt) -> str:
-    """A chat's next prompt: the conversation so far, its answer, the next question."""
-    return f"{prompt}{answer} {question}"
+    """A chat's next prompt: the conversation so far, its answer, the next question. A streamed
+    answer's text starts without a space when its first token carries none (a word-level
+    tokenizer's always do): glued to the prompt, the last word and the first would re-tokenize
+    as one, and the next turn would miss the cached page holding the prompt's end."""
+    sep = "" if not answer or answer[0].isspace() else " "
+    return f"{prompt}{sep}{answer} {question}"
 
 
 async def one_request(
