@@ -205,8 +205,11 @@ def summarize_run(result: dict[str, Any], d: dict[str, Any]) -> dict[str, Any]:
     kv_bytes = role_sum("prefill", "counters", "bytes_sent")
     hit_rate = {}
     for role in ("prefill", "decode"):
-        q = role_sum(role, "cache", "kvfence_prefix_cache_queries_total")
-        h = role_sum(role, "cache", "kvfence_prefix_cache_hits_total")
+        # The PD counters: every prompt a role admitted, and the tokens it took from its cache.
+        # (Before session 7 the engine's kvfence_prefix_cache_queries counted only prompts
+        # that hit, a hit rate that barely moved with routing; kept in "cache" for reference.)
+        q = role_sum(role, "counters", "prompt_tokens")
+        h = role_sum(role, "counters", "prefix_cached_tokens")
         hit_rate[role] = h / q if q else None
     return {
         **result,

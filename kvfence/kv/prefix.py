@@ -318,9 +318,14 @@ class PrefixCache:
             self._ref(e, now)
         pages = [e.page for e in found]
         self._held.setdefault(holder, []).extend(pages)
-        self.queried_tokens += len(tokens)
-        self.hit_tokens += len(pages) * self.page_size
+        self.queried(len(tokens), len(pages))
         return pages
+
+    def queried(self, n_tokens: int, hit_pages: int = 0) -> None:
+        """Count one admitted prompt's lookup: its tokens, and the pages it reuses (a miss too,
+        or the hit rate would be over the prompts that hit only)."""
+        self.queried_tokens += n_tokens
+        self.hit_tokens += hit_pages * self.page_size
 
     def seal(
         self, holder: Hashable, c: PageChain, index: int, page: int, tokens: Sequence[int]
