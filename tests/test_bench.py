@@ -293,3 +293,12 @@ def test_bench_multi_turn_sends_each_answer_back_per_tenant() -> None:
             if q != p and p.startswith(q) and s.tenant == r.tenant
         ]
         assert parents, p
+
+
+def test_a_chats_next_turn_keeps_the_previous_prompts_words_apart_from_its_answer() -> None:
+    from kvfence.tools.bench import next_turn
+
+    # Glued, "w47" and "w45" would tokenize as one word and the cached prompt end would miss.
+    assert next_turn("w12 w47", "w45 w46", "w9") == "w12 w47 w45 w46 w9"
+    assert next_turn("w12 w47", " w45", "w9") == "w12 w47 w45 w9"  # a BPE answer's own space
+    assert next_turn("w12 w47", "", "w9") == "w12 w47 w9"

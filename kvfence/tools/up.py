@@ -37,6 +37,7 @@ from kvfence.args import (
     PORT,
     ROUTING_OPTIONS,
     SERVER_OPTIONS,
+    SHARED_PREFIX_FILE,
     TLS_CA,
     TLS_CERT,
     TLS_KEY,
@@ -203,8 +204,10 @@ def router_command(
     cmd += ["--prefill", *prefill_urls, "--decode", *decode_urls]
     cmd += HOST.argv(args.host) + PORT.argv(args.port)
     return cmd + command_line(
-        args, (API_KEY_FILE, LOG_LEVEL, DRAIN_TIMEOUT, *ROUTING_OPTIONS, ADMIN_API_KEY_FILE)
-    )
+        args,
+        (API_KEY_FILE, LOG_LEVEL, DRAIN_TIMEOUT, *ROUTING_OPTIONS, ADMIN_API_KEY_FILE,
+         SHARED_PREFIX_FILE),  # the workers' public prefixes: the router predicts them too
+    )  # fmt: skip
 
 
 # ---- processes ---------------------------------------------------------------------------------
