@@ -55,6 +55,7 @@ class ModelRunner:
         self.generator = torch.Generator(device=device).manual_seed(seed)
         cpu = device.type == "cpu"
         dtype = next(model.parameters()).dtype
+        self.dtype = dtype  # the activations' dtype, which an additive attention mask must match
         self.decode_kernel = _native_kernel(
             attention_backend,
             "--attention-backend",
@@ -139,6 +140,7 @@ class ModelRunner:
                         self.sliding_window,
                         self.device,
                         NULL_PAGE,
+                        self.dtype,
                     )
                 )
         # Structured-output masks are computed on llguidance's threads (no GIL) while the
