@@ -351,8 +351,9 @@ DISAGGREGATION_TIMEOUT = Option(
     ("--disaggregation-timeout",),
     "disaggregation_timeout",
     type=float,
-    default=30.0,
-    help="seconds a KV transfer may take before it is aborted",
+    default=300.0,
+    help="seconds a KV transfer may take before it is aborted, from RESERVE (so a prompt's "
+    "queueing at a busy prefill counts); SGLang's waiting timeout is also 300 s",
 )
 TRANSFER_OPTIONS: tuple[Option, ...] = (
     TRANSFER_BACKEND,
