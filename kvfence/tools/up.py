@@ -49,6 +49,7 @@ from kvfence.env import admin_api_key
 from kvfence.pd import certs
 from kvfence.pd.certs import TlsFiles
 from kvfence.server.operator import load_operator_key, new_operator_key, operator_headers
+from kvfence.tp_layout import PD_TP_REFUSED
 
 BUNDLED_MODEL = Path(__file__).resolve().parents[2] / "models" / "kvfence-tiny"
 DEFAULT_STARTUP_TIMEOUT_S = 300.0
@@ -394,6 +395,9 @@ def run_up(args: argparse.Namespace) -> int:
         args.admin_api_key_file = str(path)
         say(f"kvfence up: operator key (reads /metrics, /pd/info, /health detail) in {path}")
 
+    if args.tp_size > 1:  # every worker up starts is a PD role
+        say(f"kvfence up: {PD_TP_REFUSED.format(tp=args.tp_size, role='prefill/decode')}", err=True)
+        return 2
     if not _can_bind(args.host, args.port):
         # Else an old server still on the port could answer our router's health check for it.
         say(f"kvfence up: {_hostport(args.host, args.port)} is in use (--port)", err=True)
