@@ -60,7 +60,7 @@ class RankGroup:
 
     def broadcast_(self, t: torch.Tensor) -> torch.Tensor:
         """Rank 0's t on every rank, in place."""
-        self.pg.broadcast([t], 0).wait()
+        self.pg.broadcast(t, 0).wait()
         return t
 
     def gather_cat(self, t: torch.Tensor) -> torch.Tensor:
