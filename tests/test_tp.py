@@ -171,3 +171,37 @@ def test_tp_refuses_what_it_cannot_split() -> None:
     assert "mixture-of-experts" in str(tp_problem(mc, 2, 128, moe=True))
     with pytest.raises(ConfigError, match="--tp-size"):
         EngineConfig("m", tp_size=0)
+
+
+@pytest.mark.skipif(
+    os.environ.get("RUN_SLOW") != "1", reason="opt-in (RUN_SLOW=1): waits out --tp-timeout"
+)
+def test_tp2_stalled_rank_fails_the_engine_closed_within_the_timeout(checkpoint_dir) -> None:
+    """Rank 1 stopped (SIGSTOP), not dead: the next collective times out after --tp-timeout and
+    the engine fails closed just as for a dead rank. Run:
+    `RUN_SLOW=1 .venv/bin/python -m pytest tests/test_tp.py -k stalled`."""
+    cfg = EngineConfig(
+        str(checkpoint_dir("llama")),
+        kv_pool_tokens=512,
+        context_length=128,
+        tp_size=2,
+        threads=2,
+        tp_timeout=5.0,
+    )
+    engine = Engine(cfg)
+    engine.start()
+    assert engine.tp is not None
+    pid = engine.tp.procs[0].pid
+    try:
+        outs: list[RequestOutput] = []
+        long = SamplingParams(max_tokens=100, temperature=0.0, ignore_eos=True)
+        engine.submit(GenerateRequest("s", "t", (5, 6, 7), long), outs.append)
+        wait_for(lambda: len(outs) >= 2, WAIT_S, "decoding")
+        os.kill(pid, signal.SIGSTOP)
+        wait_for(lambda: outs[-1].finished, WAIT_S, "an error after the stall")
+        assert outs[-1].finish_reason is FinishReason.ERROR
+        assert outs[-1].error_code == "engine_failed"
+        assert not engine.alive
+    finally:
+        os.kill(pid, signal.SIGCONT)
+        engine.shutdown()

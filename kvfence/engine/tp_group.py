@@ -20,8 +20,10 @@ import subprocess
 import sys
 import tempfile
 import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from datetime import timedelta
 from pathlib import Path
 from typing import IO, Any
 
@@ -34,6 +36,7 @@ from kvfence.tp_layout import TpLayout
 
 log = logging.getLogger("kvfence.tp")
 _LEN = struct.Struct("<Q")
+STARTUP_TIMEOUT_S = 600.0  # a rank's python start and slice load (not a collective's bound)
 
 
 @dataclass(frozen=True)
@@ -123,15 +126,37 @@ class TpLeader:
                     name=f"kvfence-tp-watch-{rank}",
                     daemon=True,
                 ).start()
-            store = dist.FileStore(store_path, self.size)
-            self.group = RankGroup(store, 0, self.size, rank_device(cfg.device, 0), cfg.tp_timeout)
+            self.store = dist.FileStore(store_path, self.size)
+            # Starting python and loading a slice take longer than a collective may: the ranks
+            # say they are up through the store, so --tp-timeout bounds only the collectives.
+            self._await_ranks("joining")
+            self.group = RankGroup(
+                self.store, 0, self.size, rank_device(cfg.device, 0), cfg.tp_timeout
+            )
         except BaseException:
             self.close()
             raise
 
+    def _await_ranks(self, stage: str) -> None:
+        """Every child rank has set `stage` in the store; a child that exits first ends the wait
+        (the watchdog), and so does STARTUP_TIMEOUT_S."""
+        deadline = time.monotonic() + STARTUP_TIMEOUT_S
+        for rank in range(1, self.size):
+            while True:
+                try:
+                    self.store.wait([f"{stage}{rank}"], timedelta(seconds=1))
+                    break
+                except RuntimeError:  # not yet
+                    if self.broken is not None:
+                        raise TpBroken(self.broken) from None
+                    if time.monotonic() > deadline:
+                        raise TpBroken(
+                            f"rank {rank} not {stage} after {STARTUP_TIMEOUT_S:g} s"
+                        ) from None
+
     def ready(self) -> None:
-        """Every rank has built its slice (bounded by the group's timeout)."""
-        self.group.barrier()
+        """Every rank has built its slice (bounded by STARTUP_TIMEOUT_S, not --tp-timeout)."""
+        self._await_ranks("built")
 
     def send(self, plan: object) -> None:
         if self.broken is not None:

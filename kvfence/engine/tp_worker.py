@@ -28,8 +28,10 @@ def run_rank(setup: RankSetup, pipe: object) -> int:
     cfg = setup.cfg
     torch.set_num_threads(setup.threads)
     device = rank_device(cfg.device, setup.rank)
+    store = dist.FileStore(setup.store_path, cfg.tp_size)
+    store.set(f"joining{setup.rank}", "1")  # rank 0's _await_ranks
     group = RankGroup(
-        dist.FileStore(setup.store_path, cfg.tp_size),
+        store,
         setup.rank,
         cfg.tp_size,
         device,
@@ -61,7 +63,7 @@ def run_rank(setup: RankSetup, pipe: object) -> int:
         group=group,
     )
     install_collectives(model, group, layout)
-    group.barrier()  # rank 0's ready(): every slice is built
+    store.set(f"built{setup.rank}", "1")  # rank 0's ready(); the plan pipe waits with no bound
     while True:
         plan = read_frame(pipe)  # type: ignore[arg-type]
         if plan is None:

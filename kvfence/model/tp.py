@@ -29,27 +29,45 @@ class RankGroup:
     Every collective has the group's timeout: a dead or stalled rank raises, never hangs."""
 
     def __init__(
-        self, store: dist.Store, rank: int, size: int, device: torch.device, timeout_s: float
+        self,
+        store: dist.Store,
+        rank: int,
+        size: int,
+        device: torch.device,
+        timeout_s: float,
+        connect_timeout_s: float = 600.0,
     ) -> None:
+        """timeout_s bounds every collective; connect_timeout_s only the ranks' first meeting
+        (a loaded machine may take long to start a process)."""
         self.rank, self.size, self.device = rank, size, device
-        timeout = timedelta(seconds=timeout_s)
+        connect = timedelta(seconds=connect_timeout_s)
         if device.type == "cuda":
             opts = dist.ProcessGroupNCCL.Options()
-            opts._timeout = timeout
+            opts._timeout = timedelta(seconds=timeout_s)
             self.pg: dist.ProcessGroup = dist.ProcessGroupNCCL(store, rank, size, opts)
         else:
-            self.pg = dist.ProcessGroupGloo(store, rank, size, timeout)
+            self.pg = dist.ProcessGroupGloo(store, rank, size, connect)
+        timeout = timedelta(seconds=timeout_s)
+        self._sum = dist.AllreduceOptions()
+        self._sum.timeout = timeout
         self._max = dist.AllreduceOptions()
         self._max.reduceOp = dist.ReduceOp.MAX
+        self._max.timeout = timeout
         self._gather = dist.GatherOptions()
         self._gather.rootRank = 0
+        self._gather.timeout = timeout
+        self._bcast = dist.BroadcastOptions()
+        self._bcast.rootRank = 0
+        self._bcast.timeout = timeout
+        self._barrier = dist.BarrierOptions()
+        self._barrier.timeout = timeout
         self.comm_s = 0.0  # seconds spent in collectives (benchmarks read it)
         self.comm_calls = 0
 
     def all_reduce_(self, t: torch.Tensor) -> torch.Tensor:
         """Sum t over the ranks, in place (t must be contiguous)."""
         t0 = time.perf_counter()
-        self.pg.allreduce([t]).wait()
+        self.pg.allreduce([t], self._sum).wait()
         self.comm_s += time.perf_counter() - t0
         self.comm_calls += 1
         return t
@@ -60,7 +78,7 @@ class RankGroup:
 
     def broadcast_(self, t: torch.Tensor) -> torch.Tensor:
         """Rank 0's t on every rank, in place."""
-        self.pg.broadcast(t, 0).wait()
+        self.pg.broadcast([t], self._bcast).wait()
         return t
 
     def gather_cat(self, t: torch.Tensor) -> torch.Tensor:
@@ -74,7 +92,7 @@ class RankGroup:
         return torch.cat(outs[0], dim=-1) if self.rank == 0 else t
 
     def barrier(self) -> None:
-        self.pg.barrier().wait()
+        self.pg.barrier(self._barrier).wait()
 
 
 # ---- cutting a loaded model to one rank's slice (before fuse_projections) ----------------------
