@@ -205,3 +205,25 @@ def test_tp2_stalled_rank_fails_the_engine_closed_within_the_timeout(checkpoint_
     finally:
         os.kill(pid, signal.SIGCONT)
         engine.shutdown()
+
+
+def test_pd_roles_refuse_tensor_parallelism_at_start_up(tmp_path: Path) -> None:
+    from kvfence.cli import build_parser, role_service
+
+    for mode in ("prefill", "decode"):
+        argv = ["serve", "--model", str(tmp_path), "--disaggregation-mode", mode, "--tp-size", "2"]
+        with pytest.raises(ConfigError, match="unified role only"):
+            role_service(build_parser().parse_args(argv), Faults())
+
+
+def test_i7_pairing_compares_the_tp_split() -> None:
+    from kvfence.pd.pairing import pairing_problem
+
+    base = dict(
+        transfer_backend="tcp", model_fingerprint="f", page_size=16, kv_dtype="float32",
+        kv_layout=[2, 2, 16, "page-blocks"], context_length=64, pool_tokens=128,
+    )  # fmt: skip
+    one = {**base, "role": "prefill", "tp_layout": [1, 2]}
+    assert pairing_problem(one, {**one, "role": "decode"}) is None
+    two = {**base, "role": "decode", "tp_layout": [2, 1]}
+    assert "tp_layout differs" in str(pairing_problem(one, two))
