@@ -320,6 +320,11 @@ class Engine:
             if not self.has_work():
                 self._wake.wait(timeout=0.5)
                 self._wake.clear()
+            if self._failed is not None:
+                # A request admitted just before the failure may still reach the inbox: the loop
+                # stays to answer it with the error rather than leave it waiting.
+                self._fail_closed(self._failed)
+                continue
             try:
                 self.step()
             except Exception as e:
@@ -327,8 +332,11 @@ class Engine:
                     # A step's collectives left the ranks out of step (a rank died or stalled,
                     # or this one failed between two collectives): nothing can run here again.
                     self.tp.fail(self.tp.broken or f"rank 0 failed a step ({e!r})")
-                    self._fail_closed(self.tp.broken or "tensor-parallel group broken")
-                    return
+                    self._fail_closed(
+                        "This engine lost a tensor-parallel rank and serves nothing more: "
+                        + (self.tp.broken or "tensor-parallel group broken")
+                    )
+                    continue
                 log.exception("engine step failed; failing the running requests closed")
                 for seq in list(self.scheduler.running):
                     self._finish(seq, FinishReason.ERROR, "internal engine error", "engine_error")
@@ -336,8 +344,9 @@ class Engine:
     def _fail_closed(self, reason: str) -> None:
         """Every request this engine holds or was sent ends with an error (I5); every later
         admission is a 503 and `alive` is False (/health, /live say so)."""
-        self._failed = f"This engine lost a tensor-parallel rank and serves nothing more: {reason}"
-        log.error("engine failed closed: %s", reason)
+        if self._failed is None:
+            log.error("engine failed closed: %s", reason)
+        self._failed = reason
         self._drain_inbox()  # requests that arrived before admission saw the failure
         for seq in list(self._seqs.values()):  # no HANDOFF here: PD roles run tp_size 1
             self._finish(seq, FinishReason.ERROR, self._failed, ENGINE_FAILED, status=503)
