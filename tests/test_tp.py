@@ -66,6 +66,17 @@ def test_tp2_greedy_token_exact_with_tp1_and_transformers_under_preemption(
     assert llm.engine.pool.num_used == 0
 
 
+def test_tp2_prefix_cache_hits_read_sealed_pages_on_every_rank(llama_tp2, checkpoint_dir) -> None:
+    llm, _ = llama_tp2
+    base = random_prompts([40], vocab=256, seed=9)[0]
+    prompts = [base, [*base, 5, 6, 7], [*base[:20], 9, 9, 9]]
+    hits = llm.engine.pool.prefix.stats().hits  # type: ignore[union-attr]
+    got = [llm.generate([p], GREEDY)[0].token_ids for p in prompts]
+    assert llm.engine.pool.prefix.stats().hits > hits  # type: ignore[union-attr]
+    one = LLM(str(checkpoint_dir("llama")), **TIGHT)  # type: ignore[arg-type]
+    assert got == [one.generate([p], GREEDY)[0].token_ids for p in prompts]
+
+
 def test_tp2_every_rank_holds_its_slice(llama_tp2) -> None:
     engine = llama_tp2[0].engine
     mc = engine.model_config
