@@ -227,6 +227,16 @@ def test_pd_roles_refuse_tensor_parallelism_at_start_up(tmp_path: Path) -> None:
             role_service(build_parser().parse_args(argv), Faults())
 
 
+def test_up_refuses_tensor_parallelism_before_starting_anything(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    from kvfence.tools.up import main as up_main
+
+    tiny = Path(__file__).resolve().parent.parent / "models" / "kvfence-tiny"
+    assert up_main(["--model", str(tiny), "--tp-size", "2"]) == 2
+    assert "unified role only" in capsys.readouterr().err
+
+
 def test_i7_pairing_compares_the_tp_split() -> None:
     from kvfence.pd.pairing import pairing_problem
 

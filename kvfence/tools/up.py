@@ -374,6 +374,9 @@ def run_up(args: argparse.Namespace) -> int:
     except ConfigError as e:
         say(f"kvfence up: {e}", err=True)
         return 2
+    if args.tp_size > 1:  # every worker up starts is a PD role
+        say(f"kvfence up: {PD_TP_REFUSED.format(tp=args.tp_size, role='prefill/decode')}", err=True)
+        return 2
     if not Path(args.model).is_dir():
         say(f"kvfence up: model directory {args.model} does not exist (--model)", err=True)
         return 2
@@ -395,9 +398,6 @@ def run_up(args: argparse.Namespace) -> int:
         args.admin_api_key_file = str(path)
         say(f"kvfence up: operator key (reads /metrics, /pd/info, /health detail) in {path}")
 
-    if args.tp_size > 1:  # every worker up starts is a PD role
-        say(f"kvfence up: {PD_TP_REFUSED.format(tp=args.tp_size, role='prefill/decode')}", err=True)
-        return 2
     if not _can_bind(args.host, args.port):
         # Else an old server still on the port could answer our router's health check for it.
         say(f"kvfence up: {_hostport(args.host, args.port)} is in use (--port)", err=True)
