@@ -28,6 +28,8 @@ def run_rank(setup: RankSetup, pipe: object) -> int:
     cfg = setup.cfg
     torch.set_num_threads(setup.threads)
     device = rank_device(cfg.device, setup.rank)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)  # NCCL's communicators bind to the current device
     store = dist.FileStore(setup.store_path, cfg.tp_size)
     store.set(f"joining{setup.rank}", "1")  # rank 0's _await_ranks
     group = RankGroup(
