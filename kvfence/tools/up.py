@@ -51,6 +51,7 @@ from kvfence.env import admin_api_key
 from kvfence.pd import certs
 from kvfence.pd.certs import TlsFiles
 from kvfence.server.operator import load_operator_key, new_operator_key, operator_headers
+from kvfence.tp_layout import PD_TP_REFUSED
 
 BUNDLED_MODEL = Path(__file__).resolve().parents[2] / "models" / "kvfence-tiny"
 DEFAULT_STARTUP_TIMEOUT_S = 300.0
@@ -379,6 +380,9 @@ def run_up(args: argparse.Namespace) -> int:
         RoutingConfig.from_args(args)  # refused here, not after every worker has started
     except ConfigError as e:
         say(f"kvfence up: {e}", err=True)
+        return 2
+    if args.tp_size > 1:  # every worker up starts is a PD role
+        say(f"kvfence up: {PD_TP_REFUSED.format(tp=args.tp_size, role='prefill/decode')}", err=True)
         return 2
     if not Path(args.model).is_dir():
         say(f"kvfence up: model directory {args.model} does not exist (--model)", err=True)
