@@ -128,6 +128,16 @@ def pool_checksums(pool: KVPool, pages: list[int], n_tokens: int) -> list[int]:
         for first, n, count in runs(pool, n_tokens):
             out += run_checksums(gather(pool, pages[first : first + n], count))
         return out
+    return _hash_pages(pool, pages, counts)
+
+
+def run_pool_checksums(pool: KVPool, pages: list[int], count: int) -> list[int]:
+    """Per-page checksums of the first `count` tokens of each of `pages` in a CPU pool, hashed
+    in place: what run_checksums gives for the run gather() would copy."""
+    return _hash_pages(pool, pages, [count] * len(pages))
+
+
+def _hash_pages(pool: KVPool, pages: list[int], counts: list[int]) -> list[int]:
     tb = token_bytes(pool)
     layer = pool.k.shape[1] * tb
     # One view per layer of K and V, sliced per page: the loop body is this module's hot spot

@@ -43,6 +43,38 @@ class TcpSender(PageSender):
         pass
 
     async def send_room(self, job: RoomSend) -> list[tuple[int, int]] | None:
+        if not job.pool.k.is_cuda and not job.corrupt:
+            return await self._send_in_place(job)
+        return await self._send_gathered(job)
+
+    async def _send_in_place(self, job: RoomSend) -> list[tuple[int, int]] | None:
+        """A CPU pool's runs go out as they lie in it: each run hashed in place, then
+        encrypted straight from its pages (still in cache from the hashing)."""
+        loop = asyncio.get_running_loop()
+        sums: list[tuple[int, int]] = []
+        for first, n, count in job.runs:
+            if job.stopped():
+                return None
+            pages = job.src[first : first + n]
+            run_sums = kvio.run_pool_checksums(job.pool, pages, count)
+            # The pages are read until send() returns (the bytes are in the kernel then);
+            # job.hold keeps them held that long, should the room be released meanwhile.
+            sending = loop.create_future()
+            job.hold(sending)
+            try:
+                await job.conn.send(
+                    wire.PageRun(job.room, first, count, tuple(run_sums)),
+                    kvio.pool_blocks(job.pool, pages, count),
+                )
+            finally:
+                sending.set_result(None)
+            sums += [(first + k, c) for k, c in enumerate(run_sums)]
+            job.sent(n, count)
+        return sums
+
+    async def _send_gathered(self, job: RoomSend) -> list[tuple[int, int]] | None:
+        """Each run gathered into a buffer and hashed on a thread while the previous one is
+        sent (a GPU pool, or the corrupt_page fault, which flips a byte of the copy)."""
         pool, runs = job.pool, job.runs
         loop = asyncio.get_running_loop()
         bufs: list[bytearray] = []  # this room's gather buffers, two while runs overlap
@@ -120,6 +152,10 @@ class TcpReceiver(PageReceiver):
 
     def payload_bytes(self, pool: KVPool, n_pages: int, n_tokens: int) -> int:
         return n_pages * kvio.payload_size(pool, n_tokens)
+
+    def place(self, pool: KVPool, pages: list[int], n_tokens: int) -> list[memoryview] | None:
+        # A CPU pool takes the plaintext in place: no buffer, no scatter pass, no writer thread.
+        return None if pool.k.is_cuda else kvio.pool_blocks(pool, pages, n_tokens)
 
     def apply(
         self,
