@@ -305,9 +305,9 @@ class DecodeService(EngineRole):
         assert peer.conn is not None
         conn = peer.conn
         writing: deque[asyncio.Future] = deque()  # runs handed to the writer, in arrival order
-        placed: list[Placement] = []  # where recv() decrypted the frame it returned, if it did
+        placed: list[_Placed] = []  # where recv() decrypted the frame it returned, if it did
 
-        def place(msg: wire.Frame, nbytes: int) -> Placement | None:
+        def place(msg: wire.Frame, nbytes: int) -> _Placed | None:
             placed.clear()
             found = self._place(msg, nbytes)
             if found is not None:
@@ -318,7 +318,7 @@ class DecodeService(EngineRole):
             while True:
                 msg, payload = await conn.recv(place)
                 if isinstance(msg, wire.PageRun):
-                    applied = self._on_run(conn, msg, payload, bool(placed))
+                    applied = self._on_run(conn, msg, payload, placed[0] if placed else None)
                     if applied is not None:
                         writing.append(applied)
                     while writing and (writing[0].done() or len(writing) > _RUNS_IN_FLIGHT):
@@ -377,12 +377,13 @@ class DecodeService(EngineRole):
         owned = self.engine.pool.check_destination(grant, pages)
         return owned if self.faults.guards().on("dest_check") else [True] * len(pages)
 
-    def _place(self, msg: wire.Frame, nbytes: int) -> Placement | None:
+    def _place(self, msg: wire.Frame, nbytes: int) -> _Placed | None:
         """Where a PageRun's bytes are decrypted to, asked with its header: straight into the
         room's pages when the transport allows it and every destination page is the room's
         (I2, checked before a byte lands; a run with a foreign page goes the buffered way,
         which writes only the room's own pages). The writes stop the moment the room stops
-        being RESERVED. Its checksums are compared once the run is in (_placed_run)."""
+        being RESERVED. Each page's checksum is taken from the pool as its blocks land, and
+        compared once the run is in (_placed_run)."""
         if not isinstance(msg, wire.PageRun):
             return None
         room = self.rooms.get(msg.room)
@@ -392,15 +393,21 @@ class DecodeService(EngineRole):
         views = self.link.place(self.engine.pool, pages, msg.n_tokens)
         if views is None:
             return None
+        hashes = kvio.PageHashes(len(pages)) if self.faults.guards().on("checksum") else None
         rid = msg.room
 
         def holds() -> bool:  # the room still holds its pages and takes writes
             return self.rooms.get(rid) is room and room.state.state is p.DState.RESERVED
 
-        return Placement(views, holds)
+        filled = None if hashes is None else (lambda i: hashes.add(i, views[i]))
+        return _Placed(views, holds, filled, hashes=hashes)
 
     def _on_run(
-        self, conn: Connection, run: wire.PageRun, payload: memoryview, placed: bool = False
+        self,
+        conn: Connection,
+        run: wire.PageRun,
+        payload: memoryview,
+        placed: _Placed | None = None,
     ) -> asyncio.Future | None:
         """A run of pages: every page is checked (position, size, checksum, grant) on its own,
         the good ones are written in one batch (or were decrypted into place: _place), and the
@@ -412,8 +419,8 @@ class DecodeService(EngineRole):
             self.transfer_stats.inc("late_writes_dropped", len(run.checksums))
             return None
         self.transfer_stats.mark(run.room, "first_page")
-        if placed:
-            self._placed_run(run, room)
+        if placed is not None:
+            self._placed_run(run, room, placed.hashes)
             return None
         pages = self._run_pages(room, run, payload.nbytes)
         if pages is None:
@@ -460,16 +467,18 @@ class DecodeService(EngineRole):
         pool.mark_written(grant, dst)
         return intact, foreign, len(good)
 
-    def _placed_run(self, run: wire.PageRun, room: _Room) -> None:
+    def _placed_run(
+        self, run: wire.PageRun, room: _Room, hashes: kvio.PageHashes | None
+    ) -> None:
         """A run decrypted straight into the room's pages: each page is intact if its bytes in
-        the pool hash to the sender's checksum (read back while they are still in cache) and it
-        is still the room's; only those count as written."""
+        the pool hashed to the sender's checksum as they landed and it is still the room's;
+        only those count as written. hashes None: the checksum guard is off (mutation twin,
+        the bytes as they come)."""
         pool = self.engine.pool
         pages = room.reserved[run.first : run.first + len(run.checksums)]
         intact = [True] * len(pages)
-        if self.faults.guards().on("checksum"):  # off: mutation twin, the bytes as they come
-            got = kvio.run_pool_checksums(pool, pages, run.n_tokens)
-            intact = [g == c for g, c in zip(got, run.checksums, strict=True)]
+        if hashes is not None:
+            intact = [g == c for g, c in zip(hashes.digests(), run.checksums, strict=True)]
         owned = self._owned(room.grant, pages)
         intact = [i and o for i, o in zip(intact, owned, strict=True)]
         good = [page for page, ok in zip(pages, intact, strict=True) if ok]
@@ -599,6 +608,13 @@ class DecodeService(EngineRole):
                 log.info("closing idle connection to prefill %s:%s", *key)
                 self.transfer_stats.inc("idle_closed")
                 peer.conn.close()
+
+
+@dataclass
+class _Placed(Placement):
+    """A PageRun decrypted into the pool, with its pages' checksums taken as it landed."""
+
+    hashes: kvio.PageHashes | None = None
 
 
 class _RoomEffects:

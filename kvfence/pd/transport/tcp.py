@@ -53,13 +53,15 @@ PeerKey = tuple[str, int]  # a resolved address: (ip, port)
 @dataclass
 class Placement:
     """Where a frame's payload goes instead of a connection buffer: `views` of the receiver's
-    memory, filled in order (their sizes sum to the payload's). valid() is asked before every
-    read into them, on the loop: once it says False, the rest of the payload is read and
-    dropped, so nothing that runs between two reads (a room released meanwhile) can be written
-    over afterwards."""
+    memory, filled in order (their sizes sum to the payload's). valid() is asked before the
+    first read and after every wait for the socket (the only points where anything else runs
+    on the loop): once it says False, the rest of the payload is read and dropped, so nothing
+    that ran meanwhile (a room released) is written over afterwards. filled(i): view i is full
+    (while still valid), e.g. to hash it while it is in cache."""
 
     views: list[memoryview]
     valid: Callable[[], bool]
+    filled: Callable[[int], None] | None = None
     dropped: bool = False  # valid() said False: the views did not get the whole payload
 
     def writable(self) -> bool:
@@ -209,9 +211,11 @@ class Connection:
             left = payload_len
             if sum(v.nbytes for v in placement.views) != payload_len:
                 raise ValueError("a placement must take the whole payload")
-            for view in placement.views:
+            for i, view in enumerate(placement.views):
                 left -= view.nbytes
                 await self._read_into(view, left, placement)
+                if placement.filled is not None and not placement.dropped:
+                    placement.filled(i)
         elif payload_len:
             fits = [b for b in self._spares if len(b) >= payload_len]
             if fits:
@@ -241,13 +245,14 @@ class Connection:
         fill before waking). Into a placement's view only while it is writable: else into the
         staging buffer, dropped."""
         got = min(self._hi - self._lo, dst.nbytes)
-        if placement is None or placement.writable():
+        write = placement is None or placement.writable()
+        if write:
             dst[:got] = self._stage[self._lo : self._lo + got]
         self._lo += got
         while got < dst.nbytes:
             # A record at most per call: read synchronously while records are there, and go
             # back to the loop only when OpenSSL wants more bytes from the socket.
-            if placement is not None and not placement.writable():
+            if not write:
                 n = self._try_recv(memoryview(self._stage)[: dst.nbytes - got])
                 if n is None:
                     await self._wait_readable(dst.nbytes - got + more)
@@ -258,6 +263,7 @@ class Connection:
             n = self._try_recv(dst[got:] if big else memoryview(self._stage))
             if n is None:
                 await self._wait_readable(dst.nbytes - got + more)
+                write = placement is None or placement.writable()
                 continue
             if big:
                 got += n

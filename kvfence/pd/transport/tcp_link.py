@@ -155,7 +155,7 @@ class TcpReceiver(PageReceiver):
 
     def place(self, pool: KVPool, pages: list[int], n_tokens: int) -> list[memoryview] | None:
         # A CPU pool takes the plaintext in place: no buffer, no scatter pass, no writer thread.
-        return None if pool.k.is_cuda else kvio.pool_blocks(pool, pages, n_tokens)
+        return None if pool.k.is_cuda else kvio.pool_blocks(pool, pages, n_tokens, merge=False)
 
     def apply(
         self,
