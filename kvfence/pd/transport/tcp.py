@@ -3,7 +3,8 @@ pd/tls.py), driven on asyncio; and the bootstrap Listener that accepts them.
 
 The TLS socket is driven directly, non-blocking (recv_into / send raising SSLWant*), rather than
 through asyncio streams or memory BIOs: OpenSSL decrypts a payload straight into its destination
-buffer and encrypts from the caller's memory, so the only copies are the cipher's own (streams
+(a reused buffer, or memory the receiver names for it: a Placement, e.g. decode's pool pages)
+and encrypts from the caller's memory, so the only copies are the cipher's own (streams
 copy a large frame three times on the way in; memory BIOs add one copy each way). The GIL is
 released inside SSL_read / SSL_write.
 

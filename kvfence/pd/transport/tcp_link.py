@@ -1,11 +1,17 @@
 """The tcp transport: page bytes ride in the PageRun frames' payloads on the TLS connection, and
 decode writes them into its pool itself (so it can refuse any write).
 
-Sender: each run is gathered into one of two reused buffers and hashed on a thread while the
-previous run is being encrypted and sent: one contiguous SSL_write per run (a page's blocks
-are a few KiB, and one TLS record and syscall per block would cost more than the gather).
-Receiver: a run's checksums, grant check and writes run on one writer thread while the loop
-receives the next.
+A CPU pool (the common case) moves each byte once per side beside the cipher:
+- sender: a run is hashed in place, then encrypted straight from its pages (pool views; no
+  gather copy, no thread hand-off: on a few shared cores the hand-offs cost more than they hid);
+- receiver: decode checks the run's destination pages (I2) with its header, decrypts the payload
+  straight into them (Connection.recv's Placement; no buffer, no scatter) and hashes each block
+  as it lands, while it is in cache; the per-page checksums are compared once the run is in, and
+  DONE's read-back (I3) is unchanged.
+A GPU pool (and the corrupt_page fault) takes the buffered way: each run gathered into a reused
+buffer and hashed on a thread while the previous one is sent; decode checks and scatters each
+run on one writer thread while the loop receives the next. So does a run with a page that is
+not the room's, whose other pages are written and that one refused.
 """
 
 from __future__ import annotations
@@ -25,10 +31,10 @@ R = TypeVar("R")
 
 class TcpSender(PageSender):
     backend = "tcp"
-    # Over TLS, runs of 1 MiB pipeline: run i + 1 is gathered and hashed while run i is
-    # encrypted, and decode checks and writes run i while run i + 1 is decrypted. One 8 MiB run
-    # serialised them (2 shared cores, in-process sweep, best of 8: 8 MiB 39 ms, 1 MiB 23 ms,
-    # 512 KiB 23 ms, 256 KiB 31 ms, 128 KiB 46 ms per 8 MiB prompt; see benchmarks/RESULTS.md).
+    # Runs of 1 MiB: a run hashed in place is still in cache when it is encrypted, and the
+    # buffered way pipelines across runs (one 8 MiB run serialised it: 2 shared cores,
+    # in-process sweep, best of 8: 8 MiB 39 ms, 1 MiB 23 ms, 512 KiB 23 ms, 256 KiB 31 ms,
+    # 128 KiB 46 ms per 8 MiB prompt; see benchmarks/RESULTS.md).
     run_bytes = 1 << 20
 
     def __init__(self) -> None:
