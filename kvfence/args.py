@@ -212,6 +212,15 @@ PREFILL_BACKLOG_STEPS = _engine(
     help="a step that also decodes takes at least 1/STEPS of the prompt tokens waiting, so a "
     "burst of prompts drains in about STEPS steps (the TTFT side; lower: earlier first tokens)",
 )
+PREFILL_PACE = _engine(
+    "--prefill-pace",
+    "prefill_pace",
+    type=float,
+    metavar="FACTOR",
+    help="a step that also decodes takes at least FACTOR x the prompt tokens arriving per step "
+    "(a moving average), so prefill keeps pace with arrivals in even chunks (smooth ITL); "
+    "0: off",
+)
 SKIP_TOKENIZER_INIT = _engine(
     "--skip-tokenizer-init",
     "skip_tokenizer_init",
@@ -240,7 +249,7 @@ ENGINE_OPTIONS: tuple[Option, ...] = (
     ATTENTION_BACKEND, LINEAR_BACKEND, MAX_RUNNING_REQUESTS, THREADS, SEED,
     UNSAFE_SKIP_PREFLIGHT, KV_POISON_ON_FREE, ENABLE_PREFIX_CACHING, SHARED_PREFIX_FILE,
     PREFIX_CACHE_TTL, SKIP_TOKENIZER_INIT, MAX_DECODE_STEP_MS, MIN_PREFILL_CHUNK,
-    PREFILL_BACKLOG_STEPS, MAX_RUNNING_REQUESTS_PER_TENANT, SPECIAL_TOKENS_IN_CHAT,
+    PREFILL_BACKLOG_STEPS, PREFILL_PACE, MAX_RUNNING_REQUESTS_PER_TENANT, SPECIAL_TOKENS_IN_CHAT,
 )  # fmt: skip
 # What sizes a node's pool (kv/sizing.plan_for_engine reads these fields): `kvfence preflight`
 # takes exactly these, so it plans what `serve` would build.

@@ -57,6 +57,8 @@ class EngineConfig:
     min_prefill_chunk: int = 32
     # ... and at least 1/N of the prompt tokens waiting, so a burst drains in about N steps.
     prefill_backlog_steps: int = 16
+    # ... and at least this times the prompt tokens arriving per step (0: no such floor).
+    prefill_pace: float = 0.0
     # vLLM's --skip-tokenizer-init: no tokenizer is loaded (the model dir may have none); only
     # token-id prompts are served and outputs carry token ids with empty text.
     skip_tokenizer_init: bool = False
@@ -112,6 +114,8 @@ class EngineConfig:
             raise ConfigError(f"--max-decode-step-ms {self.max_decode_step_ms}: must be >= 0")
         if self.prefill_backlog_steps < 1:
             raise ConfigError(f"--prefill-backlog-steps {self.prefill_backlog_steps}: must be >= 1")
+        if not self.prefill_pace >= 0:
+            raise ConfigError(f"--prefill-pace {self.prefill_pace}: must be >= 0")
         if self.min_prefill_chunk < 1:
             raise ConfigError(f"--min-prefill-chunk {self.min_prefill_chunk}: must be >= 1")
         if self.max_running_requests < 1:

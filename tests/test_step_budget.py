@@ -10,6 +10,7 @@ import pytest
 from kvfence.engine.step_budget import (
     AUTO_STEP_FACTOR,
     MIN_SAMPLES,
+    ArrivalPace,
     BudgetPolicy,
     StepBudget,
     StepCost,
@@ -129,3 +130,43 @@ def test_budget_takes_a_share_of_the_backlog() -> None:
     capped = BudgetPolicy(512, 16, 120.0, token_cap=64, backlog_steps=16)
     assert prefill_budget(capped, COST, 8, backlog=3200) == 64  # the cap over the backlog
     assert prefill_budget(policy, None, 8, backlog=3200) == 200  # before any measurement too
+
+
+def test_arrival_pace_is_a_moving_average_of_tokens_per_step() -> None:
+    pace = ArrivalPace(half_life_steps=1.0)  # alpha 1/2: easy to follow by hand
+    pace.arrive(100)
+    assert pace.tick() == pytest.approx(50.0)  # half of the 100 that arrived
+    assert pace.tick() == pytest.approx(25.0)  # nothing arrived: it decays
+    pace.arrive(30)
+    pace.arrive(70)  # arrivals between two steps add up
+    assert pace.tick() == pytest.approx(62.5)
+    # A steady 32 tokens per step (a 256-token prompt every 8 steps) converges to 32.
+    steady = ArrivalPace()
+    for i in range(2000):
+        if i % 8 == 0:
+            steady.arrive(256)
+        steady.tick()
+    assert 28 <= steady.rate <= 36
+
+
+def test_budget_keeps_pace_with_arrivals() -> None:
+    # The time target leaves 16 tokens; arrivals of 40 per step at pace 1.25 lift it to 50,
+    # above the minimum chunk and a backlog share; pace 0 leaves the arrival rate unused.
+    policy = BudgetPolicy(512, 8, max_decode_step_ms=40.0, backlog_steps=64, pace=1.25)
+    cost = StepCost(a=20.0, b=1.0, c=0.5)  # 8 rows: 24 ms; room (40 - 24) / 1 = 16
+    assert prefill_budget(policy, cost, 8, backlog=256, arrival_rate=0.0) == 16
+    assert prefill_budget(policy, cost, 8, backlog=256, arrival_rate=40.0) == 50
+    off = BudgetPolicy(512, 8, max_decode_step_ms=40.0, backlog_steps=64, pace=0.0)
+    assert prefill_budget(off, cost, 8, backlog=256, arrival_rate=40.0) == 16
+    # Never past the operator's hard cap, and a step with no decode still takes a whole chunk.
+    capped = BudgetPolicy(512, 8, max_decode_step_ms=40.0, token_cap=30, pace=1.25)
+    assert prefill_budget(capped, cost, 8, arrival_rate=40.0) == 30
+    assert prefill_budget(policy, cost, 0, arrival_rate=40.0) == 512
+
+
+def test_step_budget_counts_arrivals_once_per_step() -> None:
+    budget = StepBudget(BudgetPolicy(512, 1, pace=1.0))
+    budget.arrive(1000)
+    first = budget.for_step(decode_rows=4)  # no cost model yet: the floors decide
+    assert first == pytest.approx(1000 * budget.pace.alpha, abs=1)
+    assert budget.for_step(decode_rows=4) < first  # the arrival was counted once, then decays

@@ -136,6 +136,7 @@ class Engine:
                     max_decode_step_ms=cfg.max_decode_step_ms,
                     token_cap=cfg.decode_step_prefill_budget,
                     backlog_steps=cfg.prefill_backlog_steps,
+                    pace=cfg.prefill_pace,
                 ),
                 cfg.max_running_requests_per_tenant,
             ),

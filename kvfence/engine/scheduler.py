@@ -59,6 +59,8 @@ class Scheduler:
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
+        if seq.mode is not SeqMode.DECODE_ONLY:  # a transferred prompt is never computed here
+            self.step_budget.arrive(len(seq.token_ids))
 
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)

@@ -21,6 +21,13 @@ fewer streams decode, the decode step gets shorter, so does the budget, and more
 with it a burst drains in about that many steps and the decode batch stays full.
 `--decode-step-prefill-budget` stays a hard cap on top of everything.
 
+A third floor follows demand rather than the queue: the prompt tokens arriving per step, a
+moving average (ArrivalPace), times `--prefill-pace`. The backlog floor alone is a proportional
+controller: it only grows a chunk once prompts have queued, so under a steady stream of arrivals
+chunks swing between the minimum and a burst's share, and the big ones are the ITL tail. A chunk
+sized from the arrival rate stays about the same size every step (smooth ITL) and still keeps up
+(no starvation at high concurrency), leaving the backlog floor to drain bursts only.
+
 Tokens served from the prefix cache are never computed, so they never count: the scheduler
 charges a chunk's computed tokens only. This module is arithmetic only (no clock, no engine):
 the engine measures steps and feeds them in.
@@ -40,6 +47,7 @@ WINDOW = 64  # recent steps the fit reads
 MIN_SAMPLES = 8  # below this the model does not predict; mixed steps take the minimum chunk
 REFIT_EVERY = 4  # steps between fits (a fit is a few 3x3 solves; cheap, but not free)
 OUTLIER_MADS = 4.0  # a step whose residual is this many MADs out is left out of the refit
+PACE_HALF_LIFE_STEPS = 32  # the arrival rate's memory: a burst counts half after this many steps
 
 
 @dataclass(frozen=True)
@@ -64,14 +72,20 @@ class BudgetPolicy:
     max_decode_step_ms: float | None = None
     token_cap: int | None = None  # --decode-step-prefill-budget: a hard cap in mixed steps
     backlog_steps: int | None = None  # --prefill-backlog-steps: drain the backlog in about this
+    pace: float = 0.0  # --prefill-pace: take this times the arrival rate (0: no such floor)
 
 
 def prefill_budget(
-    policy: BudgetPolicy, cost: StepCost | None, decode_rows: int, backlog: int = 0
+    policy: BudgetPolicy,
+    cost: StepCost | None,
+    decode_rows: int,
+    backlog: int = 0,
+    arrival_rate: float = 0.0,
 ) -> int:
     """Prefill tokens a step with `decode_rows` decodes may add, `backlog` prompt tokens waiting
-    to be computed. The floors (minimum chunk, share of the backlog) win over the time target
-    (prefills progress), the token cap over everything (an operator's hard limit)."""
+    to be computed, `arrival_rate` prompt tokens arriving per step. The floors (minimum chunk,
+    share of the backlog, pace of arrivals) win over the time target (prefills progress), the
+    token cap over everything (an operator's hard limit)."""
     cap = policy.max_chunk if policy.token_cap is None else min(policy.token_cap, policy.max_chunk)
     if decode_rows == 0:
         return policy.max_chunk
@@ -80,6 +94,8 @@ def prefill_budget(
     floor = policy.min_chunk
     if policy.backlog_steps:
         floor = max(floor, -(-backlog // policy.backlog_steps))
+    if policy.pace > 0 and arrival_rate > 0:
+        floor = max(floor, math.ceil(policy.pace * arrival_rate))
     floor = min(floor, cap)
     if cost is None or cost.b <= 0:
         return floor  # nothing measured yet: the smallest step that still makes progress
@@ -194,16 +210,40 @@ class StepCostModel:
         return self._cost
 
 
+class ArrivalPace:
+    """Prompt tokens arriving per scheduled step: an exponentially weighted mean, updated once
+    per step with what arrived since the last one."""
+
+    def __init__(self, half_life_steps: float = PACE_HALF_LIFE_STEPS) -> None:
+        self.alpha = 1.0 - 0.5 ** (1.0 / half_life_steps)
+        self.rate = 0.0
+        self._pending = 0
+
+    def arrive(self, tokens: int) -> None:
+        self._pending += tokens
+
+    def tick(self) -> float:
+        self.rate += self.alpha * (self._pending - self.rate)
+        self._pending = 0
+        return self.rate
+
+
 class StepBudget:
-    """What the scheduler asks (the prefill budget of a step) and the engine tells (how long
-    a step took)."""
+    """What the scheduler asks (the prefill budget of a step) and tells (prompt tokens that
+    arrived), and the engine tells (how long a step took)."""
 
     def __init__(self, policy: BudgetPolicy, model: StepCostModel | None = None) -> None:
         self.policy = policy
         self.model = model if model is not None else StepCostModel()
+        self.pace = ArrivalPace()
+
+    def arrive(self, prompt_tokens: int) -> None:
+        self.pace.arrive(prompt_tokens)
 
     def for_step(self, decode_rows: int, backlog: int = 0) -> int:
-        return prefill_budget(self.policy, self.model.cost(), decode_rows, backlog)
+        """Called once per step (it also advances the arrival rate)."""
+        rate = self.pace.tick()
+        return prefill_budget(self.policy, self.model.cost(), decode_rows, backlog, rate)
 
     def observe(self, prefill_tokens: int, decode_rows: int, ms: float) -> None:
         self.model.observe(prefill_tokens, decode_rows, ms)
