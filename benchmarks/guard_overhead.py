@@ -111,6 +111,9 @@ def micro_i2(batch: int, ctx_tokens: int, page_size: int, repeats: int) -> dict[
     # No prefix cache in this pool: the sealed-page part of the check is None, as with the
     # cache off.
     fake._sealed_reads = lambda cs, w, cols: ModelRunner._sealed_reads(fake, cs, w, cols)  # type: ignore[arg-type]
+    fake.ownership_inputs = lambda cs: ModelRunner.ownership_inputs(fake, cs)  # type: ignore[arg-type]
+    fake.ownership_flags = lambda cs: ModelRunner.ownership_flags(fake, cs)  # type: ignore[arg-type]
+    fake.enforce_tag_check = lambda: True
     table = fake._page_table(chunks)
     starts = torch.zeros(batch, dtype=torch.int64)
     lengths = torch.full((batch,), ctx_tokens, dtype=torch.int64)

@@ -10,6 +10,20 @@ Configurations, each a fresh `kvfence up` per round (cold caches), the order rev
   least-loaded   --router-policy least_loaded
   cache-off      --router-policy least_loaded --no-enable-prefix-caching (every worker)
 
+Multi-turn users think before their next turn (--think-time, exponential, the same pauses in
+every configuration). Without it the loop is closed: a chat's next turn leaves the moment its
+answer ends, when its own decode has just freed a slot and is the least loaded, so least-loaded
+routing sends the chat back to its decode (all but ties: test_router_policy.py simulates it), and
+with seconds-long requests it matched cache-aware's hit rate and bytes exactly (the session-6 run:
+both 0.72, same bytes; the policy had reached the router, whose decisions said
+least_loaded/fallback). With the tiny model requests end within milliseconds of each other, ties
+are common and the effect is weaker.
+
+Then, per configuration, a per-turn trace: --trace-chats chats of two tenants, one request at a
+time, each request's KV bytes read from the prefill workers' counters around it, beside its
+prompt tokens, the history it repeats, the new tokens and decode's cached tokens: with the cache
+the bytes follow what decode lacks (about the new tokens), without it the whole history.
+
     .venv/bin/python benchmarks/pd_prefix_cache.py --rounds 2
     .venv/bin/python benchmarks/pd_prefix_cache.py --tiny --rounds 1   # smoke test, minutes
 """
@@ -17,6 +31,7 @@ Configurations, each a fresh `kvfence up` per round (cold caches), the order rev
 from __future__ import annotations
 
 import argparse
+import asyncio
 import json
 import re
 import secrets
@@ -125,6 +140,61 @@ def delta(before: dict[str, Any], after: dict[str, Any]) -> dict[str, Any]:
     return {"workers": workers, "router": sub(before["router"], after["router"])}
 
 
+def prefill_bytes(router: str, workers: Mapping[str, str], op_key: str) -> float:
+    s = snapshot(router, workers, op_key)
+    return sum(w["counters"].get("bytes_sent", 0.0) for n, w in s["workers"].items()
+               if n.startswith("prefill"))  # fmt: skip
+
+
+async def per_turn_trace(
+    router: str, workers: Mapping[str, str], op_key: str, a: argparse.Namespace, seed: int
+) -> list[dict[str, Any]]:
+    """Chats of two tenants, one request at a time: each turn's KV bytes (the prefill workers'
+    bytes_sent around it) beside its prompt, the history it repeats and its new tokens."""
+    from kvfence.tools import bench
+    from kvfence.tools.bench_datasets import DatasetArgs, make_sessions
+
+    sessions = make_sessions(DatasetArgs(
+        "multi-turn", a.trace_chats, a.chat_input_len, a.vocab, seed, True, tuple(KEYS),
+        question_len=a.chat_question_len, num_turns=a.turns, text_words="ids",
+    ))  # fmt: skip
+    model, _ = await bench.discover(router, KEYS[0], None, 60.0)
+    w = bench.Workload(router, model, sessions, a.output_len, True, KEYS[0], 1, float("inf"),
+                       seed, 600.0)  # fmt: skip
+    rows: list[dict[str, Any]] = []
+    async with httpx.AsyncClient(timeout=600.0, trust_env=False) as client:
+        for i, s in enumerate(sessions):
+            prompt, history = s.turns[0], 0
+            for t in range(len(s.turns)):
+                before = prefill_bytes(router, workers, op_key)
+                rec = await bench.one_request(client, w, i * 1000 + t, prompt, s, t)
+                sent = prefill_bytes(router, workers, op_key) - before
+                if not rec.ok:
+                    raise RuntimeError(f"trace chat {i} turn {t}: {rec.error}")
+                cached = rec.cached_tokens or 0
+                rows.append({
+                    "chat": i, "turn": t, "prompt_tokens": rec.prompt_len,
+                    "history_tokens": history, "new_tokens": rec.prompt_len - history,
+                    "cached_tokens": cached, "kv_bytes": sent,
+                    "kv_bytes_per_new_token": sent / max(1, rec.prompt_len - history),
+                    "kv_bytes_per_uncached_token": sent / max(1, rec.prompt_len - cached),
+                })  # fmt: skip
+                history = rec.prompt_len + rec.output_tokens
+                if t + 1 < len(s.turns):
+                    prompt = bench.next_turn(prompt, rec.answer, s.turns[t + 1])
+    return rows
+
+
+def print_trace(label: str, rows: list[dict[str, Any]]) -> None:
+    print(f"{label} per-turn trace: chat turn prompt history new cached KV-bytes "
+          "bytes/new bytes/uncached")  # fmt: skip
+    for r in rows:
+        print(f"  {r['chat']:>2} {r['turn']:>2} {r['prompt_tokens']:>6} {r['history_tokens']:>6} "
+              f"{r['new_tokens']:>5} {r['cached_tokens']:>6} {r['kv_bytes']:>11.0f} "
+              f"{r['kv_bytes_per_new_token']:>9.0f} {r['kv_bytes_per_uncached_token']:>9.0f}",
+              flush=True)  # fmt: skip
+
+
 def summarize_run(result: dict[str, Any], d: dict[str, Any]) -> dict[str, Any]:
     """One workload's figures: the bench's, and what the counters say it cost the cluster."""
     requests = result["completed"] + result["failed"] + WARMUP
@@ -135,8 +205,11 @@ def summarize_run(result: dict[str, Any], d: dict[str, Any]) -> dict[str, Any]:
     kv_bytes = role_sum("prefill", "counters", "bytes_sent")
     hit_rate = {}
     for role in ("prefill", "decode"):
-        q = role_sum(role, "cache", "kvfence_prefix_cache_queries_total")
-        h = role_sum(role, "cache", "kvfence_prefix_cache_hits_total")
+        # The PD counters: every prompt a role admitted, and the tokens it took from its cache.
+        # (Before session 7 the engine's kvfence_prefix_cache_queries counted only prompts
+        # that hit, a hit rate that barely moved with routing; kept in "cache" for reference.)
+        q = role_sum(role, "counters", "prompt_tokens")
+        h = role_sum(role, "counters", "prefix_cached_tokens")
         hit_rate[role] = h / q if q else None
     return {
         **result,
@@ -164,6 +237,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--turns", type=int, default=4)
     p.add_argument("--chat-input-len", type=int, default=256)
     p.add_argument("--chat-question-len", type=int, default=64)
+    p.add_argument("--think-time", type=float, default=1.0,
+                   help="multi-turn: mean seconds before a chat's next turn (0: a closed loop)")
+    p.add_argument("--trace-chats", type=int, default=2,
+                   help="chats of the per-turn bytes trace (one request at a time); 0: none")
     p.add_argument("--context-length", type=int, default=2048)
     p.add_argument("--pool-tokens", type=int, default=23_000, help="each worker's KV pool")
     p.add_argument("--out", default=str(RESULTS))
@@ -173,6 +250,7 @@ def main(argv: list[str] | None = None) -> int:
         a.prompts_per_group, a.system_prompt_len, a.question_len, a.output_len = 2, 64, 16, 4
         a.chats, a.turns, a.chat_input_len, a.chat_question_len = 4, 3, 48, 8
         a.context_length, a.pool_tokens, a.concurrency = 512, 4096, 4  # the probe sends 256
+        a.think_time = min(a.think_time, 0.2)
     configs = [c for c in a.configs.split(",") if c]
     workloads = [w for w in a.workloads.split(",") if w]
     if unknown := (set(configs) - set(CONFIGS)) | (set(workloads) - set(WORKLOADS)):
@@ -198,7 +276,10 @@ def main(argv: list[str] | None = None) -> int:
                 workers = worker_urls(Path(srv.log or ""))
                 for w in workloads:
                     before = snapshot(srv.url, workers, op_key)
-                    result = run_bench(srv.url, workload_argv(w, a, seed))
+                    argv = workload_argv(w, a, seed)
+                    if w == "multi-turn":
+                        argv += ["--think-time", str(a.think_time)]
+                    result = run_bench(srv.url, argv)
                     res[w] = summarize_run(result, delta(before, snapshot(srv.url, workers,
                                                                           op_key)))
                     print(f"round {r + 1} {config} {w}: "
@@ -206,6 +287,10 @@ def main(argv: list[str] | None = None) -> int:
                           f"{res[w]['ttft_ms']['p50']:.0f} ms p99 {res[w]['ttft_ms']['p99']:.0f}"
                           f" ms, KV {res[w]['kv_bytes_per_request'] / 1024:.0f} KiB/request, "
                           f"hit rates {res[w]['worker_prefix_cache_hit_rate']}", flush=True)
+                if a.trace_chats:
+                    res["per_turn"] = asyncio.run(per_turn_trace(srv.url, workers, op_key, a,
+                                                                 seed + 1000))  # fmt: skip
+                    print_trace(f"round {r + 1} {config}", res["per_turn"])
             except Exception as ex:  # noqa: BLE001 - recorded; the other configurations run
                 res["error"] = f"{type(ex).__name__}: {ex}"[-1500:]
                 print(f"round {r + 1} {config}: {res['error']}", flush=True)
@@ -231,6 +316,19 @@ def main(argv: list[str] | None = None) -> int:
     summary = {f"{c}|{w}": {k: med(c, w, f) for k, f in figures.items()}
                for c in configs for w in workloads}  # fmt: skip
 
+    def later_turns(rows: list[dict[str, Any]], key: str) -> float:
+        later = [r for r in rows if r["turn"] > 0]
+        return sum(r[key] for r in later) / max(1, sum(r["new_tokens"] for r in later))
+
+    for c in configs:  # the per-turn trace: turns after the first, per new token
+        traces = [rd[c]["per_turn"] for rd in rounds if rd.get(c, {}).get("per_turn")]
+        summary[f"{c}|trace"] = {
+            "kv_bytes_per_new_token_later_turns": statistics.median(
+                [later_turns(t, "kv_bytes") for t in traces]) if traces else float("nan"),
+            "history_tokens_per_new_token_later_turns": statistics.median(
+                [later_turns(t, "history_tokens") for t in traces]) if traces else float("nan"),
+        }  # fmt: skip
+
     def ratio(num: str, den: str, key: str) -> float:
         x, y = summary.get(num, {}).get(key, float("nan")), summary.get(den, {}).get(key)
         return x / y if y == y and y else float("nan")
@@ -242,6 +340,8 @@ def main(argv: list[str] | None = None) -> int:
             "least-loaded|multi-turn", "cache-aware|multi-turn", "ttft_p50_ms"),
         "shared-prefix TTFT p50 cache-off / cache-aware": ratio(
             "cache-off|shared-prefix", "cache-aware|shared-prefix", "ttft_p50_ms"),
+        "trace: later turns' KV bytes per new token cache-aware / cache-off": ratio(
+            "cache-aware|trace", "cache-off|trace", "kv_bytes_per_new_token_later_turns"),
         "multi-turn KV bytes per prompt token cache-aware / cache-off (goal: new tokens only)":
             ratio("cache-aware|multi-turn", "cache-off|multi-turn", "kv_bytes_per_prompt_token"),
     }  # fmt: skip

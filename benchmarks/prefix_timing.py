@@ -5,12 +5,17 @@
   twin              the same across tenants on a server started with the fault point
                     prefix_cache_ignore_namespace (keys and checks drop the namespace)
 
-Each pair goes in random order on one `kvfence serve` with two API keys. Reported per arm:
+Each pair goes in random order on one `kvfence serve` with two API keys, or with `--pd 2x2` on
+a `kvfence up` of 2 prefills + 2 decodes behind the cache-aware router (issue 18), where the
+twin loses the tenant at every hop: the workers' caches ignore the namespace and the router's
+index ignores the tenant (fault router_ignore_tenant), so B follows A to A's workers.
+Reported per arm:
 ROC AUC of the fresh prompts' TTFT over the probed ones' (0.5: no threshold tells them apart)
 and the two-sample KS p-value; the goals are within AUC > 0.9, across |AUC - 0.5| <= 0.05 and
 KS p > 0.01, twin AUC > 0.9. tests/test_prefix_timing.py asserts the same in-process.
 
     .venv/bin/python benchmarks/prefix_timing.py --pairs 200 --prompt-len 1024
+    .venv/bin/python benchmarks/prefix_timing.py --pairs 200 --prompt-len 1024 --pd 2x2
 """
 
 from __future__ import annotations
@@ -31,7 +36,10 @@ sys.path.append(str(Path(__file__).resolve().parent.parent))  # after PYTHONPATH
 
 from benchmarks.common import (  # noqa: E402
     RESULTS,
+    Server,
     bench_model,
+    free_port,
+    kvfence_bin,
     kvfence_server,
     machine,
     this_command,
@@ -41,6 +49,8 @@ from kvfence.tools.leakcheck.timing_stats import auc, ks_pvalue, ks_statistic  #
 
 KEYS = {"A": "timing-key-a", "B": "timing-key-b"}
 FAULTS = {"KVFENCE_FAULT_INJECTION": "1", "KVFENCE_FAULTS": "prefix_cache_ignore_namespace"}
+# Through the router: every process of the cluster arms what applies to it.
+FAULTS_PD = {**FAULTS, "KVFENCE_FAULTS": "prefix_cache_ignore_namespace,router_ignore_tenant"}
 
 
 def ttft_ms(client: httpx.Client, model: str, tenant: str, prompt: list[int]) -> float:
@@ -84,10 +94,30 @@ def arm(url: str, model: str, pairs: int, n: int, vocab: int, prober: str, seed:
 
 
 def serve(model: Path, a: argparse.Namespace, keys: Path, env: dict[str, str] | None, log: Path):
+    """`kvfence serve`, or with --pd PxD a `kvfence up` of P prefills and D decodes."""
     extra = ["--api-key-file", str(keys), "--served-model-name", "m"]
-    srv = kvfence_server("serve", model, a.context_length, a.pool_tokens, log, env, extra)
-    srv.wait_ready()
+    if a.pd is None:
+        srv = kvfence_server("serve", model, a.context_length, a.pool_tokens, log, env, extra)
+    else:
+        n_prefill, n_decode = a.pd
+        port = free_port()
+        argv = [kvfence_bin(), "up", "--prefill", str(n_prefill), "--decode", str(n_decode),
+                "--model", str(model), "--port", str(port), "--context-length",
+                str(a.context_length), "--kv-pool-tokens", str(a.pool_tokens), "--log-level",
+                "warning", *extra]  # fmt: skip
+        srv = Server(argv, port, env, log=log)
+    srv.wait_ready(timeout=900)
     return srv
+
+
+def pd_shape(value: str) -> tuple[int, int]:
+    try:
+        p, d = (int(x) for x in value.lower().split("x"))
+    except ValueError:
+        raise argparse.ArgumentTypeError("expected PxD, e.g. 2x2") from None
+    if p < 1 or d < 1:
+        raise argparse.ArgumentTypeError("at least one prefill and one decode")
+    return p, d
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -103,6 +133,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--vocab", type=int, default=None, help="token ids drawn below this")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default=str(RESULTS))
+    p.add_argument("--pd", type=pd_shape, default=None, metavar="PxD",
+                   help="a `kvfence up` of P prefills and D decodes (cache-aware router)")
     a = p.parse_args(argv)
     model = bench_model(a.model, a.tiny)
     vocab = a.vocab or json.loads((model / "config.json").read_text())["vocab_size"]
@@ -112,8 +144,10 @@ def main(argv: list[str] | None = None) -> int:
     keys = tmp / "keys.txt"
     keys.write_text("".join(f"{k} {t}\n" for t, k in KEYS.items()))
     results: dict[str, dict] = {}
-    for name, env, prober in (("within", None, "A"), ("across", None, "B"), ("twin", FAULTS, "B")):
-        srv = serve(model, a, keys, env, out / f"prefix_timing-{name}-server.log")
+    twin = FAULTS if a.pd is None else FAULTS_PD
+    tag = "" if a.pd is None else f"-pd{a.pd[0]}x{a.pd[1]}"
+    for name, env, prober in (("within", None, "A"), ("across", None, "B"), ("twin", twin, "B")):
+        srv = serve(model, a, keys, env, out / f"prefix_timing{tag}-{name}-server.log")
         try:
             arm(srv.url, "m", 3, a.prompt_len, vocab, prober, seed=a.seed + 999)  # warm up
             results[name] = arm(srv.url, "m", a.pairs, a.prompt_len, vocab, prober, a.seed)
@@ -135,11 +169,12 @@ def main(argv: list[str] | None = None) -> int:
     for goal, met in goals.items():
         print(f"{'met' if met else 'MISSED'}: {goal}")
     write_json(
-        out / "prefix_timing.json",
+        out / f"prefix_timing{tag}.json",
         {
             "command": this_command(),
             "machine": machine(),
             "model": str(model),
+            "pd": a.pd,
             "prompt_len": a.prompt_len,
             "results": results,
             "goals": goals,

@@ -242,6 +242,20 @@ SPECIAL_TOKENS_IN_CHAT = _engine(
     help="let control-token text typed in chat messages (<|eos|>, <|system|>) act as control "
     "tokens; off by default, so a user cannot forge a turn or an end of text",
 )
+TP_SIZE = _engine(
+    "--tp-size",
+    "tp_size",
+    type=int,
+    help="tensor parallelism: this many processes per engine (gloo on cpu, NCCL on cuda), each "
+    "holding a slice of every layer and of the KV pool and its share of --threads",
+)
+TP_TIMEOUT = _engine(
+    "--tp-timeout",
+    "tp_timeout",
+    type=float,
+    metavar="SECONDS",
+    help="a collective that waits longer (a stalled rank) fails the engine closed",
+)
 
 ENGINE_OPTIONS: tuple[Option, ...] = (
     MODEL, SERVED_MODEL_NAME, DEVICE, DTYPE, KV_CACHE_DTYPE, CONTEXT_LENGTH, PAGE_SIZE,
@@ -250,12 +264,13 @@ ENGINE_OPTIONS: tuple[Option, ...] = (
     UNSAFE_SKIP_PREFLIGHT, KV_POISON_ON_FREE, ENABLE_PREFIX_CACHING, SHARED_PREFIX_FILE,
     PREFIX_CACHE_TTL, SKIP_TOKENIZER_INIT, MAX_DECODE_STEP_MS, MIN_PREFILL_CHUNK,
     PREFILL_BACKLOG_STEPS, PREFILL_PACE, MAX_RUNNING_REQUESTS_PER_TENANT, SPECIAL_TOKENS_IN_CHAT,
+    TP_SIZE, TP_TIMEOUT,
 )  # fmt: skip
 # What sizes a node's pool (kv/sizing.plan_for_engine reads these fields): `kvfence preflight`
 # takes exactly these, so it plans what `serve` would build.
 SIZING_OPTIONS: tuple[Option, ...] = (
     MODEL, CONTEXT_LENGTH, PAGE_SIZE, KV_POOL_TOKENS, MEM_FRACTION_STATIC, DTYPE, KV_CACHE_DTYPE,
-    DEVICE, CHUNKED_PREFILL_SIZE, MAX_RUNNING_REQUESTS,
+    DEVICE, CHUNKED_PREFILL_SIZE, MAX_RUNNING_REQUESTS, TP_SIZE,
 )  # fmt: skip
 
 # ---- an HTTP listener (serve, router, up) -------------------------------------------------------
@@ -351,8 +366,9 @@ DISAGGREGATION_TIMEOUT = Option(
     ("--disaggregation-timeout",),
     "disaggregation_timeout",
     type=float,
-    default=30.0,
-    help="seconds a KV transfer may take before it is aborted",
+    default=300.0,
+    help="seconds a KV transfer may take before it is aborted, from RESERVE (so a prompt's "
+    "queueing at a busy prefill counts); SGLang's waiting timeout is also 300 s",
 )
 TRANSFER_OPTIONS: tuple[Option, ...] = (
     TRANSFER_BACKEND,

@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING
 from kvfence.args import ENGINE_OPTIONS, PD_OPTIONS, SERVER_OPTIONS, TOOL_CALL_PARSER, add_options
 from kvfence.config import ConfigError, EngineConfig
 from kvfence.faults import Faults
+from kvfence.tp_layout import PD_TP_REFUSED
 
 if TYPE_CHECKING:
     from kvfence.role import RoleService
@@ -29,10 +30,12 @@ def role_service(args: argparse.Namespace, faults: Faults) -> RoleService:
         from kvfence.role import UnifiedService
 
         return UnifiedService(Engine(cfg, faults))
+    role = args.disaggregation_mode
+    if cfg.tp_size > 1:
+        raise ConfigError(PD_TP_REFUSED.format(tp=cfg.tp_size, role=role))
     from kvfence.pd.tls import TlsConfig, load_files
     from kvfence.pd.transport.tcp import LinkLimits
 
-    role = args.disaggregation_mode
     tls = TlsConfig(role, load_files(role, args.tls_cert, args.tls_key, args.tls_ca))
     limits = LinkLimits(
         args.tls_handshake_timeout, args.max_pending_handshakes, args.pd_idle_timeout

@@ -67,6 +67,11 @@ class EngineConfig:
     max_running_requests_per_tenant: int | None = None
     # Operator opt-in: control-token text typed in chat content becomes control tokens.
     special_tokens_in_chat: bool = False
+    # Tensor parallelism: this many processes per engine (kvfence/engine/tp_group.py), each
+    # holding a slice of every layer and of the KV pool; a collective that waits longer than
+    # tp_timeout seconds (a stalled rank) fails the engine closed.
+    tp_size: int = 1
+    tp_timeout: float = 30.0
 
     def __post_init__(self) -> None:
         if self.device != "cpu" and not self.device.startswith("cuda"):
@@ -120,6 +125,10 @@ class EngineConfig:
             raise ConfigError(f"--min-prefill-chunk {self.min_prefill_chunk}: must be >= 1")
         if self.max_running_requests < 1:
             raise ConfigError(f"--max-running-requests {self.max_running_requests}: must be >= 1")
+        if self.tp_size < 1:
+            raise ConfigError(f"--tp-size {self.tp_size}: must be >= 1")
+        if not self.tp_timeout > 0:
+            raise ConfigError(f"--tp-timeout {self.tp_timeout}: must be > 0")
         per_tenant = self.max_running_requests_per_tenant
         if per_tenant is not None and per_tenant < 1:
             raise ConfigError(f"--max-running-requests-per-tenant {per_tenant}: must be >= 1")

@@ -59,6 +59,11 @@ ACTION_POINTS = frozenset(
         "write_sealed_page",  # the scheduler points a request's new tokens at a sealed page (I2)
         "stale_cached_page",  # a PD decode's cached prefix page changes under a room after its
         #                       RESERVE went out (I3: the read-back covers cached pages too)
+        # Tensor parallelism (I2 across ranks): the rank where it is armed contributes no fail
+        # flags to the batch's combined check (as if it skipped the check) ...
+        "tp_rank_skips_tag_check",
+        # ... and rank 0's flags decide alone, not combined with the others' (the twin).
+        "tp_leader_decides_alone",
     }
 )
 POINTS = frozenset(GUARD_POINTS) | ACTION_POINTS

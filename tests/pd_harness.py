@@ -1,20 +1,26 @@
-"""An in-process 1P1D pair (two engines, real TCP between them) for fast PD tests."""
+"""In-process PD for fast tests: a 1P1D pair (two engines, real TCP between them), and a
+cluster of several prefills and decodes placed by the router's own routing policy."""
 
 from __future__ import annotations
 
+import json
 import threading
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+from prometheus_client import CollectorRegistry
 from tls_certs import tls
 from waiting import poll
 
-from kvfence.config import EngineConfig
+from kvfence.config import EngineConfig, RoutingConfig
 from kvfence.engine.admission import Rejected
 from kvfence.engine.request import FinishReason, GenerateRequest, RequestOutput, SamplingParams
 from kvfence.faults import Faults
 from kvfence.pd.decode import DecodeService
 from kvfence.pd.prefill import PrefillService
 from kvfence.pd.transport.tcp import LinkLimits
+from kvfence.server.router.policy import Pair, Routing
+from kvfence.server.router.workers import Role, WorkerPool
 
 
 @dataclass
@@ -60,16 +66,8 @@ class PDPair:
         self._n += 1
         rid = rid or f"{self._n:032x}"
         res = Result()
-
-        def sink(o: RequestOutput) -> None:
-            res.token_ids.extend(o.new_token_ids)
-            res.text += o.new_text
-            if o.finished:
-                res.final = o
-                res.done.set()
-
         verdict = self.decode.submit(
-            GenerateRequest(rid, tenant, tuple(prompt), params, self.peer), sink
+            GenerateRequest(rid, tenant, tuple(prompt), params, self.peer), _sink(res)
         )
         return rid, (verdict if isinstance(verdict, Rejected) else res)
 
@@ -100,3 +98,102 @@ class PDPair:
 
 def finished_ok(r: Result) -> bool:
     return r.final is not None and r.final.finish_reason in (FinishReason.STOP, FinishReason.LENGTH)
+
+
+def _sink(res: Result):
+    def sink(o: RequestOutput) -> None:
+        res.token_ids.extend(o.new_token_ids)
+        res.text += o.new_text
+        if o.finished:
+            res.final = o
+            res.done.set()
+
+    return sink
+
+
+class PDCluster:
+    """`n_prefill` prefills and `n_decode` decodes in one process (one Faults object, as PDPair),
+    each request placed by the router's `Routing` (its policy and per-tenant prefix index, over
+    stand-in worker URLs) exactly as `kvfence router` places it; only the HTTP relay is left out.
+    Requests are asked one at a time, so the router's load counts are the open request's."""
+
+    def __init__(
+        self,
+        model: str,
+        n_prefill: int = 2,
+        n_decode: int = 2,
+        backend: str = "tcp",
+        routing: RoutingConfig | None = None,
+        timeout_s: float = 10.0,
+        **engine_kwargs,
+    ) -> None:
+        self.faults = Faults()
+        cfg = EngineConfig(model=model, **engine_kwargs)
+        self.prefills: list[PrefillService] = []
+        self.decodes: list[DecodeService] = []
+        try:
+            for _ in range(n_prefill):
+                svc = PrefillService(cfg, "127.0.0.1", 0, timeout_s, backend, tls("prefill"),
+                                     self.faults)  # fmt: skip
+                self.prefills.append(svc)
+                svc.start()
+            for _ in range(n_decode):
+                dsvc = DecodeService(cfg, timeout_s, backend, tls("decode"), self.faults)
+                self.decodes.append(dsvc)
+                dsvc.start()
+        except BaseException:
+            self.close()
+            raise
+        prefill = WorkerPool(Role.PREFILL, [f"http://prefill-{i}:1" for i in range(n_prefill)])
+        decode = WorkerPool(Role.DECODE, [f"http://decode-{i}:1" for i in range(n_decode)])
+        for w, svc in zip(prefill.workers, self.prefills, strict=True):
+            w.healthy, w.detail, w.bootstrap = True, None, f"127.0.0.1:{svc.port}"
+        for w in decode.workers:
+            w.healthy, w.detail = True, None
+        self.routing = Routing(
+            prefill, decode, routing or RoutingConfig(), self.faults, CollectorRegistry()
+        )
+        self._rid = 0
+
+    @property
+    def services(self) -> list[PrefillService | DecodeService]:
+        return [*self.prefills, *self.decodes]
+
+    def ask(
+        self, prompt: Sequence[int], params: SamplingParams, tenant: str, timeout: float = 60.0
+    ) -> tuple[Pair, Result]:
+        """Route (as the router would, from the tenant's credential and a completions body of
+        token ids), run to the end; returns the router's decisions and the result."""
+        body = json.dumps({"prompt": list(prompt), "max_tokens": params.max_tokens}).encode()
+        key = self.routing.key(tenant, "/v1/completions", body)
+        pair = self.routing.pick_pair(key)
+        assert pair is not None, "the router found no pair"
+        decode = self.decodes[self.routing.decode.workers.index(pair.decode.worker)]
+        prefill = self.prefills[self.routing.prefill.workers.index(pair.prefill.worker)]
+        res = Result()
+        self._rid += 1
+        req = GenerateRequest(f"{self._rid:032x}", tenant, tuple(prompt), params,
+                              f"127.0.0.1:{prefill.port}")  # fmt: skip
+        pair.decode.worker.in_flight += 1
+        pair.prefill.worker.in_flight += 1
+        try:
+            verdict = decode.submit(req, _sink(res))
+            assert not isinstance(verdict, Rejected), verdict
+            assert res.done.wait(timeout), "request did not finish"
+        finally:
+            pair.decode.worker.in_flight -= 1
+            pair.prefill.worker.in_flight -= 1
+        return pair, res
+
+    def pages_used(self) -> list[int]:
+        return [svc.engine.pool.num_used for svc in self.services]
+
+    def wait_idle(self, timeout: float = 10.0) -> bool:
+        def idle() -> bool:
+            return not any(self.pages_used()) and not any(s.rooms for s in self.services)
+
+        return poll(idle, timeout, interval=0.05)
+
+    def close(self) -> None:
+        for svc in (*self.decodes, *self.prefills):
+            svc.shutdown()

@@ -17,7 +17,7 @@ import httpx
 import openai
 import pytest
 import uvicorn
-from api_client import MODEL, OPERATOR, OPERATOR_KEY, client_for, sse_json
+from api_client import MODEL, OPERATOR, OPERATOR_KEY, client_for, fake_app_fixtures, sse_json
 from fake_engine import BOS, EOS, ByteTokenizer, FakeEngine
 from fastapi import FastAPI
 from fastapi.testclient import TestClient
@@ -35,18 +35,7 @@ KEYS = {"sk-acme-123": "acme", "sk-globex-456": "globex"}
 # ---- fixtures and helpers --------------------------------------------------------------------
 
 
-@pytest.fixture
-def engine() -> Iterator[FakeEngine]:
-    e = FakeEngine()
-    e.start()
-    yield e
-    e.shutdown()
-
-
-@pytest.fixture
-def client(engine: FakeEngine) -> Iterator[TestClient]:
-    with client_for(engine) as c:
-        yield c
+engine, client = fake_app_fixtures()
 
 
 class LiveServer:

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import httpx
 import pytest
-from api_client import MODEL, client_for, sse_json
+from api_client import MODEL, client_for, fake_app_fixtures, sse_json
 from conftest import TINY_MODEL
 from fake_engine import BOS, FakeEngine
 from fake_workers import FakeState, ServerThread, free_port, make_app, stop_all
@@ -40,18 +40,7 @@ TINY_ENGINE = dict(
 )
 
 
-@pytest.fixture
-def fake() -> Iterator[FakeEngine]:
-    e = FakeEngine()
-    e.start()
-    yield e
-    e.shutdown()
-
-
-@pytest.fixture
-def client(fake: FakeEngine) -> Iterator[TestClient]:
-    with client_for(fake, KEYS) as c:
-        yield c
+engine, client = fake_app_fixtures(KEYS)
 
 
 def _tiny_client(model_dir: Path, **changes: object) -> TestClient:
@@ -137,16 +126,16 @@ def test_tokenize_prompt_and_messages_in_vllms_shapes(client: TestClient) -> Non
     assert r.json() == {"prompt": "hi"}
 
 
-def test_tokenize_answers_the_same_for_every_tenant(fake: FakeEngine) -> None:
+def test_tokenize_answers_the_same_for_every_tenant(engine: FakeEngine) -> None:
     keys = {**KEYS, "sk-globex-456": "globex"}
-    with client_for(fake, keys) as c:
+    with client_for(engine, keys) as c:
         a = c.post("/tokenize", json={"prompt": "same"}, headers=AUTH)
         b = c.post(
             "/tokenize", json={"prompt": "same"}, headers={"Authorization": "Bearer sk-globex-456"}
         )
     assert a.status_code == b.status_code == 200
     assert a.json() == b.json()
-    assert fake.submitted == []  # the engine never saw a request
+    assert engine.submitted == []  # the engine never saw a request
 
 
 @pytest.mark.parametrize(
@@ -185,7 +174,7 @@ def test_tokenize_needs_a_tenant_key(client: TestClient) -> None:
 
 
 def test_client_request_id_is_echoed_and_logged_never_the_room_id(
-    client: TestClient, fake: FakeEngine, caplog: pytest.LogCaptureFixture
+    client: TestClient, engine: FakeEngine, caplog: pytest.LogCaptureFixture
 ) -> None:
     rid = "client-7f3a.9:abc"
     body = {"model": MODEL, "prompt": "hey", "max_tokens": 2}
@@ -194,8 +183,8 @@ def test_client_request_id_is_echoed_and_logged_never_the_room_id(
     assert r.status_code == 200, r.text
     assert r.headers["x-request-id"] == rid
     # The engine's ids (PD room ids) stay server-minted 128-bit values.
-    assert [q.request_id for q in fake.submitted] != [rid]
-    assert rid not in fake.submitted[0].request_id and rid not in r.json()["id"]
+    assert [q.request_id for q in engine.submitted] != [rid]
+    assert rid not in engine.submitted[0].request_id and rid not in r.json()["id"]
     assert any(f"client_request_id={rid}" in m for m in caplog.messages), caplog.messages
     streamed = client.post(
         "/v1/completions", json={**body, "stream": True}, headers={**AUTH, "X-Request-Id": rid}
@@ -210,7 +199,7 @@ def test_client_request_id_is_echoed_and_logged_never_the_room_id(
     "bad",
     ["", "a" * 129, "two words", 'quote"d', "tab\tid", "new%0aline", "ünï"],
 )
-def test_bad_client_request_id_is_a_400(client: TestClient, fake: FakeEngine, bad: str) -> None:
+def test_bad_client_request_id_is_a_400(client: TestClient, engine: FakeEngine, bad: str) -> None:
     body = {"model": MODEL, "prompt": "hey", "max_tokens": 2}
     r = client.post(
         "/v1/completions",
@@ -220,7 +209,7 @@ def test_bad_client_request_id_is_a_400(client: TestClient, fake: FakeEngine, ba
     assert r.status_code == 400, r.text
     assert r.json()["error"]["code"] == "invalid_request_id"
     assert "x-request-id" not in r.headers
-    assert fake.submitted == []
+    assert engine.submitted == []
 
 
 def test_repeated_client_request_id_is_a_400(client: TestClient) -> None:

@@ -4,6 +4,8 @@ configuration (no timing is asserted; speed is measured in benchmarks/, never he
 from __future__ import annotations
 
 import json
+import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -129,27 +131,50 @@ SMOKE = {
 }
 
 
+# The smoke starts ~35 processes at once on two cores. Torch's OpenMP threads spin-wait after
+# each parallel region by default, burning the cores the other processes are waiting for (13%
+# and 29% of the smoke's CPU time in two paired runs on a 2-core machine); one thread each,
+# waiting passively, changes nothing a smoke checks. Scripts that pass --threads still get
+# their threads.
+SMOKE_ENV = {"OMP_NUM_THREADS": "1", "OMP_WAIT_POLICY": "PASSIVE"}
+
+
 def test_every_benchmark_script_runs_on_a_tiny_configuration(tmp_path: Path) -> None:
     # All at once: most of their time is process start-up and model loading, not compute.
     procs = {
         name: subprocess.Popen(
             [sys.executable, str(BENCH / f"{name}.py"), *args, "--out", str(tmp_path)],
             cwd=ROOT,
+            env={**os.environ, **SMOKE_ENV},
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
             text=True,
+            start_new_session=True,  # a timed-out script is stopped with the servers it started
         )
         for name, args in SMOKE.items()
     }
     failures = []
-    for name, p in procs.items():
-        out, _ = p.communicate(timeout=240)
-        if p.returncode != 0:
-            failures.append(f"{name}: exit {p.returncode}\n{out[-3000:]}")
-            continue
-        data = json.loads((tmp_path / f"{name}.json").read_text())
-        assert data["command"] and data["machine"]["nproc"], name
-        assert "$ " in out, f"{name} did not print the commands it ran"
+    try:
+        for name, p in procs.items():
+            out, _ = p.communicate(timeout=240)
+            if p.returncode != 0:
+                failures.append(f"{name}: exit {p.returncode}\n{out[-3000:]}")
+                continue
+            data = json.loads((tmp_path / f"{name}.json").read_text())
+            assert data["command"] and data["machine"]["nproc"], name
+            assert "$ " in out, f"{name} did not print the commands it ran"
+    finally:
+        # After a failure: SIGINT runs each script's finally, which stops the servers it started
+        # (in sessions of their own); what still runs after that is killed.
+        running = [p for p in procs.values() if p.poll() is None]
+        for p in running:
+            os.killpg(p.pid, signal.SIGINT)
+        for p in running:
+            try:
+                p.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                os.killpg(p.pid, signal.SIGKILL)
+                p.wait(timeout=10)
     assert not failures, "\n\n".join(failures)
 
 
@@ -268,3 +293,12 @@ def test_bench_multi_turn_sends_each_answer_back_per_tenant() -> None:
             if q != p and p.startswith(q) and s.tenant == r.tenant
         ]
         assert parents, p
+
+
+def test_a_chats_next_turn_keeps_the_previous_prompts_words_apart_from_its_answer() -> None:
+    from kvfence.tools.bench import next_turn
+
+    # Glued, "w47" and "w45" would tokenize as one word and the cached prompt end would miss.
+    assert next_turn("w12 w47", "w45 w46", "w9") == "w12 w47 w45 w46 w9"
+    assert next_turn("w12 w47", " w45", "w9") == "w12 w47 w45 w9"  # a BPE answer's own space
+    assert next_turn("w12 w47", "", "w9") == "w12 w47 w9"

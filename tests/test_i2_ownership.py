@@ -15,9 +15,15 @@ from kvfence.kv.pool import Grant, KVPool, OwnershipError, PoolExhausted
 PARAMS = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
 
 
-def run_with_stolen_page(model_dir: str, faults: Faults | None) -> dict[str, RequestOutput]:
-    """Tenant b's page table is made to point at tenant a's first page mid-flight."""
-    engine = LLM(model_dir, faults, kv_pool_tokens=512, context_length=128).engine
+def run_with_stolen_page(model: str | LLM, faults: Faults | None) -> dict[str, RequestOutput]:
+    """Tenant b's page table is made to point at tenant a's first page mid-flight (on a fresh
+    engine of model_dir, or on a given LLM's: test_tp.py's tensor-parallel one)."""
+    llm = (
+        model
+        if isinstance(model, LLM)
+        else LLM(model, faults, kv_pool_tokens=512, context_length=128)
+    )
+    engine = llm.engine
     a, b = random_prompts([40, 40], vocab=256, seed=4)
     final: dict[str, RequestOutput] = {}
 
@@ -37,8 +43,8 @@ def run_with_stolen_page(model_dir: str, faults: Faults | None) -> dict[str, Req
     return final
 
 
-def check_foreign_page_fails_closed(model_dir: str, faults: Faults | None = None) -> None:
-    final = run_with_stolen_page(model_dir, faults)
+def check_foreign_page_fails_closed(model: str | LLM, faults: Faults | None = None) -> None:
+    final = run_with_stolen_page(model, faults)
     assert final["b"].finish_reason is FinishReason.ERROR
     assert final["b"].error_code == "kv_integrity_error"
     assert final["a"].finish_reason is FinishReason.LENGTH

@@ -11,10 +11,9 @@ from __future__ import annotations
 
 import json
 import threading
-from collections.abc import Iterator
 
 import pytest
-from api_client import MODEL, client_for, sse_data
+from api_client import MODEL, client_for, fake_app_fixtures, sse_data
 from fake_engine import FakeEngine
 from fastapi.testclient import TestClient
 from waiting import wait_for
@@ -29,18 +28,7 @@ def llm(checkpoint_dir) -> LLM:
     return LLM(str(checkpoint_dir("llama")), kv_pool_tokens=2048, context_length=256)
 
 
-@pytest.fixture
-def engine() -> Iterator[FakeEngine]:
-    e = FakeEngine()
-    e.start()
-    yield e
-    e.shutdown()
-
-
-@pytest.fixture
-def client(engine: FakeEngine) -> Iterator[TestClient]:
-    with client_for(engine) as c:
-        yield c
+engine, client = fake_app_fixtures()
 
 
 # ---- the engine ends a request once ------------------------------------------------------------

@@ -2,7 +2,10 @@
 tenants' keys: the tenant-scoped prefix cache is clean after a positive control that saw caching,
 its twin (fault `prefix_cache_ignore_namespace`: one cache for all tenants) is a finding named
 by the timing probe, and with --no-enable-prefix-caching the probe says it saw no caching (exit 2,
-as it runs alone). Verdicts and exit codes only, never a time.
+as it runs alone). The same through `kvfence up` with 2 prefills + 2 decodes behind the
+cache-aware router (issue 18): clean after a positive control, and the twin that loses the
+tenant at every hop (workers' caches and the router's index) is a finding. Verdicts and exit
+codes only, never a time.
 
 Sizing: a 1,536-token prefix costs the tiny model a whole prefill when fresh and one page when
 cached, a gap far above scheduling noise on a loaded machine; 12 pairs per arm (36 requests per
@@ -25,6 +28,7 @@ from conftest import TINY_MODEL
 from procs import Proc, free_port
 
 from kvfence.tools import leakcheck
+from kvfence.tools.cluster import LocalCluster
 from kvfence.tools.leakcheck import EXIT_CANNOT_RUN, EXIT_CLEAN, EXIT_FAILED
 
 pytestmark = pytest.mark.skipif(
@@ -33,6 +37,8 @@ pytestmark = pytest.mark.skipif(
 )
 KEYS = {"key-alpha": "alpha", "key-beta": "beta"}
 TWIN = {"KVFENCE_FAULT_INJECTION": "1", "KVFENCE_FAULTS": "prefix_cache_ignore_namespace"}
+# Through the router the tenant must be lost twice to leak: each process arms what applies to it.
+TWIN_PD = {**TWIN, "KVFENCE_FAULTS": "prefix_cache_ignore_namespace,router_ignore_tenant"}
 CONTEXT = 2048
 PREFIX_TOKENS = 1536
 PAIRS = 12
@@ -113,3 +119,31 @@ def test_no_prefix_caching_is_reported_as_such(tmp_path: Path) -> None:
     assert timing["decision"] == "inconclusive" and not timing["control_saw_caching"]
     assert "no prefix caching detected" in timing["verdict"]
     assert not report["findings"]
+
+
+def run_against_up_2p2d(tmp: Path, env: dict[str, str] | None = None) -> tuple[int, dict[str, Any]]:
+    """The probe against `kvfence up` of 2 prefills + 2 decodes (cache-aware router, caches on)."""
+    cluster = LocalCluster(
+        tmp, TINY_MODEL, "--prefill", "2", "--decode", "2", "--context-length", str(CONTEXT),
+        "--kv-pool-tokens", "16384", keys=KEYS, env=env, startup_timeout=600,
+    )  # fmt: skip
+    try:
+        return timing_check(cluster.url, tmp)
+    finally:
+        cluster.stop()
+
+
+def test_2p2d_cache_aware_cluster_is_clean_after_a_positive_control(tmp_path: Path) -> None:
+    code, report = run_against_up_2p2d(tmp_path)
+    timing = report["timing"]
+    assert code == EXIT_CLEAN and report["verdict"] == "clean", summary(report)
+    assert timing["decision"] == "clean" and timing["control_saw_caching"]
+    assert arm(report, "within tenant")["detected"]
+    assert not arm(report, "across tenants")["detected"]
+
+
+def test_2p2d_twin_losing_the_tenant_at_every_hop_is_a_timing_finding(tmp_path: Path) -> None:
+    code, report = run_against_up_2p2d(tmp_path, env=TWIN_PD)
+    assert code == EXIT_FAILED, summary(report)
+    assert report["verdict"] == "shares_cache_across_tenants"
+    assert arm(report, "across tenants")["detected"]

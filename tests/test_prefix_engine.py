@@ -142,6 +142,9 @@ def test_sealed_pages_fill_as_decoding_goes(checkpoint_dir) -> None:
     turn2 = prompt + first.token_ids + random_prompts([6], 256, seed=8)[0]
     got = run_waves(llm.engine, [[Ask("t2", turn2, tenant="default")]], params)
     assert got["t2"].cached == 3 * PAGE  # 56 tokens, all but the last partial page
+    # The hit rate is over every prompt looked up, the first turn's miss included.
+    stats = llm.engine.stats().prefix_cache
+    assert (stats.queries, stats.hits) == (len(prompt) + len(turn2), 3 * PAGE)
     [want] = hf_greedy(checkpoint_dir("llama"), [turn2], 30)
     assert got["t2"].tokens == want
     assert_baseline(llm.engine)

@@ -7,7 +7,6 @@ from __future__ import annotations
 import json
 import queue
 import re
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -16,19 +15,17 @@ import openai
 import pytest
 from api_client import sse_json
 from fastapi.testclient import TestClient
+from tiny_app import MODEL, tiny_app_fixtures
 
 from kvfence.config import EngineConfig
 from kvfence.engine.engine import Engine
 from kvfence.engine.request import GenerateRequest, RequestOutput, SamplingParams
 from kvfence.engine.sequence import SeqStatus
 from kvfence.faults import Faults
-from kvfence.role import UnifiedService
-from kvfence.server.api import build_app
 from kvfence.structured.grammar import MAX_SPEC_BYTES
 from kvfence.structured.spec import Constraint, ConstraintKind
 
 TINY = Path(__file__).resolve().parents[1] / "models" / "kvfence-tiny"
-MODEL = "tiny"
 
 # Bounded where JSON Schema can bound (strings, arrays, integers) so a model that writes noise
 # mostly closes them within max_tokens; a number's digits cannot be bounded, so an answer may
@@ -90,22 +87,7 @@ SCHEMAS: dict[str, dict[str, Any]] = {
 }
 
 
-@pytest.fixture(scope="module")
-def engine() -> Iterator[Engine]:
-    e = Engine(
-        EngineConfig(
-            model=str(TINY), kv_pool_tokens=4096, context_length=512, served_model_name=MODEL
-        )
-    )
-    e.start()
-    yield e
-    e.shutdown()
-
-
-@pytest.fixture(scope="module")
-def client(engine: Engine) -> Iterator[TestClient]:
-    with TestClient(build_app(UnifiedService(engine), api_keys=None)) as c:
-        yield c
+engine, client = tiny_app_fixtures()
 
 
 def _chat(**kw: Any) -> dict[str, Any]:

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import json
 import shutil
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -15,8 +14,8 @@ import openai
 import pytest
 from api_client import sse_json
 from fastapi.testclient import TestClient
+from tiny_app import MODEL, tiny_app_fixtures
 
-from kvfence.config import EngineConfig
 from kvfence.engine.engine import Engine
 from kvfence.model.tokenizer import ChatTemplateError, Tokenizer
 from kvfence.role import UnifiedService
@@ -24,7 +23,6 @@ from kvfence.server.api import build_app
 from kvfence.server.tool_parsers import HermesParser, Llama3JsonParser, ToolCall
 
 TINY = Path(__file__).resolve().parents[1] / "models" / "kvfence-tiny"
-MODEL = "tiny"
 WEATHER = {
     "type": "object",
     "properties": {
@@ -53,23 +51,7 @@ TOOLS = [
 PARAMS = {t["function"]["name"]: t["function"]["parameters"] for t in TOOLS}
 
 
-@pytest.fixture(scope="module")
-def engine() -> Iterator[Engine]:
-    e = Engine(
-        EngineConfig(
-            model=str(TINY), kv_pool_tokens=4096, context_length=512, served_model_name=MODEL
-        )
-    )
-    e.start()
-    yield e
-    e.shutdown()
-
-
-@pytest.fixture(scope="module")
-def client(engine: Engine) -> Iterator[TestClient]:
-    app = build_app(UnifiedService(engine), api_keys=None, tool_call_parser="hermes")
-    with TestClient(app) as c:
-        yield c
+engine, client = tiny_app_fixtures(tool_call_parser="hermes")
 
 
 def _chat(**kw: Any) -> dict[str, Any]:

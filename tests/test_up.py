@@ -77,6 +77,17 @@ def test_worker_args_carry_every_engine_flag_given_and_the_role(tmp_path: Path) 
     assert r[r.index("--decode") + 1 : r.index("--decode") + 3] == ["http://b:2", "http://c:3"]
 
 
+def test_tool_call_parser_reaches_every_worker_that_serves_the_api(tmp_path: Path) -> None:
+    from kvfence.cli import build_parser
+
+    args = parse("--model", str(tmp_path), "--tool-call-parser", "hermes")
+    for role in ("decode", "prefill"):  # decodes answer the router's chat requests
+        back = build_parser().parse_args(["serve", *worker_args(args, role)])
+        assert back.tool_call_parser == "hermes", role
+    # Not given: the worker's own default (none: tool_choice auto is refused), not a value.
+    assert "--tool-call-parser" not in worker_args(parse("--model", str(tmp_path)), "decode")
+
+
 def test_defaults_are_left_to_the_worker(tmp_path: Path) -> None:
     flags = worker_args(parse("--model", str(tmp_path)), "decode")
     assert flags[:2] == ["--model", str(tmp_path)]

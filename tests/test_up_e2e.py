@@ -1,9 +1,13 @@
 """`kvfence up` end to end with the bundled model: router + prefill + decode processes over TCP
 (and Mooncake when installed) answer token-exact with the unified engine and transformers, serve
-two tenants concurrently, and reject over-length prompts before any page or transfer exists."""
+two tenants concurrently, and reject over-length prompts before any page or transfer exists.
+Opt-in (RUN_SLOW=1): two tenants' multi-turn chats through a 2P2D cluster with caches on and the
+cache-aware router, token-exact, each later turn served from its decode's cache (the in-process
+version with forced eviction runs in CI: test_pd_prefix_2p2d.py)."""
 
 from __future__ import annotations
 
+import os
 import secrets
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -135,3 +139,45 @@ def test_up_2p2d_two_tenants_40_concurrent_and_over_length(tmp_path: Path) -> No
         assert r.status_code == 401
     finally:
         cluster.stop()
+
+
+@pytest.mark.skipif(os.environ.get("RUN_SLOW") != "1", reason="slow (a 2P2D cluster): RUN_SLOW=1")
+@pytest.mark.parametrize("backend", ["tcp", "mooncake"])
+def test_up_2p2d_multi_turn_two_tenants_hit_their_decode_cache_and_stay_exact(
+    backend: str, tmp_path: Path
+) -> None:
+    backend_or_skip(backend)
+    params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+    opening = random_prompts([40], vocab=2048, seed=51)[0]  # both tenants' identical first turn
+    users = {k: random_prompts([9, 12], vocab=2048, seed=52 + i) for i, k in enumerate(KEYS)}
+    history = {k: list(opening) for k in KEYS}
+    cluster = Cluster(tmp_path, backend, 2, 2)
+    prompts, got, cached = [], [], []
+    try:
+        for turn in range(3):
+            for key in KEYS:
+                prompt = history[key] + (users[key][turn - 1] if turn else [])
+                r = cluster.post({"model": "kvfence-tiny", "prompt": prompt, "max_tokens": 6,
+                                  "temperature": 0, "ignore_eos": True, "logprobs": 0,
+                                  "return_tokens_as_token_ids": True}, key)  # fmt: skip
+                assert r.status_code == 200, r.text
+                body = r.json()
+                tokens = body["choices"][0]["logprobs"]["tokens"]
+                answer = [int(t.removeprefix("token_id:")) for t in tokens]
+                prompts.append(prompt)
+                got.append(answer)
+                cached.append(body["usage"]["prompt_tokens_details"]["cached_tokens"])
+                history[key] = prompt + answer
+        wait_for(lambda: cluster.pages_used() == [0, 0, 0, 0], 15,
+                 lambda: f"pages still used: {cluster.pages_used()}", interval=0.1)
+        metrics = httpx.get(f"{cluster.url}/metrics", headers=cluster.operator, timeout=5).text
+    finally:
+        cluster.stop()
+    unified = LLM(str(TINY_MODEL), kv_pool_tokens=4096, context_length=CTX)
+    want = [o.token_ids for o in unified.generate(prompts, params)]
+    assert got == want == hf_greedy(TINY_MODEL, prompts, 6)
+    # First turns: nothing cached (B's identical opening is A's, another tenant). Later turns:
+    # the router sent each back to its decode, which holds the previous prompt and answer.
+    assert cached[:2] == [0, 0] and all(c >= 32 for c in cached[2:]), cached
+    hits = 'kvfence_router_decisions_total{policy="cache_aware",reason="cache_hit",role="decode"}'
+    assert f"{hits} 4.0" in metrics, metrics

@@ -20,7 +20,7 @@ from typing import Protocol
 
 import torch
 
-from kvfence.config import EngineConfig
+from kvfence.config import ConfigError, EngineConfig
 from kvfence.engine.admission import AdmissionLimits, Admitted, Rejected, admit
 from kvfence.engine.output import advance, emit, logprob_entry, sendable_upto
 from kvfence.engine.request import FinishReason, GenerateRequest, RequestOutput, TokenLogprob
@@ -28,6 +28,8 @@ from kvfence.engine.runner import ModelRunner, StepResult
 from kvfence.engine.scheduler import ScheduledChunk, Scheduler, SchedulerLimits
 from kvfence.engine.sequence import SeqMode, SeqStatus, Sequence
 from kvfence.engine.step_budget import BudgetPolicy
+from kvfence.engine.tp_group import TpBroken, TpLeader
+from kvfence.engine.tp_runner import LeaderRunner
 from kvfence.faults import Faults
 from kvfence.kv.pool import KVPool
 from kvfence.kv.prefix import PrefixCache, PrefixCacheStats, SharedPrefixes, load_shared_prefixes
@@ -35,7 +37,9 @@ from kvfence.kv.sizing import CapacityError, PoolPlan, plan_for_engine, require_
 from kvfence.model.config import ModelConfig
 from kvfence.model.loader import TORCH_DTYPES, load_model
 from kvfence.model.tokenizer import IncrementalDetokenizer, NoTokenizer, Tokenizer
+from kvfence.model.tp import install_collectives, shard_model
 from kvfence.structured.grammar import GrammarError, Grammars, Matcher
+from kvfence.tp_layout import TpLayout, tp_problem
 
 log = logging.getLogger("kvfence.engine")
 
@@ -55,6 +59,7 @@ class HandoffHooks(Protocol):
         """A HANDOFF seq was aborted; its pages stay held until `release`."""
 
 
+ENGINE_FAILED = "engine_failed"  # a tensor-parallel rank was lost: nothing runs here again
 DRAINING = "draining"
 DRAINING_MESSAGE = "This worker is shutting down and admits no new requests; retry on another."
 
@@ -90,10 +95,19 @@ class Engine:
         self.model_config = ModelConfig.from_dir(cfg.model)
         self.model_name = cfg.served_model_name or Path(cfg.model).resolve().name
         self.device = torch.device(cfg.device)
-        if cfg.threads is not None:
+        if cfg.threads is not None and cfg.tp_size == 1:
             # Process-wide (one engine per process); ATen's parallel_for, which the native
             # kernels use too, starts every later parallel region with this many threads.
+            # Tensor-parallel ranks each take their share instead (TpLeader).
             torch.set_num_threads(cfg.threads)
+        problem = tp_problem(
+            self.model_config,
+            cfg.tp_size,
+            self.model_config.intermediate_size,
+            self.model_config.moe is not None,
+        )
+        if problem is not None:
+            raise ConfigError(problem)
         self.plan: PoolPlan = plan_for_engine(cfg, self.model_config)
         if cfg.unsafe_skip_preflight:
             log.warning("UNSAFE: preflight skipped: %s", self.plan.problem())
@@ -106,14 +120,31 @@ class Engine:
             if cfg.skip_tokenizer_init
             else Tokenizer(cfg.model, special_tokens_in_chat=cfg.special_tokens_in_chat)
         )
+        # Ranks 1..N-1 start first, so they load their slices while this process loads its own.
+        self.tp = (
+            TpLeader(
+                cfg,
+                lambda rank: TpLayout.of(self.model_config, rank, cfg.tp_size),
+                self.plan.pool_pages,
+                self.context_length,
+                self.plan.kv_cache_dtype,
+            )
+            if cfg.tp_size > 1
+            else None
+        )
+        self._failed: str | None = None  # why the engine failed closed for good (a lost rank)
         self.model = load_model(cfg.model, cfg.dtype, self.device)
         self.model.init_rope(self.context_length, self.device)
+        if self.tp is not None:
+            shard_model(self.model, self.tp.layout)
         self.prefix_caching = cfg.enable_prefix_caching
         self.pool = KVPool(
             num_layers=self.model_config.num_layers,
             num_pages=self.plan.pool_pages,
             page_size=cfg.page_size,
-            num_kv_heads=self.model_config.num_kv_heads,
+            num_kv_heads=(
+                self.model_config.num_kv_heads if self.tp is None else self.tp.layout.num_kv_heads
+            ),
             head_dim=self.model_config.head_dim,
             dtype=TORCH_DTYPES[self.plan.kv_cache_dtype],
             device=self.device,
@@ -149,7 +180,7 @@ class Engine:
             self.model_config.vocab_size,
             sorted(self.eos_token_ids),
         )
-        self.runner = ModelRunner(
+        runner_args = (
             self.model,
             self.pool,
             self.device,
@@ -159,6 +190,13 @@ class Engine:
             self.faults,
             self.grammars,
         )
+        if self.tp is None:
+            self.runner = ModelRunner(*runner_args)
+        else:
+            self.runner = LeaderRunner(*runner_args, group=self.tp.group, send=self.tp.send)
+            install_collectives(self.model, self.tp.group, self.tp.layout)
+            self.tp.ready()
+            self.tp.on_broken = lambda: self._wake.set()
         self._inbox: queue.SimpleQueue[tuple[str, object]] = queue.SimpleQueue()
         self._wake = threading.Event()
         self._seqs: dict[str, Sequence] = {}
@@ -205,6 +243,8 @@ class Engine:
 
     def admit(self, req: GenerateRequest) -> Admitted | Rejected:
         """The admission rule (I1) against this engine's limits, queueing nothing."""
+        if self._failed is not None:
+            return Rejected(req.request_id, ENGINE_FAILED, self._failed, status=503)
         if self._draining.is_set():
             return Rejected(req.request_id, DRAINING, DRAINING_MESSAGE, status=503)
         return admit(req, self.limits, self.faults.guards())
@@ -263,10 +303,12 @@ class Engine:
         self._wake.set()
         if self._thread is not None:
             self._thread.join(timeout=30)
+        if self.tp is not None:
+            self.tp.close()
 
     @property
     def alive(self) -> bool:
-        return self._thread is not None and self._thread.is_alive()
+        return self._thread is not None and self._thread.is_alive() and self._failed is None
 
     def _post(self, kind: str, payload: object) -> None:
         self._inbox.put((kind, payload))
@@ -279,17 +321,43 @@ class Engine:
             if not self.has_work():
                 self._wake.wait(timeout=0.5)
                 self._wake.clear()
+            if self._failed is not None:
+                # A request admitted just before the failure may still reach the inbox: the loop
+                # stays to answer it with the error rather than leave it waiting.
+                self._fail_closed(self._failed)
+                continue
             try:
                 self.step()
-            except Exception:
+            except Exception as e:
+                if self.tp is not None:
+                    # A step's collectives left the ranks out of step (a rank died or stalled,
+                    # or this one failed between two collectives): nothing can run here again.
+                    self.tp.fail(self.tp.broken or f"rank 0 failed a step ({e!r})")
+                    self._fail_closed(
+                        "This engine lost a tensor-parallel rank and serves nothing more: "
+                        + (self.tp.broken or "tensor-parallel group broken")
+                    )
+                    continue
                 log.exception("engine step failed; failing the running requests closed")
                 for seq in list(self.scheduler.running):
                     self._finish(seq, FinishReason.ERROR, "internal engine error", "engine_error")
+
+    def _fail_closed(self, reason: str) -> None:
+        """Every request this engine holds or was sent ends with an error (I5); every later
+        admission is a 503 and `alive` is False (/health, /live say so)."""
+        if self._failed is None:
+            log.error("engine failed closed: %s", reason)
+        self._failed = reason
+        self._drain_inbox()  # requests that arrived before admission saw the failure
+        for seq in list(self._seqs.values()):  # no HANDOFF here: PD roles run tp_size 1
+            self._finish(seq, FinishReason.ERROR, self._failed, ENGINE_FAILED, status=503)
 
     def has_work(self) -> bool:
         return self.scheduler.has_work() or not self._inbox.empty()
 
     def step(self) -> None:
+        if self.tp is not None and self.tp.broken is not None:
+            raise TpBroken(self.tp.broken)
         self._drain_inbox()
         chunks = self.scheduler.schedule()
         self._hand_off_reserved()

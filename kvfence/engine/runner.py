@@ -55,6 +55,7 @@ class ModelRunner:
         self.generator = torch.Generator(device=device).manual_seed(seed)
         cpu = device.type == "cpu"
         dtype = next(model.parameters()).dtype
+        self.dtype = dtype  # the activations' dtype, which an additive attention mask must match
         self.decode_kernel = _native_kernel(
             attention_backend,
             "--attention-backend",
@@ -90,6 +91,23 @@ class ModelRunner:
         chunks, rejected = self.check_ownership(chunks)
         if not chunks:
             return StepResult([], None, rejected)
+        sampled = [c for c in chunks if c.samples]
+        # Structured-output masks are computed on llguidance's threads (no GIL) while the
+        # model runs: they depend only on tokens already sampled.
+        masks = self._start_masks(sampled)
+        logits = self.forward(chunks)
+        if logits is None:
+            return StepResult([], None, rejected)
+        bitmask = masks.result() if masks is not None else None
+        return StepResult(
+            sampled,
+            sample(logits, self._sampling_batch(sampled, bitmask), self.generator),
+            rejected,
+        )
+
+    def forward(self, chunks: list[ScheduledChunk]) -> torch.Tensor | None:
+        """Write the chunks' K/V and return the logits of the rows that sample (None: none
+        does). The chunks passed the ownership check."""
         page_table = self._page_table(chunks)
         starts = torch.tensor([c.start for c in chunks], dtype=torch.int64)
         lengths = torch.tensor([c.length for c in chunks], dtype=torch.int64)
@@ -139,27 +157,15 @@ class ModelRunner:
                         self.sliding_window,
                         self.device,
                         NULL_PAGE,
+                        self.dtype,
                     )
                 )
-        # Structured-output masks are computed on llguidance's threads (no GIL) while the
-        # model runs: they depend only on tokens already sampled.
-        masks = self._start_masks([c for c in chunks if c.samples])
         meta = AttentionMetadata(positions.to(self.device), slots.to(self.device), groups)
         hidden = self.model(input_ids.to(self.device), meta, self.kv_caches)
-        sampled = [c for c in chunks if c.samples]
-        if not sampled:
-            return StepResult([], None, rejected)
-        last = torch.tensor(
-            [int(flat_offsets[i]) + c.length - 1 for i, c in enumerate(chunks) if c.samples],
-            device=self.device,
-        )
-        logits = self.model.logits(hidden[last])
-        bitmask = masks.result() if masks is not None else None
-        return StepResult(
-            sampled,
-            sample(logits, self._sampling_batch(sampled, bitmask), self.generator),
-            rejected,
-        )
+        last_rows = [int(flat_offsets[i]) + c.length - 1 for i, c in enumerate(chunks) if c.samples]
+        if not last_rows:
+            return None
+        return self.model.logits(hidden[torch.tensor(last_rows, device=self.device)])
 
     def _start_masks(self, sampled: list[ScheduledChunk]) -> Future[torch.Tensor] | None:
         constrained = [(c.seq.matcher, i) for i, c in enumerate(sampled) if c.seq.matcher]
@@ -196,6 +202,28 @@ class ModelRunner:
         pages it reads (those before this chunk) must hold data written under that grant."""
         if not chunks:
             return chunks, []
+        bad = self.ownership_flags(chunks).tolist()
+        if not any(bad) or not self.enforce_tag_check():
+            return chunks, []
+        return [c for c, b in zip(chunks, bad, strict=True) if not b], [
+            c for c, b in zip(chunks, bad, strict=True) if b
+        ]
+
+    def enforce_tag_check(self) -> bool:
+        """Whether a failed row is dropped (off only in the skip_tag_check twin)."""
+        return self.faults.guards().on("tag_check")
+
+    def ownership_flags(self, chunks: list[ScheduledChunk]) -> torch.Tensor:
+        """bool [B]: the rows that fail the ownership check (I2), one compare over the batch."""
+        return self.pool.check_owned(*self.ownership_inputs(chunks))
+
+    def ownership_inputs(
+        self, chunks: list[ScheduledChunk]
+    ) -> tuple[
+        torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, SealedReads | None
+    ]:
+        """KVPool.check_owned's arguments for the batch: page table, grants, tenants, valid,
+        must-hold and the sealed reads."""
         table = self._page_table(chunks).to(self.device)
         counts = torch.tensor([len(c.seq.pages) for c in chunks], device=self.device)
         held = torch.tensor([self.pool.pages_for(c.start) for c in chunks], device=self.device)
@@ -205,12 +233,7 @@ class ModelRunner:
         grants = torch.tensor([c.seq.grant.grant_id for c in chunks], device=self.device)
         tenants = torch.tensor([c.seq.grant.tenant_id for c in chunks], device=self.device)
         sealed = self._sealed_reads(chunks, table.shape[1], cols)
-        bad = self.pool.check_owned(table, grants, tenants, valid, must_hold, sealed).tolist()
-        if not any(bad) or not self.faults.guards().on("tag_check"):
-            return chunks, []
-        return [c for c, b in zip(chunks, bad, strict=True) if not b], [
-            c for c, b in zip(chunks, bad, strict=True) if b
-        ]
+        return table, grants, tenants, valid, must_hold, sealed
 
     def _sealed_reads(
         self, chunks: list[ScheduledChunk], width: int, cols: torch.Tensor

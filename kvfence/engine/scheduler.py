@@ -201,6 +201,8 @@ class Scheduler:
             assert seq.chain is not None
             shared = self.pool.match_prefix(seq.grant, seq.chain, seq.token_ids, n_hit)
             assert len(shared) == n_hit, "the cache changed between lookup and match"
+        elif seq.chain is not None and self.pool.prefix is not None:
+            self.pool.prefix.queried(len(seq.token_ids))  # a miss counts as a query too
         seq.pages = shared + self.pool.allocate(seq.grant, n_new)
         if shared and n_new and self.faults.active("write_sealed_page"):
             # The bug this point stands for: the new tokens' page table entry names the last

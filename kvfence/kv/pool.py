@@ -331,6 +331,36 @@ class KVPool:
         self._drop_sealed(pages)
         return len(pages)
 
+    # ---- tensor parallelism: one page table, N slices ---------------------------------------
+
+    def side_tables(self) -> torch.Tensor:
+        """A copy of every side table, [5, pages + 1]: owner grant, owner tenant, written-by,
+        sealed namespace, sealed key. Rank 0 of a tensor-parallel engine decides them; the other
+        ranks hold slices of the same pages and apply what changed (`apply_side_tables`)."""
+        return torch.stack(
+            (
+                self._owner_grant,
+                self._owner_tenant,
+                self._written_by,
+                self._sealed_ns,
+                self._sealed_key,
+            )
+        )
+
+    def apply_side_tables(self, pages: torch.Tensor, rows: torch.Tensor) -> None:
+        """Set the side tables at pages to rows ([5, len(pages)], `side_tables`' order)."""
+        idx = self._index(pages)
+        rows = rows.to(self.device)
+        tables = (
+            self._owner_grant,
+            self._owner_tenant,
+            self._written_by,
+            self._sealed_ns,
+            self._sealed_key,
+        )
+        for table, row in zip(tables, rows, strict=True):
+            table[idx] = row
+
     def written_by_for_tests(self) -> torch.Tensor:
         """Test-only: a copy of the written-by table (FREE where a page never held data)."""
         return self._written_by.clone()

@@ -156,11 +156,9 @@ class SharedPrefixes:
                 node = node[page]
 
 
-def load_shared_prefixes(
-    path: str, encode: Callable[[str], list[int]], vocab_size: int
-) -> list[list[int]]:
-    """--shared-prefix-file: a JSON list whose items are texts (encoded without special tokens,
-    exactly as they appear inside a rendered prompt) or token-id lists."""
+def read_shared_prefix_file(path: str) -> list[str | list[int]]:
+    """--shared-prefix-file as written: a JSON list whose items are texts or token-id lists (the
+    workers encode the texts; the router, which has no tokenizer, matches them as text)."""
     flag = f"--shared-prefix-file {path}"
     try:
         data = json.loads(Path(path).read_text(encoding="utf-8"))
@@ -168,14 +166,22 @@ def load_shared_prefixes(
         raise ValueError(f"{flag}: {e}") from e
     if not isinstance(data, list):
         raise ValueError(f"{flag}: expected a JSON list of texts or token-id lists")
-    out: list[list[int]] = []
     for i, item in enumerate(data):
-        if isinstance(item, str):
-            ids = encode(item)
-        elif isinstance(item, list) and all(type(t) is int for t in item):
-            ids = item
-        else:
+        ids = isinstance(item, list) and all(type(t) is int for t in item)
+        if not (isinstance(item, str) or ids):
             raise ValueError(f"{flag}: item {i} is neither a text nor a list of token ids")
+    return data
+
+
+def load_shared_prefixes(
+    path: str, encode: Callable[[str], list[int]], vocab_size: int
+) -> list[list[int]]:
+    """--shared-prefix-file's items as token ids: texts encoded without special tokens, exactly
+    as they appear inside a rendered prompt."""
+    flag = f"--shared-prefix-file {path}"
+    out: list[list[int]] = []
+    for i, item in enumerate(read_shared_prefix_file(path)):
+        ids = encode(item) if isinstance(item, str) else item
         if not ids or not all(0 <= t < vocab_size for t in ids):
             raise ValueError(f"{flag}: item {i} is empty or has a token id outside the vocabulary")
         out.append(ids)
@@ -312,9 +318,14 @@ class PrefixCache:
             self._ref(e, now)
         pages = [e.page for e in found]
         self._held.setdefault(holder, []).extend(pages)
-        self.queried_tokens += len(tokens)
-        self.hit_tokens += len(pages) * self.page_size
+        self.queried(len(tokens), len(pages))
         return pages
+
+    def queried(self, n_tokens: int, hit_pages: int = 0) -> None:
+        """Count one admitted prompt's lookup: its tokens, and the pages it reuses (a miss too,
+        or the hit rate would be over the prompts that hit only)."""
+        self.queried_tokens += n_tokens
+        self.hit_tokens += hit_pages * self.page_size
 
     def seal(
         self, holder: Hashable, c: PageChain, index: int, page: int, tokens: Sequence[int]

@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from kvfence.config import EngineConfig
+from kvfence.tp_layout import replicated_extra_params
 
 ROLES = ("unified", "prefill", "decode")
 
@@ -165,7 +166,21 @@ def _weight_bytes(
     source = "safetensors"
     if total is None:
         total, source = mc.num_params * dtype_bytes(dtype), "config"
-    return math.ceil(total / tp_size), source
+    return math.ceil(total / tp_size) + _replicated_bytes(mc, dtype, tp_size), source
+
+
+def _replicated_bytes(mc: ModelShape, dtype: str, tp_size: int) -> int:
+    """What a rank of a dense model holds beyond its even share (kvfence/tp_layout.py):
+    K/V projections replicated when there are fewer KV heads than ranks, vocab padding rows."""
+    if tp_size == 1 or getattr(mc, "moe", None) is not None:
+        return 0  # mixture-of-experts models do not run tensor-parallel here
+    extra = replicated_extra_params(
+        mc,
+        tp_size,
+        qkv_bias=bool(getattr(mc, "qkv_bias", False)),
+        tied=bool(getattr(mc, "tie_word_embeddings", False)),
+    )
+    return extra * dtype_bytes(dtype)
 
 
 def activation_reserve_bytes(
@@ -404,7 +419,6 @@ def plan_for_engine(
     cfg: EngineConfig,
     mc: ModelShape,
     *,
-    tp_size: int = 1,
     role: str = "unified",
     device_memory: int | None = None,
 ) -> PoolPlan:
@@ -420,7 +434,7 @@ def plan_for_engine(
         device_memory_bytes=(
             device_memory_bytes(cfg.device) if device_memory is None else device_memory
         ),
-        tp_size=tp_size,
+        tp_size=cfg.tp_size,
         role=role,
         model_dir=cfg.model,
         chunked_prefill_size=cfg.chunked_prefill_size,

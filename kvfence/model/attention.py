@@ -22,7 +22,7 @@ class AttentionGroup:
     q_index: torch.Tensor  # [B, Lq] int64 into the flat token dim (padding -> 0)
     q_valid: torch.Tensor  # [B, Lq] bool
     kv_slots: torch.Tensor  # [B, Lk] int64 into the cache's flat slot dim (padding -> null)
-    mask: torch.Tensor | None  # [B, 1, Lq, Lk] bool, True = may attend; None: plain causal
+    mask: torch.Tensor | None  # [B, 1, Lq, Lk] additive: 0 = may attend, -inf = not; None: causal
     flat_valid_index: torch.Tensor  # [N] q_index[q_valid], precomputed once per step
     valid_rows: torch.Tensor | None = None  # [N] rows of the [B*Lq] queries that are real;
     #                                         None when all are (decode: no padding)
@@ -57,10 +57,12 @@ def build_group(
     sliding_window: int | None,
     device: torch.device,
     null_page: int,
+    dtype: torch.dtype = torch.float32,
 ) -> AttentionGroup:
     """One padded group. Row i has q_lens[i] queries at flat offset q_starts[i], which are the
     last q_lens[i] of its ctx_lens[i] context tokens; page_table[i] (CPU, padded with null_page)
-    holds that context's pages in order. null_page: the cache's zeroed page no request owns."""
+    holds that context's pages in order. null_page: the cache's zeroed page no request owns.
+    dtype: the queries' dtype (an additive mask must match it)."""
     b = len(q_lens)
     lq, lk = max(q_lens), max(ctx_lens)
     q_start = torch.tensor(q_starts, dtype=torch.int64)
@@ -86,11 +88,17 @@ def build_group(
     # alone keeps them out; padded queries see only finite values (their row's keys, then the
     # null slot) and are dropped.
     fresh = sliding_window is None and bool((q_len == ctx).all())
+    # The mask goes to SDPA additive (0 / -inf), not bool: SDPA turns a bool mask into exactly
+    # this tensor anyway, but on CPU its bool path is 1.4-2.4x slower at the shapes of a prompt
+    # chunk behind a cached prefix (128 x 1152: benchmarks/RESULTS.md), with the same output bits.
+    additive = None
+    if not fresh:
+        additive = torch.zeros(mask.shape, dtype=dtype).masked_fill_(~mask, float("-inf"))
     return AttentionGroup(
         q_index=q_index.to(device),
         q_valid=q_valid.to(device),
         kv_slots=kv_slots.to(device),
-        mask=None if fresh else mask.unsqueeze(1).to(device),
+        mask=None if additive is None else additive.unsqueeze(1).to(device),
         flat_valid_index=q_index[q_valid].to(device),
         valid_rows=None if bool(q_valid.all()) else q_valid.view(-1).nonzero().view(-1).to(device),
     )

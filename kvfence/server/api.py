@@ -83,6 +83,9 @@ def build_app(
         OperatorGate(operator_key, api_keys is not None, faults),
         HopVerifier(operator_key, faults, dials=_role(engine) == "decode"),
     )
+    # This worker process's id in /pd/info: a restarted worker reports another one, which is how
+    # the router knows its prefix cache started empty (the router then forgets its predictions).
+    instance = secrets.token_hex(8)
     app = FastAPI(title="kvfence", docs_url=None, redoc_url=None, openapi_url=None)
     app.state.kvfence = state
     install_handlers(app)
@@ -116,7 +119,7 @@ def build_app(
     async def pd_info(request: Request) -> JSONResponse:
         # The router learns each worker's role and bootstrap address here.
         state.operator.require(request.headers)
-        return JSONResponse(engine.info())
+        return JSONResponse({**engine.info(), "instance": instance})
 
     @app.get("/metrics")
     async def metrics_route(request: Request) -> Response:

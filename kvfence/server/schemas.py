@@ -432,20 +432,20 @@ class ChatFormat(CompletionFormat):
         out["usage"] = use
         return out
 
+    def delta_chunk(
+        self,
+        index: int,
+        delta: dict[str, Any],
+        logprobs: dict[str, Any] | None = None,
+        finish: str | None = None,
+    ) -> dict[str, Any]:
+        """One choice's delta as a chunk: the shape of every chunk of a chat stream (tool-call
+        deltas included)."""
+        choice = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
+        return self._envelope([choice])
+
     def start_chunks(self, n_choices: int) -> list[dict[str, Any]]:
-        return [
-            self._envelope(
-                [
-                    {
-                        "index": i,
-                        "delta": {"role": "assistant", "content": ""},
-                        "logprobs": None,
-                        "finish_reason": None,
-                    }
-                ]
-            )
-            for i in range(n_choices)
-        ]
+        return [self.delta_chunk(i, {"role": "assistant", "content": ""}) for i in range(n_choices)]
 
     def delta_chunks(
         self,
@@ -458,24 +458,8 @@ class ChatFormat(CompletionFormat):
     ) -> list[dict[str, Any]]:
         out = []
         if text or lps or new_tokens:  # `content: ""` for tokens whose text is held back
-            out.append(
-                self._envelope(
-                    [
-                        {
-                            "index": c.index,
-                            "delta": {"content": text},
-                            "logprobs": chat_logprobs(lps, self.token_text)
-                            if self.logprobs
-                            else None,
-                            "finish_reason": None,
-                        }
-                    ]
-                )
-            )
+            logprobs = chat_logprobs(lps, self.token_text) if self.logprobs else None
+            out.append(self.delta_chunk(c.index, {"content": text}, logprobs))
         if finish is not None:
-            out.append(
-                self._envelope(
-                    [{"index": c.index, "delta": {}, "logprobs": None, "finish_reason": finish}]
-                )
-            )
+            out.append(self.delta_chunk(c.index, {}, finish=finish))
         return out

@@ -200,9 +200,7 @@ class ToolChatFormat(ChatFormat):
         self, index: int, delta: dict[str, Any], lps: list[TokenLogprob], finish: str | None
     ) -> dict[str, Any]:
         logprobs = chat_logprobs(lps, self.token_text) if self.logprobs and lps else None
-        return self._envelope(
-            [{"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish}]
-        )
+        return self.delta_chunk(index, delta, logprobs, finish)
 
     def delta_chunks(
         self,

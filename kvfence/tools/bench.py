@@ -59,6 +59,10 @@ class Workload:
     request_rate: float
     seed: int
     timeout_s: float
+    # multi-turn: mean seconds a user reads an answer before the next turn (exponential, drawn
+    # per session from the seed). 0: at once, a closed loop in which each turn finds its
+    # decode just freed, so even load-only routing sends a chat back where it was.
+    think_time: float = 0.0
 
 
 def percentile(xs: list[float], p: float) -> float:
@@ -115,6 +119,15 @@ def body(
     if ignore_eos:
         b["ignore_eos"] = True
     return b
+
+
+def next_turn(prompt: Prompt, answer: str, question: Prompt) -> str:
+    """A chat's next prompt: the conversation so far, its answer, the next question. A streamed
+    answer's text starts without a space when its first token carries none (a word-level
+    tokenizer's always do): glued to the prompt, the last word and the first would re-tokenize
+    as one, and the next turn would miss the cached page holding the prompt's end."""
+    sep = "" if not answer or answer[0].isspace() else " "
+    return f"{prompt}{sep}{answer} {question}"
 
 
 async def one_request(
@@ -212,6 +225,7 @@ async def run_workload(w: Workload, progress: bool = True) -> tuple[list[Request
     async with _client(w.timeout_s, limit) as client:
 
         async def task(i: int, s: Session) -> None:
+            think = random.Random(w.seed * 1_000_003 + i)  # the same pauses in every run
             async with sem:
                 prompt: Prompt = s.turns[0]
                 for t in range(len(s.turns)):
@@ -220,8 +234,9 @@ async def run_workload(w: Workload, progress: bool = True) -> tuple[list[Request
                     bar.update(rec)
                     if not rec.ok or t + 1 == len(s.turns):
                         break
-                    # the conversation so far, its answer, the next question
-                    prompt = f"{prompt}{rec.answer} {s.turns[t + 1]}"
+                    if w.think_time > 0:
+                        await asyncio.sleep(think.expovariate(1.0 / w.think_time))
+                    prompt = next_turn(prompt, rec.answer, s.turns[t + 1])
 
         t0 = time.perf_counter()
         tasks = []
@@ -355,6 +370,12 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     )
     p.add_argument("--num-turns", type=int, default=4, help="multi-turn: turns per chat")
     p.add_argument(
+        "--think-time",
+        type=float,
+        default=0.0,
+        help="multi-turn: mean seconds (exponential) before a chat's next turn; 0: at once",
+    )
+    p.add_argument(
         "--text-words",
         choices=("letters", "ids"),
         default="letters",
@@ -379,6 +400,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
             p.error(f"--{name.replace('_', '-')} must be >= 1")
     if a.concurrency is not None and a.concurrency < 1:
         p.error("--concurrency must be >= 1")
+    if not a.think_time >= 0:
+        p.error("--think-time must be >= 0")
     return a
 
 
@@ -399,6 +422,7 @@ async def bench(a: argparse.Namespace) -> tuple[int, dict[str, Any]]:
         a.request_rate,
         a.seed,
         a.timeout,
+        a.think_time,
     )
     ids_p = make_prompts(1, a.input_len, a.vocab_size, a.seed + 1, as_text=False)[0]
     txt_p = make_prompts(1, a.input_len, a.vocab_size, a.seed + 1, as_text=True)[0]
@@ -443,6 +467,7 @@ async def bench(a: argparse.Namespace) -> tuple[int, dict[str, Any]]:
         "concurrency": a.concurrency,
         "request_rate": a.request_rate if math.isfinite(a.request_rate) else "inf",
         "seed": a.seed,
+        "think_time": a.think_time,
         "prompt_format": "ids" if use_ids else "text",
         "ignore_eos": ignore_eos,
         **metrics(records, wall),

@@ -55,7 +55,6 @@ def build_parser() -> argparse.ArgumentParser:
     where.add_argument(
         "--device-memory-gib", type=float, metavar="G", help="plan for a device of G GiB"
     )
-    p.add_argument("--tp-size", type=int, default=1)
     p.add_argument("--role", choices=ROLES, default="unified")
     p.add_argument("--json", action="store_true", help="print the plan as one JSON object")
     return p

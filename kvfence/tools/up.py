@@ -37,9 +37,11 @@ from kvfence.args import (
     PORT,
     ROUTING_OPTIONS,
     SERVER_OPTIONS,
+    SHARED_PREFIX_FILE,
     TLS_CA,
     TLS_CERT,
     TLS_KEY,
+    TOOL_CALL_PARSER,
     TRANSFER_OPTIONS,
     add_options,
     command_line,
@@ -49,6 +51,7 @@ from kvfence.env import admin_api_key
 from kvfence.pd import certs
 from kvfence.pd.certs import TlsFiles
 from kvfence.server.operator import load_operator_key, new_operator_key, operator_headers
+from kvfence.tp_layout import PD_TP_REFUSED
 
 BUNDLED_MODEL = Path(__file__).resolve().parents[2] / "models" / "kvfence-tiny"
 DEFAULT_STARTUP_TIMEOUT_S = 300.0
@@ -112,6 +115,9 @@ def add_up_args(p: argparse.ArgumentParser) -> None:
         default="127.0.0.1",
         help="address the workers bind (HTTP and bootstrap); keep it private",
     )
+    # The decodes answer the chat requests the router relays; every worker gets it, so any
+    # worker's own API reads tool calls as the cluster's does.
+    add_options(p, (TOOL_CALL_PARSER,))
     # Certificates are not among them: up makes a cluster CA and one certificate per worker.
     add_options(p, TRANSFER_OPTIONS)
     # The router's policy, as `kvfence router` takes it (--router-policy etc. read better here).
@@ -155,7 +161,7 @@ def worker_args(args: argparse.Namespace, role: str) -> list[str]:
     if role_pool is not None:
         out += KV_POOL_TOKENS.argv(role_pool)
     out += command_line(args, (API_KEY_FILE, LOG_LEVEL, DRAIN_TIMEOUT, *TRANSFER_OPTIONS))
-    out += command_line(args, (ADMIN_API_KEY_FILE,))
+    out += command_line(args, (ADMIN_API_KEY_FILE, TOOL_CALL_PARSER))
     out += DISAGGREGATION_MODE.argv(role)
     return out
 
@@ -199,8 +205,10 @@ def router_command(
     cmd += ["--prefill", *prefill_urls, "--decode", *decode_urls]
     cmd += HOST.argv(args.host) + PORT.argv(args.port)
     return cmd + command_line(
-        args, (API_KEY_FILE, LOG_LEVEL, DRAIN_TIMEOUT, *ROUTING_OPTIONS, ADMIN_API_KEY_FILE)
-    )
+        args,
+        (API_KEY_FILE, LOG_LEVEL, DRAIN_TIMEOUT, *ROUTING_OPTIONS, ADMIN_API_KEY_FILE,
+         SHARED_PREFIX_FILE),  # the workers' public prefixes: the router predicts them too
+    )  # fmt: skip
 
 
 # ---- processes ---------------------------------------------------------------------------------
@@ -372,6 +380,9 @@ def run_up(args: argparse.Namespace) -> int:
         RoutingConfig.from_args(args)  # refused here, not after every worker has started
     except ConfigError as e:
         say(f"kvfence up: {e}", err=True)
+        return 2
+    if args.tp_size > 1:  # every worker up starts is a PD role
+        say(f"kvfence up: {PD_TP_REFUSED.format(tp=args.tp_size, role='prefill/decode')}", err=True)
         return 2
     if not Path(args.model).is_dir():
         say(f"kvfence up: model directory {args.model} does not exist (--model)", err=True)

@@ -63,6 +63,7 @@ def build_router_app(
     routing: RoutingConfig | None = None,
     faults: Faults | None = None,
     operator_key: str | None = None,
+    shared_prefixes: Sequence[str | Sequence[int]] = (),
 ) -> FastAPI:
     """The router app. Its lifespan opens the HTTP clients, runs one health round, then polls.
     operator_key: reads the workers' /pd/info and /health, signs the prefill address each
@@ -81,6 +82,7 @@ def build_router_app(
         connect_timeout=connect_timeout,
         max_body_bytes=max_body_bytes,
         routing=routing or RoutingConfig(),
+        shared_prefixes=tuple(p if isinstance(p, str) else tuple(p) for p in shared_prefixes),
     )
     state = RouterState(prefill, decode, api_keys, settings, faults, operator_key)
 

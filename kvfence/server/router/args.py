@@ -6,7 +6,7 @@ from __future__ import annotations
 import argparse
 from dataclasses import dataclass
 
-from kvfence.args import ROUTING_OPTIONS, SERVER_OPTIONS, add_options
+from kvfence.args import ROUTING_OPTIONS, SERVER_OPTIONS, SHARED_PREFIX_FILE, add_options
 from kvfence.config import RoutingConfig
 
 DEFAULT_HEALTH_INTERVAL_S = 2.0
@@ -25,6 +25,9 @@ class RouterSettings:
     connect_timeout: float = DEFAULT_CONNECT_TIMEOUT_S
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
     routing: RoutingConfig = RoutingConfig()
+    # --shared-prefix-file's items, as written (texts, token-id lists): the workers' public
+    # prefixes, which the prefix index predicts from every tenant's traffic.
+    shared_prefixes: tuple[str | tuple[int, ...], ...] = ()
 
     def __post_init__(self) -> None:
         for name in ("health_interval", "health_timeout", "request_timeout", "connect_timeout"):
@@ -67,3 +70,9 @@ def add_router_args(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--connect-timeout", type=float, default=DEFAULT_CONNECT_TIMEOUT_S)
     add_options(p.add_argument_group("routing policy"), ROUTING_OPTIONS)
+    add_options(
+        p,
+        (SHARED_PREFIX_FILE,),
+        shared_prefix_file={"help": "the workers' --shared-prefix-file (the same file): its "
+                            "prefixes are predicted from every tenant's requests"},
+    )

@@ -9,6 +9,7 @@ from collections.abc import Sequence
 
 from kvfence.config import RoutingConfig
 from kvfence.faults import Faults
+from kvfence.kv.prefix import read_shared_prefix_file
 from kvfence.server.auth import ApiKeyFileError, load_api_keys
 from kvfence.server.httpio import ReadyServer, server_config
 from kvfence.server.operator import load_operator_key
@@ -33,6 +34,9 @@ def run_router(args: argparse.Namespace) -> int:
             # None armed unless a test harness started this process with KVFENCE_FAULTS.
             faults=Faults.from_env(),
             operator_key=operator_key,
+            shared_prefixes=(
+                read_shared_prefix_file(args.shared_prefix_file) if args.shared_prefix_file else ()
+            ),
         )
         if operator_key is None:
             raise ValueError(

@@ -10,7 +10,7 @@ Also the decision metrics.
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from enum import StrEnum
 
@@ -21,7 +21,7 @@ from prometheus_client.registry import Collector
 from kvfence.config import RoutingConfig
 from kvfence.faults import Faults
 from kvfence.kv.prefix import Namespace
-from kvfence.server.router.prefix_index import CHUNK_TOKENS, PrefixIndex, PrefixKey
+from kvfence.server.router.prefix_index import CHUNK_TOKENS, PrefixIndex, PrefixKey, PublicPrefixes
 from kvfence.server.router.prompt import read_prompt
 from kvfence.server.router.workers import Role, Worker, WorkerPool
 
@@ -91,6 +91,7 @@ class Routing:
         config: RoutingConfig,
         faults: Faults,
         registry: CollectorRegistry,
+        shared_prefixes: Iterable[str | Sequence[int]] = (),
     ) -> None:
         self.prefill = prefill
         self.decode = decode
@@ -100,6 +101,7 @@ class Routing:
             config.prefix_index_max_entries,
             config.prefix_index_max_entries_per_tenant,
             config.prefix_index_ttl,
+            public=PublicPrefixes(shared_prefixes),
         )
         self._turn = {Role.PREFILL: 0, Role.DECODE: 0}
         self.metrics = RoutingMetrics(registry, self)

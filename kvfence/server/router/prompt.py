@@ -59,6 +59,12 @@ def _is_id(t: Any) -> bool:
     return isinstance(t, int) and not isinstance(t, bool) and 0 <= t < 2**63
 
 
+def chat_head(content: str) -> str:
+    """How a chat whose first message's content starts with `content` starts once serialised
+    below: a declared public text as the router meets it inside chat messages."""
+    return '{"content":' + json.dumps(content, ensure_ascii=False)[:-1]
+
+
 def _chat_text(messages: Any) -> str | None:
     """One canonical JSON object per message, in order: turn k's messages are a prefix of turn
     k+1's, so its text is too, whatever the chat template does with them on the worker."""

@@ -43,7 +43,12 @@ class RouterState:
         self.settings = settings
         self.metrics = RouterMetrics(self.pools)
         self.routing = Routing(
-            self.prefill, self.decode, settings.routing, faults or Faults(), self.metrics.registry
+            self.prefill,
+            self.decode,
+            settings.routing,
+            faults or Faults(),
+            self.metrics.registry,
+            settings.shared_prefixes,
         )
         self._proxy: httpx.AsyncClient | None = None
         self._probe: httpx.AsyncClient | None = None
@@ -113,6 +118,10 @@ class RouterState:
         if problem is not None:
             self.mark_down(w, problem)
             return
+        if restarted(w, info):
+            dropped = self.routing.index.forget(w.url)
+            logger.info("%s %s restarted: its prefix predictions dropped (%d chunks)",
+                        w.name, w.url, dropped)  # fmt: skip
         w.info = info
         w.bootstrap = _bootstrap_address(w, info) if w.role is Role.PREFILL else None
         if not w.healthy:
@@ -149,6 +158,18 @@ class RouterState:
         if not ok:
             body.update(no_workers().body())
         return ok, body
+
+
+def restarted(w: Worker, info: dict[str, Any]) -> bool:
+    """Whether the worker's process is not the one the router last saw (its /pd/info instance
+    changed), so its prefix cache is empty; a worker that reports no instance counts as
+    restarted whenever it comes back from out of rotation."""
+    instance = info.get("instance")
+    if w.info is None:
+        return False  # first sight: nothing was predicted there yet
+    if instance is None:
+        return not w.healthy
+    return instance != w.info.get("instance")
 
 
 def _error_message(r: httpx.Response) -> str:

@@ -4,7 +4,6 @@ at once by other tenants' requests that would show a cancelled request's pages."
 from __future__ import annotations
 
 import asyncio
-import time
 
 from kvfence.tools.leakcheck.run import Run
 
@@ -13,12 +12,7 @@ async def probe(run: Run, n: int) -> None:
     t = run.target
     assert t is not None
     ctx = t.context_length
-    stop = run.left - n
-    r = 0
-    while run.left > stop and time.monotonic() < run.deadline:
-        x = t.tenants[r % len(t.tenants)]
-        y = t.tenants[(r + 1) % len(t.tenants)]
-        r += 1
+    for x, y, _ in run.rounds(n):
         p = run.prompt(x, "cancellation", run.rng.randint(int(ctx * 0.2), int(ctx * 0.8)))
         cut = run.rng.choice([0, 1, 2, 5])
         if cut == 0:  # hang up before the answer starts (possibly mid-transfer)
@@ -41,7 +35,7 @@ async def probe(run: Run, n: int) -> None:
                 stream=True,
                 cut_after=cut,
             )
-        size = max(24, min(160, ctx // 6))
+        size = run.follow_up_size()
         await asyncio.gather(
             run.send(
                 "cancellation",

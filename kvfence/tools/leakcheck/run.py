@@ -7,7 +7,7 @@ from __future__ import annotations
 import asyncio
 import random
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import dataclass, field
 from typing import IO, Any
 
@@ -98,6 +98,23 @@ class Run:
         if self.cap is not None:
             left = min(left, self.cap - self._reserved)
         return max(0, left)
+
+    def rounds(self, n: int) -> Iterator[tuple[Tenant, Tenant, int]]:
+        """A probe's rounds while its `n` requests and the run's time last: this round's tenant,
+        the next one in turn (the round's other side), and how many of the `n` are unspent."""
+        assert self.target is not None
+        tenants = self.target.tenants
+        stop = self.left - n
+        r = 0
+        while self.left > stop and time.monotonic() < self.deadline:
+            yield tenants[r % len(tenants)], tenants[(r + 1) % len(tenants)], self.left - stop
+            r += 1
+
+    def follow_up_size(self) -> int:
+        """Tokens of the short prompts that follow a round's long, cut or bait requests: a sixth
+        of the context, within 24..160."""
+        assert self.target is not None
+        return max(24, min(160, self.target.context_length // 6))
 
     @property
     def sent(self) -> int:

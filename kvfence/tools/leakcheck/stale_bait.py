@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import asyncio
 import math
-import time
 from collections.abc import Awaitable
 
 from kvfence.tools.leakcheck.common import Tenant
@@ -20,19 +19,14 @@ async def probe(run: Run, n: int) -> None:
     t = run.target
     assert t is not None
     ctx = t.context_length
-    stop = run.left - n
-    r = 0
-    while run.left > stop and time.monotonic() < run.deadline:
-        a = t.tenants[r % len(t.tenants)]
-        b = t.tenants[(r + 1) % len(t.tenants)]
-        r += 1
+    for a, b, unspent in run.rounds(n):
 
         def fill(_: int, a: Tenant = a) -> Awaitable[object]:
             # Log-uniform lengths: an unknown pool keeps only the prompts that fit it.
             size = int(math.exp(run.rng.uniform(math.log(ctx * 0.1), math.log(ctx * 0.9))))
             return run.send("stale_bait", "fill", a, run.prompt(a, "stale_bait", size), 16)
 
-        await asyncio.gather(*(fill(i) for i in range(min(6, run.left - stop))))
+        await asyncio.gather(*(fill(i) for i in range(min(6, unspent))))
 
         def long_legal(b: Tenant = b) -> Awaitable[object]:
             size = run.rng.randint(int(ctx * 0.45), max(int(ctx * 0.45), ctx - 40))
@@ -57,7 +51,7 @@ async def probe(run: Run, n: int) -> None:
                 cut_after=run.rng.choice([1, 2]),
             ),
         )
-        size = max(24, min(160, ctx // 6))
+        size = run.follow_up_size()
         bare = [run.prompt(b, "stale_bait", size, records=False) for _ in range(2)]
         own = run.prompt(a, "stale_bait", size)
         await asyncio.gather(
