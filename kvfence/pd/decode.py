@@ -308,7 +308,6 @@ class DecodeService(EngineRole):
         placed: list[_Placed] = []  # where recv() decrypted the frame it returned, if it did
 
         def place(msg: wire.Frame, nbytes: int) -> _Placed | None:
-            placed.clear()
             found = self._place(msg, nbytes)
             if found is not None:
                 placed.append(found)
@@ -316,6 +315,7 @@ class DecodeService(EngineRole):
 
         try:
             while True:
+                placed.clear()  # recv() asks place() only for a frame with a payload
                 msg, payload = await conn.recv(place)
                 if isinstance(msg, wire.PageRun):
                     applied = self._on_run(conn, msg, payload, placed[0] if placed else None)
