@@ -45,10 +45,12 @@ class PDWorkers:
         self.sign = lambda peer: sign_prefill(operator_key, peer)
         self.http.headers.update(operator_headers(operator_key))
         full = {**os.environ, **env, "PYTHONPATH": str(tree), "KVFENCE_ADMIN_API_KEY": operator_key}
+        full["PYTHONFAULTHANDLER"] = "1"  # a worker killed by a fatal signal logs its stacks
         full.pop("KVFENCE_FAULT_INJECTION", None)
         self.procs: list[subprocess.Popen] = []
         self.urls: dict[str, str] = {}
         self.commands: list[list[str]] = []
+        self.logs: list[Path] = []
         for role in ("prefill", "decode"):
             port = free_port()
             cmd = [
@@ -59,7 +61,8 @@ class PDWorkers:
             ]  # fmt: skip
             if role == "prefill":
                 cmd += ["--disaggregation-bootstrap-port", str(free_port())]
-            log = Path(f"{logs}-{role}.log").open("wb")
+            self.logs.append(Path(f"{logs}-{role}.log"))
+            log = self.logs[-1].open("wb")
             self.procs.append(
                 subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=full, cwd=tree)
             )
@@ -79,26 +82,42 @@ class PDWorkers:
         """Seconds of one prompt's transfer window: prefill's send_start to decode's
         done_handled (decode stamps the end on its loop, possibly after the client already has
         its answer: wait for it)."""
-        r = self.http.post(
-            f"{self.urls['decode']}/v1/completions",
-            json={"model": self.model_name, "prompt": prompt, "max_tokens": 1,
-                  "temperature": 0, "ignore_eos": True},
-            headers=self.sign(self.peer),  # as the router signs it
-        )  # fmt: skip
-        assert r.status_code == 200, f"{self.name}: {r.status_code} {r.text}"
+        import httpx
+
+        try:
+            r = self.http.post(
+                f"{self.urls['decode']}/v1/completions",
+                json={"model": self.model_name, "prompt": prompt, "max_tokens": 1,
+                      "temperature": 0, "ignore_eos": True},
+                headers=self.sign(self.peer),  # as the router signs it
+            )  # fmt: skip
+        except httpx.HTTPError as e:
+            raise AssertionError(f"{self.name}: {e!r}\n{self.evidence()}") from e
+        assert r.status_code == 200, f"{self.name}: {r.status_code} {r.text}\n{self.evidence()}"
         deadline = time.monotonic() + 10
         while True:
             marks = self.http.get(f"{self.urls['decode']}/pd/info").json()["transfer_marks"]
             new = [k for k, m in marks.items() if k not in self.seen and "done_handled" in m]
             if new:
                 break
-            assert time.monotonic() < deadline, f"{self.name}: DONE handling never finished"
+            assert time.monotonic() < deadline, (
+                f"{self.name}: DONE handling never finished\n{self.evidence()}"
+            )
             time.sleep(0.002)
         assert len(new) == 1, new
         room = new[0]
         self.seen.add(room)
         sent = self.http.get(f"{self.urls['prefill']}/pd/info").json()["transfer_marks"][room]
         return marks[room]["done_handled"] - sent["send_start"]
+
+    def evidence(self) -> str:
+        """Each worker's exit status (None: running; negative: the signal that ended it) and
+        its log's tail: what a failed run is explained by."""
+        out = []
+        for p, log in zip(self.procs, self.logs, strict=True):
+            tail = log.read_text(errors="replace")[-2000:] if log.exists() else ""
+            out.append(f"--- {log} (exit status {p.poll()}) ---\n{tail}")
+        return "\n".join(out)
 
     def _wait_healthy(self) -> None:
         import httpx
