@@ -101,6 +101,7 @@ def _slowest(infos: dict) -> dict[str, float]:
     return {k: round(max(v), 3) for k, v in spans.items() if v}
 
 
+@pytest.mark.timeout(3600)  # the suite's 300 s is for CI's tests; this one is opt-in and long
 def test_tcp_transfer_soak_answers_exact_and_pools_return(tmp_path: Path) -> None:
     prefill, decode, unified = procs = [_start(r, tmp_path) for r in ("prefill", "decode", "null")]
     try:
