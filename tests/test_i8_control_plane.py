@@ -268,7 +268,6 @@ def test_i8_truncated_frame_changes_nothing(pair: PDPair) -> None:
     assert snapshot(pair) == before
 
 
-
 def test_pd_decodes_ack_of_a_prefill_abort_keeps_the_connection(pair: PDPair) -> None:
     """Decode acknowledges every ABORT prefill sends (a refusal at prefill's door, a draining
     prefill, a prefill timeout): prefill must take the ack as the end of that room, not as a
@@ -288,6 +287,7 @@ def test_pd_decodes_ack_of_a_prefill_abort_keeps_the_connection(pair: PDPair) ->
         raw.send(frame(p.AbortAck(room)))  # what decode's state machine answers
     assert bad_frames(pair) == bad
     raw.sock.close()
+
 
 # ---- bounded before authentication ----------------------------------------------------------
 
