@@ -4,6 +4,7 @@ bench."""
 from __future__ import annotations
 
 import argparse
+import faulthandler
 import logging
 import os
 import signal
@@ -64,6 +65,10 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from kvfence.model.config import UnsupportedModelError
     from kvfence.server.api import serve
 
+    # A worker ended by a fatal signal (a C-level crash: SIGSEGV, SIGBUS, SIGABRT...) leaves its
+    # threads' Python stacks on stderr, i.e. in its log; SIGKILL (the OOM killer) leaves only
+    # the exit status its parent sees.
+    faulthandler.enable()
     try:
         # This process's fault points: none unless a test harness started it with
         # KVFENCE_FAULTS (and fault injection on); a kill_* point then ends the process.

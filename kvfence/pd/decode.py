@@ -31,7 +31,14 @@ from kvfence.pd.pairing import model_fingerprint, node_info, pairing_problem
 from kvfence.pd.stats import TransferStats
 from kvfence.pd.tls import TlsConfig
 from kvfence.pd.transport.link import page_receiver
-from kvfence.pd.transport.tcp import Connection, LinkLimits, PeerKey, RecordError, resolve
+from kvfence.pd.transport.tcp import (
+    Connection,
+    LinkLimits,
+    PeerKey,
+    Placement,
+    RecordError,
+    resolve,
+)
 from kvfence.role import EngineRole
 
 log = logging.getLogger("kvfence.pd.decode")
@@ -298,11 +305,20 @@ class DecodeService(EngineRole):
         assert peer.conn is not None
         conn = peer.conn
         writing: deque[asyncio.Future] = deque()  # runs handed to the writer, in arrival order
+        placed: list[_Placed] = []  # where recv() decrypted the frame it returned, if it did
+
+        def place(msg: wire.Frame, nbytes: int) -> _Placed | None:
+            found = self._place(msg, nbytes)
+            if found is not None:
+                placed.append(found)
+            return found
+
         try:
             while True:
-                msg, payload = await conn.recv()
+                placed.clear()  # recv() asks place() only for a frame with a payload
+                msg, payload = await conn.recv(place)
                 if isinstance(msg, wire.PageRun):
-                    applied = self._on_run(conn, msg, payload)
+                    applied = self._on_run(conn, msg, payload, placed[0] if placed else None)
                     if applied is not None:
                         writing.append(applied)
                     while writing and (writing[0].done() or len(writing) > _RUNS_IN_FLIGHT):
@@ -340,32 +356,76 @@ class DecodeService(EngineRole):
         else:
             raise wire.WireError(f"unexpected {type(msg).__name__} from prefill")
 
-    def _on_run(
-        self, conn: Connection, run: wire.PageRun, payload: memoryview
-    ) -> asyncio.Future | None:
-        """A run of pages: every page is checked (position, size, checksum, grant) on its own,
-        the good ones are written in one batch, and the state machine sees the run as one
-        RunArrived. The transport applies it: at once, or on its writer thread (the Future)."""
-        room = self.rooms.get(run.room)
+    def _run_pages(self, room: _Room | None, run: wire.PageRun, nbytes: int) -> list[int] | None:
+        """The pages a run of a RESERVED room writes, if its position and size are right."""
         if room is None or room.state.state is not p.DState.RESERVED:
-            # the tcp receiver can refuse a late write
-            self.transfer_stats.inc("late_writes_dropped", len(run.checksums))
             return None
-        self.transfer_stats.mark(run.room, "first_page")
         pool = self.engine.pool
         n = len(run.checksums)
-        expected = self.link.payload_bytes(pool, n, run.n_tokens)
         reserved = room.reserved
         ok_shape = (
             0 <= run.first
             and run.first + n <= len(reserved)
             and 0 < run.n_tokens <= pool.page_size
-            and payload.nbytes == expected
+            and nbytes == self.link.payload_bytes(pool, n, run.n_tokens)
         )
-        if not ok_shape:
-            self._run_applied(run, [False] * n, 0, 0)
+        return reserved[run.first : run.first + n] if ok_shape else None
+
+    def _owned(self, grant: Grant, pages: list[int]) -> list[bool]:
+        """I2 on the write path: per page, whether it still belongs to the room's grant and
+        tenant (every page, with the guard off: the mutation twin)."""
+        owned = self.engine.pool.check_destination(grant, pages)
+        return owned if self.faults.guards().on("dest_check") else [True] * len(pages)
+
+    def _place(self, msg: wire.Frame, nbytes: int) -> _Placed | None:
+        """Where a PageRun's bytes are decrypted to, asked with its header: straight into the
+        room's pages when the transport allows it and every destination page is the room's
+        (I2, checked before a byte lands; a run with a foreign page goes the buffered way,
+        which writes only the room's own pages). The writes stop the moment the room stops
+        being RESERVED. Each page's checksum is taken from the pool as its blocks land, and
+        compared once the run is in (_placed_run)."""
+        if not isinstance(msg, wire.PageRun):
             return None
-        pages = reserved[run.first : run.first + n]
+        room = self.rooms.get(msg.room)
+        pages = self._run_pages(room, msg, nbytes)
+        if room is None or pages is None or not all(self._owned(room.grant, pages)):
+            return None
+        views = self.link.place(self.engine.pool, pages, msg.n_tokens)
+        if views is None:
+            return None
+        hashes = kvio.PageHashes(len(pages)) if self.faults.guards().on("checksum") else None
+        rid = msg.room
+
+        def holds() -> bool:  # the room still holds its pages and takes writes
+            return self.rooms.get(rid) is room and room.state.state is p.DState.RESERVED
+
+        filled = None if hashes is None else (lambda i: hashes.add(i, views[i]))
+        return _Placed(views, holds, filled, hashes=hashes)
+
+    def _on_run(
+        self,
+        conn: Connection,
+        run: wire.PageRun,
+        payload: memoryview,
+        placed: _Placed | None = None,
+    ) -> asyncio.Future | None:
+        """A run of pages: every page is checked (position, size, checksum, grant) on its own,
+        the good ones are written in one batch (or were decrypted into place: _place), and the
+        state machine sees the run as one RunArrived. The transport applies a buffered run: at
+        once, or on its writer thread (the Future)."""
+        room = self.rooms.get(run.room)
+        if room is None or room.state.state is not p.DState.RESERVED:
+            # the tcp receiver can refuse a late write (a placed run stopped writing then)
+            self.transfer_stats.inc("late_writes_dropped", len(run.checksums))
+            return None
+        self.transfer_stats.mark(run.room, "first_page")
+        if placed is not None:
+            self._placed_run(run, room, placed.hashes)
+            return None
+        pages = self._run_pages(room, run, payload.nbytes)
+        if pages is None:
+            self._run_applied(run, [False] * len(run.checksums), 0, 0)
+            return None
         check = self.faults.guards().on("checksum")  # off: mutation twin, the bytes as they come
         return self.link.apply(
             conn,
@@ -394,11 +454,7 @@ class DecodeService(EngineRole):
             if check:
                 got = kvio.run_checksums(data)
                 intact = [g == c for g, c in zip(got, run.checksums, strict=True)]
-        # I2 on the write path: every destination page must still belong to this room's grant
-        # and tenant.
-        owned = pool.check_destination(grant, pages)
-        if not self.faults.guards().on("dest_check"):
-            owned = [True] * n
+        owned = self._owned(grant, pages)
         foreign = owned.count(False)
         if foreign:
             intact = [i and o for i, o in zip(intact, owned, strict=True)]
@@ -410,6 +466,25 @@ class DecodeService(EngineRole):
         kvio.scatter(pool, dst, run.n_tokens, data, which)
         pool.mark_written(grant, dst)
         return intact, foreign, len(good)
+
+    def _placed_run(
+        self, run: wire.PageRun, room: _Room, hashes: kvio.PageHashes | None
+    ) -> None:
+        """A run decrypted straight into the room's pages: each page is intact if its bytes in
+        the pool hashed to the sender's checksum as they landed and it is still the room's;
+        only those count as written. hashes None: the checksum guard is off (mutation twin,
+        the bytes as they come)."""
+        pool = self.engine.pool
+        pages = room.reserved[run.first : run.first + len(run.checksums)]
+        intact = [True] * len(pages)
+        if hashes is not None:
+            intact = [g == c for g, c in zip(hashes.digests(), run.checksums, strict=True)]
+        owned = self._owned(room.grant, pages)
+        intact = [i and o for i, o in zip(intact, owned, strict=True)]
+        good = [page for page, ok in zip(pages, intact, strict=True) if ok]
+        if good:
+            pool.mark_written(room.grant, good)
+        self._run_applied(run, intact, owned.count(False), len(good))
 
     def _run_applied(
         self, run: wire.PageRun, intact: list[bool], foreign: int, written: int
@@ -533,6 +608,13 @@ class DecodeService(EngineRole):
                 log.info("closing idle connection to prefill %s:%s", *key)
                 self.transfer_stats.inc("idle_closed")
                 peer.conn.close()
+
+
+@dataclass
+class _Placed(Placement):
+    """A PageRun decrypted into the pool, with its pages' checksums taken as it landed."""
+
+    hashes: kvio.PageHashes | None = None
 
 
 class _RoomEffects:

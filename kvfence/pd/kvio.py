@@ -128,6 +128,16 @@ def pool_checksums(pool: KVPool, pages: list[int], n_tokens: int) -> list[int]:
         for first, n, count in runs(pool, n_tokens):
             out += run_checksums(gather(pool, pages[first : first + n], count))
         return out
+    return _hash_pages(pool, pages, counts)
+
+
+def run_pool_checksums(pool: KVPool, pages: list[int], count: int) -> list[int]:
+    """Per-page checksums of the first `count` tokens of each of `pages` in a CPU pool, hashed
+    in place: what run_checksums gives for the run gather() would copy."""
+    return _hash_pages(pool, pages, [count] * len(pages))
+
+
+def _hash_pages(pool: KVPool, pages: list[int], counts: list[int]) -> list[int]:
     tb = token_bytes(pool)
     layer = pool.k.shape[1] * tb
     # One view per layer of K and V, sliced per page: the loop body is this module's hot spot
@@ -157,16 +167,19 @@ def corrupt_page(pool: KVPool, page: int) -> None:
     pool.v[:, slots] *= -16
 
 
-def pool_blocks(pool: KVPool, pages: list[int], count: int) -> list[memoryview]:
+def pool_blocks(
+    pool: KVPool, pages: list[int], count: int, merge: bool = True
+) -> list[memoryview]:
     """The bytes gather() would copy, as views of a CPU pool in run layout order ([2, layers,
-    pages] blocks of each page's first `count` tokens; a page's block that directly follows the
-    previous page's is merged with it): a run sent straight from the pool, no copy."""
+    pages] blocks of each page's first `count` tokens; with merge, a page's block that directly
+    follows the previous page's is merged with it): a run sent straight from the pool, or
+    received straight into it, no copy. Unmerged, view i is page i % len(pages)'s."""
     tb = token_bytes(pool)
     pb = pool.page_size * tb
     spans: list[list[int]] = []  # [start, end) within one layer of K or V
     for page in pages:
         start = page * pb
-        if spans and spans[-1][1] == start:
+        if merge and spans and spans[-1][1] == start:
             spans[-1][1] = start + count * tb
         else:
             spans.append([start, start + count * tb])
@@ -177,6 +190,23 @@ def pool_blocks(pool: KVPool, pages: list[int], count: int) -> list[memoryview]:
         for lay in range(pool.num_layers):
             out += [base[lay * layer + a : lay * layer + b] for a, b in spans]
     return out
+
+
+class PageHashes:
+    """Per-page checksums of a run taken block by block as its unmerged pool_blocks are filled
+    (block i belongs to page i % n, and a page's blocks come in the order _hash_pages reads
+    them): the digests run_pool_checksums would read back, hashed while each block is still in
+    cache."""
+
+    def __init__(self, n: int) -> None:
+        self._n = n
+        self._hashes = [xxhash.xxh3_64() for _ in range(n)]
+
+    def add(self, i: int, block: memoryview) -> None:
+        self._hashes[i % self._n].update(block)
+
+    def digests(self) -> list[int]:
+        return [h.intdigest() for h in self._hashes]
 
 
 def scatter(

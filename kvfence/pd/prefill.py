@@ -203,6 +203,12 @@ class PrefillService(EngineRole):
             self._feed(msg.room, p.AbortArrived(msg), conn)
         elif isinstance(msg, p.DoneAck):
             self._feed(msg.room, p.DoneAckArrived(), conn)
+        elif isinstance(msg, p.AbortAck):
+            # Decode's answer to an ABORT of ours (a refusal at this door, a timeout, a failed
+            # source check): that ABORT closed the room and fenced it, so nothing is left to do
+            # (formal/model.py models it so). Not a bad frame: dropping the connection for it
+            # would fail every other room of that decode.
+            pass
         elif isinstance(msg, wire.Heartbeat):
             pass
         else:

@@ -78,6 +78,11 @@ class PageReceiver(ABC):
     def payload_bytes(self, pool: KVPool, n_pages: int, n_tokens: int) -> int:
         """The payload a PageRun of n_pages pages of n_tokens tokens must carry."""
 
+    def place(self, pool: KVPool, pages: list[int], n_tokens: int) -> list[memoryview] | None:
+        """Views of `pages` (their first n_tokens tokens) in run layout for a PageRun's payload
+        to be decrypted straight into, or None: the payload comes in a buffer to apply()."""
+        return None
+
     @abstractmethod
     def apply(
         self,
