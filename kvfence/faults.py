@@ -64,6 +64,9 @@ ACTION_POINTS = frozenset(
         "tp_rank_skips_tag_check",
         # ... and rank 0's flags decide alone, not combined with the others' (the twin).
         "tp_leader_decides_alone",
+        # A tensor-parallel PD decode's last rank scrambles its slice of the first page of each
+        # run it writes, after the run's checksums passed (I3: the read-back covers every rank).
+        "tp_corrupt_rank_slice",
     }
 )
 POINTS = frozenset(GUARD_POINTS) | ACTION_POINTS

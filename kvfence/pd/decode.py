@@ -16,11 +16,12 @@ from typing import Any
 import torch
 from prometheus_client.core import Metric
 
-from kvfence.config import EngineConfig
+from kvfence.config import ConfigError, EngineConfig
 from kvfence.engine.admission import Admitted, Rejected
 from kvfence.engine.engine import Engine
 from kvfence.engine.request import GenerateRequest
 from kvfence.engine.sequence import SeqMode, Sequence
+from kvfence.engine.tp_group import TpBroken
 from kvfence.faults import Faults
 from kvfence.kv.pool import Grant
 from kvfence.kv.prefix import held_digest
@@ -30,9 +31,11 @@ from kvfence.pd.ioloop import IOLoop
 from kvfence.pd.pairing import model_fingerprint, node_info, pairing_problem
 from kvfence.pd.stats import TransferStats
 from kvfence.pd.tls import TlsConfig
+from kvfence.pd.tp_slices import rank_slices
 from kvfence.pd.transport.link import page_receiver
 from kvfence.pd.transport.tcp import Connection, LinkLimits, PeerKey, RecordError, resolve
 from kvfence.role import EngineRole
+from kvfence.tp_layout import pd_tp_problem
 
 log = logging.getLogger("kvfence.pd.decode")
 
@@ -89,7 +92,12 @@ class DecodeService(EngineRole):
         self.faults = faults if faults is not None else Faults()
         if tls is None or tls.role != "decode":
             raise ValueError("a decode worker needs its decode TLS certificate (I8)")
+        problem = pd_tp_problem(cfg.tp_size, backend)
+        if problem is not None:
+            raise ConfigError(problem)
         super().__init__(Engine(cfg, self.faults, hooks=self))
+        self.slices = rank_slices(self.engine)  # None: one rank holds whole pages
+        self.ranks = cfg.tp_size  # a run's payload carries every rank's slice
         self.tls = tls  # I8: every connection is mutual TLS with prefill certificates
         self.limits = limits or LinkLimits()
         self.link = page_receiver(backend, self.engine.pool, host)
@@ -205,7 +213,10 @@ class DecodeService(EngineRole):
             r.room, len(r.prompt), len(pages), cached_pages=cached, cached_tokens=r.cached_tokens
         )
         # The cached prefix as it is now: the read-back at DONE must find it unchanged.
-        sums = kvio.pool_checksums(pool, pages[:cached], r.cached_tokens) if cached else []
+        try:
+            sums = self._pool_sums(pages[:cached], r.cached_tokens) if cached else []
+        except TpBroken:
+            sums = []  # the engine failed closed: this room's client has its error already
         self.rooms[r.room] = _Room(
             room,
             None,
@@ -219,7 +230,7 @@ class DecodeService(EngineRole):
         self.transfer_stats.inc("prompt_tokens", len(r.prompt))
         self.transfer_stats.inc("prefix_cached_tokens", r.cached_tokens)
         self.transfer_stats.inc(
-            "bytes_not_transferred", cached * kvio.payload_size(pool, pool.page_size)
+            "bytes_not_transferred", cached * self.ranks * kvio.payload_size(pool, pool.page_size)
         )
         if cached and self.faults.active("stale_cached_page"):
             kvio.corrupt_page(pool, pages[0])
@@ -354,7 +365,7 @@ class DecodeService(EngineRole):
         self.transfer_stats.mark(run.room, "first_page")
         pool = self.engine.pool
         n = len(run.checksums)
-        expected = self.link.payload_bytes(pool, n, run.n_tokens)
+        expected = self.ranks * self.link.payload_bytes(pool, n, run.n_tokens)
         reserved = room.reserved
         ok_shape = (
             0 <= run.first
@@ -390,7 +401,8 @@ class DecodeService(EngineRole):
         data = None
         if payload is not None:
             size = run.n_tokens * kvio.token_bytes(pool)
-            data = torch.frombuffer(payload, dtype=torch.uint8).view(2, pool.num_layers, n, size)
+            shape = (self.ranks, 2, pool.num_layers, n, size)
+            data = torch.frombuffer(payload, dtype=torch.uint8).view(shape)
             if check:
                 got = kvio.run_checksums(data)
                 intact = [g == c for g, c in zip(got, run.checksums, strict=True)]
@@ -407,8 +419,26 @@ class DecodeService(EngineRole):
             return intact, foreign, 0
         which = None if len(good) == n else good
         dst = [pages[i] for i in good]
-        kvio.scatter(pool, dst, run.n_tokens, data, which)
+        kvio.scatter(pool, dst, run.n_tokens, data[0], which)
         pool.mark_written(grant, dst)
+        if self.slices is not None:
+            # The other ranks' slices: each rank writes only pages the grant owns in its own
+            # tables; a page any rank refused fails the room like a foreign one here.
+            try:
+                refused = self.slices.scatter(
+                    data[1:, :, :, good],
+                    dst,
+                    run.n_tokens,
+                    grant,
+                    self.faults.guards().on("dest_check"),
+                    self.faults.active("tp_corrupt_rank_slice"),
+                )
+            except TpBroken:  # the engine failed closed; the room fails with it
+                return [False] * n, foreign, 0
+            for i, bad in zip(good, refused, strict=True):
+                if bad:
+                    intact[i] = False
+                    foreign += 1
         return intact, foreign, len(good)
 
     def _run_applied(
@@ -420,7 +450,7 @@ class DecodeService(EngineRole):
         if written:
             self.transfer_stats.inc("pages_received", written)
             self.transfer_stats.inc(
-                "bytes_received", written * kvio.payload_size(pool, run.n_tokens)
+                "bytes_received", written * self.ranks * kvio.payload_size(pool, run.n_tokens)
             )
         bad = intact.count(False)
         if bad:
@@ -455,11 +485,20 @@ class DecodeService(EngineRole):
         writes), and the cached prefix exactly what it held when RESERVE went out."""
         if done.n_tokens != room.state.n_tokens or done.n_pages != len(room.pages):
             return False
-        sums = kvio.pool_checksums(self.engine.pool, room.pages, done.n_tokens)
+        try:
+            sums = self._pool_sums(room.pages, done.n_tokens)
+        except TpBroken:
+            return False  # a rank's slice cannot be read back: nothing to commit
         k = room.cached
         if sums[:k] != room.prefix_sums:
             return False
         return p.digest_of(tuple(enumerate(sums[k:])), done.n_tokens) == done.digest
+
+    def _pool_sums(self, pages: list[int], n_tokens: int) -> list[int]:
+        """Per-page checksums of what the pool holds, over every rank's slice (I3)."""
+        if self.slices is not None:
+            return self.slices.checksums(pages, n_tokens)
+        return kvio.pool_checksums(self.engine.pool, pages, n_tokens)
 
     def _feed(self, rid: str, event: Any, reason: str | None = None) -> None:
         """reason: why the connection was lost, for the client's error message."""

@@ -1,9 +1,10 @@
 """The tcp transport: page bytes ride in the PageRun frames' payloads on the TLS connection, and
 decode writes them into its pool itself (so it can refuse any write).
 
-Sender: each run is gathered into one of two reused buffers and hashed on a thread while the
-previous run is being encrypted and sent: one contiguous SSL_write per run (a page's blocks
-are a few KiB, and one TLS record and syscall per block would cost more than the gather).
+Sender: each run (with tensor parallelism, every rank's slice of it) is gathered into one of two
+reused buffers and hashed on a thread while the previous run is being encrypted and sent: one
+contiguous SSL_write per run (a page's blocks are a few KiB, and one TLS record and syscall per
+block would cost more than the gather).
 Receiver: a run's checksums, grant check and writes run on one writer thread while the loop
 receives the next.
 """
@@ -49,7 +50,8 @@ class TcpSender(PageSender):
         pending: asyncio.Future | None = None  # the next run's gather and checksums
         sums: list[tuple[int, int]] = []
         try:
-            size = max(self.run_bytes, *(kvio.payload_size(pool, c) for _, _, c in runs))
+            ranks = 1 if job.slices is None else job.slices.size
+            size = ranks * max(self.run_bytes, *(kvio.payload_size(pool, c) for _, _, c in runs))
             for _ in range(2):
                 fits = [b for b in self._bufs if len(b) >= size]
                 if fits:
@@ -95,10 +97,13 @@ class TcpSender(PageSender):
         pages = job.src[first : first + n]
 
         def work() -> tuple[wire.Payload, list[int]]:
-            data = kvio.gather(pool, pages, count, bufs[i % 2])
+            if job.slices is None:
+                data = kvio.gather(pool, pages, count, bufs[i % 2])
+            else:  # rank 0 collects the other ranks' slices (pd/tp_slices.py)
+                data = job.slices.gather(pages, count, bufs[i % 2])
             sums = kvio.run_checksums(data)
             if first == 0 and job.corrupt:
-                data[0, 0, 0, 0] ^= 0xFF  # after checksumming: the receiver must notice
+                data.view(-1)[0] ^= 0xFF  # after checksumming: the receiver must notice
             return memoryview(data.numpy()).cast("B"), sums
 
         return asyncio.get_running_loop().run_in_executor(self._gather, work)
