@@ -159,7 +159,7 @@ def test_pd_tp2_decode_rank_killed_mid_decode_fails_closed_prefill_recovers(
     pair: PDPair,
 ) -> None:
     """Runs last: it ends the module's pair."""
-    long = SamplingParams(max_tokens=80, temperature=0.0, ignore_eos=True)
+    long = SamplingParams(max_tokens=70, temperature=0.0, ignore_eos=True)  # 20 + 70 <= 96
     prompt = random_prompts([20], vocab=256, seed=5)[0]
     _, r = pair.submit(prompt, long)
     assert isinstance(r, Result)
@@ -215,6 +215,7 @@ def test_pd_tp2_prefill_rank_killed_mid_transfer_fails_the_room_closed(llama: st
             os.kill(tp.procs[0].pid, signal.SIGKILL)
             assert r.done.wait(WAIT_S), "no answer after the prefill rank was killed"
         assert r.final is not None and r.final.finish_reason is FinishReason.ERROR
+        assert r.final.error_code == "engine_failed", "an abort, not decode's timeout"
         assert r.token_ids == []
         assert pd.decode.engine.alive
         wait_for(lambda: pd.decode.engine.pool.num_used == 0, WAIT_S, "decode's pages back")
