@@ -31,8 +31,8 @@ from kvfence.pd.decode import DecodeService
 from kvfence.pd.protocol import PState
 
 GREEDY = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
-# Decode's pool holds 8 pages of 16: eight staggered prompts up to 50 tokens must preempt there
-# (a preempted decode sequence recomputes on decode's own ranks).
+PRESSURE = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
+# Decode's pool holds 8 pages of 16 (the least a 96-token context may have).
 TIGHT = dict(kv_pool_tokens=128, context_length=96, chunked_prefill_size=96)
 LENGTHS = [(7 * i) % 60 + 1 for i in range(8)]
 WAIT_S = 120.0  # bounds for a loaded 2-core machine; a lost rank's own bound is --tp-timeout
@@ -49,65 +49,76 @@ def llama(checkpoint_dir) -> str:
 
 
 @pytest.fixture(scope="module")
+def unified(llama: str) -> LLM:
+    """--tp-size 1, unified (test_pd.py shows it equals a TP=1 PD pair)."""
+    return LLM(llama, **TIGHT)  # type: ignore[arg-type]
+
+
+@pytest.fixture(scope="module")
 def pair(llama: str) -> Iterator[PDPair]:
     pd = tp_pair(llama)
     yield pd
     pd.close()
 
 
-def staggered(pair: PDPair, prompts: list[list[int]]) -> list[Result]:
-    """Half the prompts, then the rest once the first half decodes: rooms join a running batch."""
-    half = len(prompts) // 2
-    first = [pair.submit(p, GREEDY)[1] for p in prompts[:half]]
-    assert all(isinstance(r, Result) for r in first)
-    wait_for(lambda: all(r.token_ids for r in first), WAIT_S, "the first half decoding")  # type: ignore[union-attr]
-    rest = [pair.submit(p, GREEDY)[1] for p in prompts[half:]]
-    results = [*first, *rest]
-    for r in results:
-        assert isinstance(r, Result) and r.done.wait(WAIT_S), "request did not finish"
+def submit(pair: PDPair, prompts: list[list[int]], params: SamplingParams) -> list[Result]:
+    results = [pair.submit(p, params)[1] for p in prompts]
+    assert all(isinstance(r, Result) for r in results), results
     return results  # type: ignore[return-value]
 
 
-def check_token_exact(pair: PDPair, model_dir: str) -> None:
+def finish(results: list[Result]) -> list[list[int]]:
+    for r in results:
+        assert r.done.wait(WAIT_S), "request did not finish"
+    assert all(finished_ok(r) for r in results), [r.final for r in results]
+    return [r.token_ids for r in results]
+
+
+def check_token_exact(pair: PDPair, model_dir: str, unified: LLM) -> None:
+    # Continuous batching: half the rooms, then the rest once the first half decodes.
     prompts = random_prompts(LENGTHS, vocab=256, seed=11)
+    first = submit(pair, prompts[:4], GREEDY)
+    wait_for(lambda: all(r.token_ids for r in first), WAIT_S, "the first half decoding")
+    got = finish([*first, *submit(pair, prompts[4:], GREEDY)])
+    assert got == run_staggered(unified.engine, prompts, GREEDY)
+    assert got == hf_greedy(model_dir, prompts, GREEDY.max_tokens)  # type: ignore[arg-type]
+    # Preemption: two answers that together outgrow decode's pool (4 + 6 of its 8 pages) and
+    # decode side by side: when one needs a page and none is free, the newer one is preempted
+    # and recomputed on decode's own ranks (whatever the timing: neither can finish early).
+    pressure = random_prompts([14, 48], vocab=256, seed=12)
     before = pair.decode.engine.scheduler.num_preemptions
-    got = staggered(pair, prompts)
-    assert all(finished_ok(r) for r in got), [r.final for r in got]
-    assert pair.decode.engine.scheduler.num_preemptions > before, (
-        "decode's pool was meant to run out"
-    )
-    one = run_staggered(LLM(model_dir, **TIGHT).engine, prompts, GREEDY)  # type: ignore[arg-type]
-    assert [r.token_ids for r in got] == one
-    assert one == hf_greedy(model_dir, prompts, GREEDY.max_tokens)  # type: ignore[arg-type]
+    got = finish(submit(pair, pressure, PRESSURE))
+    assert pair.decode.engine.scheduler.num_preemptions > before, "decode's pool must run out"
+    assert got == [u.token_ids for u in unified.generate(pressure, PRESSURE)]
+    assert got == hf_greedy(model_dir, pressure, PRESSURE.max_tokens)  # type: ignore[arg-type]
     assert pair.wait_idle(WAIT_S)
     stats = pair.decode.transfer_stats
     assert stats.get("checksum_mismatches") == 0 and stats.get("grant_mismatches") == 0
 
 
 def test_pd_tp2_greedy_token_exact_with_tp1_and_transformers_under_preemption(
-    pair: PDPair, llama: str
+    pair: PDPair, llama: str, unified: LLM
 ) -> None:
-    check_token_exact(pair, llama)
+    check_token_exact(pair, llama, unified)
     # Every page crossed as both ranks' slices: the bytes are twice one rank's share.
     d = pair.decode
     assert d.transfer_stats.get("bytes_received") == pair.prefill.transfer_stats.get("bytes_sent")
 
 
-def test_pd_tp2_prefix_cache_spares_the_second_turn(pair: PDPair, llama: str) -> None:
+def test_pd_tp2_prefix_cache_spares_the_second_turn(pair: PDPair, unified: LLM) -> None:
     first = random_prompts([40], vocab=256, seed=3)[0]
     r1 = pair.generate([first], GREEDY)[0]
     second = [*first, *r1.token_ids, *random_prompts([5], vocab=256, seed=4)[0]]
     r2 = pair.generate([second], GREEDY)[0]
     assert finished_ok(r1) and finished_ok(r2)
     assert r2.final is not None and r2.final.cached_tokens > 0
-    unified = LLM(llama, **TIGHT)  # type: ignore[arg-type]
     assert [r1.token_ids, r2.token_ids] == [
         u.token_ids for u in unified.generate([first, second], GREEDY)
     ]
     assert pair.wait_idle(WAIT_S)
 
 
-def _corrupted_slice(pair: PDPair, llama: str, guard_off: bool) -> Result:
+def _corrupted_slice(pair: PDPair, unified: LLM, guard_off: bool) -> Result:
     """Decode's rank 1 scrambles its slice of a room's first page after the run's checksums
     passed on rank 0: only the read-back of every rank's slice can see it."""
     prompt = random_prompts([37], vocab=256, seed=8)[0]
@@ -115,7 +126,7 @@ def _corrupted_slice(pair: PDPair, llama: str, guard_off: bool) -> Result:
     with pair.faults.injected(*points):
         r = pair.generate([prompt], GREEDY)[0]
     assert r.final is not None
-    want = LLM(llama, **TIGHT).generate([prompt], GREEDY)[0].token_ids  # type: ignore[arg-type]
+    want = unified.generate([prompt], GREEDY)[0].token_ids
     if guard_off:
         assert finished_ok(r) and r.token_ids != want, "the twin should commit the bad slice"
     else:
@@ -128,14 +139,14 @@ def _corrupted_slice(pair: PDPair, llama: str, guard_off: bool) -> Result:
     return r
 
 
-def test_i3_pd_tp_a_slice_corrupted_on_rank_1_fails_the_room(pair: PDPair, llama: str) -> None:
-    _corrupted_slice(pair, llama, guard_off=False)
+def test_i3_pd_tp_a_slice_corrupted_on_rank_1_fails_the_room(pair: PDPair, unified: LLM) -> None:
+    _corrupted_slice(pair, unified, guard_off=False)
 
 
 def test_i3_pd_tp_twin_without_checksums_rank_1s_bad_slice_is_committed(
-    pair: PDPair, llama: str
+    pair: PDPair, unified: LLM
 ) -> None:
-    _corrupted_slice(pair, llama, guard_off=True)
+    _corrupted_slice(pair, unified, guard_off=True)
 
 
 def test_i7_pd_tp2_prefill_refuses_a_tp1_decode_at_pairing(pair: PDPair, llama: str) -> None:
@@ -187,7 +198,7 @@ def test_pd_tp2_qwen3_greedy_token_exact_under_preemption(checkpoint_dir) -> Non
     model_dir = str(checkpoint_dir("qwen3"))
     pd = tp_pair(model_dir)
     try:
-        check_token_exact(pd, model_dir)
+        check_token_exact(pd, model_dir, LLM(model_dir, **TIGHT))  # type: ignore[arg-type]
     finally:
         pd.close()
 
