@@ -3,8 +3,10 @@ each, real TLS between the roles, in one test process). Greedy answers are token
 --tp-size 1 and with transformers under continuous batching and decode preemption; the prefix
 cache still spares the transfer on a second turn; a slice corrupted on decode's rank 1 after its
 run's checksums passed fails the room (the read-back hashes every rank's slice; the twin with
-checksums off commits it); a TP=2 prefill and a TP=1 decode refuse to pair (I7); a decode rank
-killed mid-decode fails its requests closed while the prefill stays up and gets its pages back.
+checksums off commits it); a foreign destination page rank 0 let through (its check skipped) is
+refused by rank 1's own check (I2; the twin lets rank 0 decide alone and rank 1 writes it); a
+TP=2 prefill and a TP=1 decode refuse to pair (I7); a decode rank killed mid-decode fails its
+requests closed while the prefill stays up and gets its pages back.
 
 One module-scoped pair keeps this file's CI cost to one cluster's start (the kill test ends it,
 so it runs last). qwen3, the prefill-side kill and the `kvfence up` run are behind RUN_SLOW=1:
@@ -147,6 +149,51 @@ def test_i3_pd_tp_twin_without_checksums_rank_1s_bad_slice_is_committed(
     pair: PDPair, unified: LLM
 ) -> None:
     _corrupted_slice(pair, unified, guard_off=True)
+
+
+def _write_into_a_foreign_page(pair: PDPair, leader_alone: bool) -> tuple[bool, int, Result]:
+    """Decode's room names another tenant's page as its first destination, and rank 0 skips its
+    own checks (destination and per-batch): (was rank 1's slice of that page overwritten, pages
+    refused, the answer)."""
+    decode, ps = pair.decode, pair.decode.engine.pool.page_size
+    pool, slices, real = decode.engine.pool, decode.slices, decode.on_reserved
+    assert slices is not None
+    victim: list = []
+
+    def steal(seq) -> None:  # engine thread: page 0 of the room becomes another tenant's
+        grant = pool.new_grant("other", "victim")
+        page = pool.allocate(grant, 1)[0]
+        victim.append((grant, page, slices.rank_checksums([page], ps)[1]))
+        seq.pages[0] = page
+        real(seq)
+
+    points = ["tp_rank_skips_tag_check"] + (["tp_leader_decides_alone"] if leader_alone else [])
+    refused = decode.transfer_stats.get("grant_mismatches")
+    decode.on_reserved = steal  # type: ignore[method-assign]
+    try:
+        with pair.faults.injected(*points):
+            r = pair.generate([random_prompts([40], vocab=256, seed=5)[0]], GREEDY)[0]
+    finally:
+        decode.on_reserved = real  # type: ignore[method-assign]
+    grant, page, before = victim[0]
+    overwritten = slices.rank_checksums([page], ps)[1] != before
+    pool.free(grant, [page])  # the engines are idle: nothing else touches the pool now
+    assert pair.wait_idle(WAIT_S)
+    return overwritten, decode.transfer_stats.get("grant_mismatches") - refused, r
+
+
+def test_i2_pd_tp_rank_1_refuses_a_foreign_destination_rank_0_let_through(pair: PDPair) -> None:
+    overwritten, refused, r = _write_into_a_foreign_page(pair, leader_alone=False)
+    assert refused == 1 and not overwritten
+    assert r.final is not None and r.final.finish_reason is FinishReason.ERROR
+    assert r.final.error_code == "kv_transfer_incomplete" and r.token_ids == []
+
+
+def test_i2_pd_tp_twin_when_rank_0_decides_alone_rank_1_writes_the_foreign_page(
+    pair: PDPair,
+) -> None:
+    overwritten, refused, _ = _write_into_a_foreign_page(pair, leader_alone=True)
+    assert refused == 0 and overwritten  # (and the answer, over a foreign page, may be a 200)
 
 
 def test_i7_pd_tp2_prefill_refuses_a_tp1_decode_at_pairing(pair: PDPair, llama: str) -> None:

@@ -409,7 +409,9 @@ class DecodeService(EngineRole):
         # I2 on the write path: every destination page must still belong to this room's grant
         # and tenant.
         owned = pool.check_destination(grant, pages)
-        if not self.faults.guards().on("dest_check"):
+        if not self.faults.guards().on("dest_check") or (
+            self.slices is not None and self.faults.active("tp_rank_skips_tag_check")
+        ):
             owned = [True] * n
         foreign = owned.count(False)
         if foreign:
@@ -432,6 +434,7 @@ class DecodeService(EngineRole):
                     grant,
                     self.faults.guards().on("dest_check"),
                     self.faults.active("tp_corrupt_rank_slice"),
+                    self.faults.active("tp_leader_decides_alone"),
                 )
             except TpBroken:  # the engine failed closed; the room fails with it
                 return [False] * n, foreign, 0

@@ -57,6 +57,7 @@ class ScatterSlices:
     table_rows: torch.Tensor
     dest_check: bool  # rank 0's dest_check guard: off only in that guard's twin
     corrupt: bool  # fault: the last rank scrambles its slice of the first page after writing
+    leader_alone: bool  # fault twin: the ranks write what rank 0 accepted, checking nothing
 
 
 @dataclass(frozen=True)
@@ -134,6 +135,7 @@ class RankSlices:
         grant: Grant,
         dest_check: bool,
         corrupt: bool,
+        leader_alone: bool = False,
     ) -> list[bool]:
         """Hand rank r its slice (slices[r - 1], [2, layers, len(pages), bytes]) of pages rank 0
         has written; per page, whether any rank refused to write it."""
@@ -147,19 +149,24 @@ class RankSlices:
         with self.leader.lock:  # the side tables' delta and the op that carries it go together
             table_pages, table_rows = self.runner.mirror.delta()
             op = ScatterSlices(
-                list(pages), count, grant, table_pages, table_rows, dest_check, corrupt
-            )
+                list(pages), count, grant, table_pages, table_rows, dest_check, corrupt,
+                leader_alone,
+            )  # fmt: skip
             return self._op(op, body)
 
     def checksums(self, pages: list[int], n_tokens: int) -> list[int]:
         """Per-page checksums of the first n_tokens of pages over every rank's slice."""
+        return kvio.fold_ranks(self.rank_checksums(pages, n_tokens))
 
-        def body() -> list[int]:
+    def rank_checksums(self, pages: list[int], n_tokens: int) -> list[list[int]]:
+        """Each rank's per-page checksums of its own slice, in rank order."""
+
+        def body() -> list[list[int]]:
             per_rank = [kvio.pool_checksums(self.pool, pages, n_tokens)]
             for rank in range(1, self.size):
                 t = torch.empty(len(per_rank[0]), dtype=torch.int64)
                 per_rank.append(_as_u64(_recv(self.group, t, rank)))
-            return kvio.fold_ranks(per_rank)
+            return per_rank
 
         return self._op(SliceChecksums(list(pages), n_tokens), body)
 
@@ -186,7 +193,7 @@ def follow(op: SliceOp, pool: KVPool, group: RankGroup) -> None:
         shape = _run_shape(pool, len(op.pages), op.count)
         run = _recv(group, torch.empty(shape, dtype=torch.uint8), 0)
         owned = pool.check_destination(op.grant, op.pages)
-        if not op.dest_check:
+        if not op.dest_check or op.leader_alone:
             owned = [True] * len(op.pages)
         mine = [i for i, ok in enumerate(owned) if ok]
         if mine:
