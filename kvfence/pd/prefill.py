@@ -268,7 +268,10 @@ class PrefillService(EngineRole):
         def sink(out: RequestOutput) -> None:
             if out.finished and out.finish_reason is FinishReason.ERROR:
                 failed = p.ComputeFailed(out.error_code or "engine_error", out.error or "failed")
-                self.loop.call_soon_threadsafe(self._feed, rid, failed)
+                try:
+                    self.loop.call_soon_threadsafe(self._feed, rid, failed)
+                except RuntimeError:
+                    pass  # the io loop is closed: the service is shutting down, rooms and all
 
         return sink
 
