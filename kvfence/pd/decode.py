@@ -16,11 +16,12 @@ from typing import Any
 import torch
 from prometheus_client.core import Metric
 
-from kvfence.config import EngineConfig
+from kvfence.config import ConfigError, EngineConfig
 from kvfence.engine.admission import Admitted, Rejected
 from kvfence.engine.engine import Engine
 from kvfence.engine.request import GenerateRequest
 from kvfence.engine.sequence import SeqMode, Sequence
+from kvfence.engine.tp_group import TpBroken
 from kvfence.faults import Faults
 from kvfence.kv.pool import Grant
 from kvfence.kv.prefix import held_digest
@@ -30,6 +31,7 @@ from kvfence.pd.ioloop import IOLoop
 from kvfence.pd.pairing import model_fingerprint, node_info, pairing_problem
 from kvfence.pd.stats import TransferStats
 from kvfence.pd.tls import TlsConfig
+from kvfence.pd.tp_slices import rank_slices
 from kvfence.pd.transport.link import page_receiver
 from kvfence.pd.transport.tcp import (
     Connection,
@@ -40,6 +42,7 @@ from kvfence.pd.transport.tcp import (
     resolve,
 )
 from kvfence.role import EngineRole
+from kvfence.tp_layout import pd_tp_problem
 
 log = logging.getLogger("kvfence.pd.decode")
 
@@ -96,7 +99,12 @@ class DecodeService(EngineRole):
         self.faults = faults if faults is not None else Faults()
         if tls is None or tls.role != "decode":
             raise ValueError("a decode worker needs its decode TLS certificate (I8)")
+        problem = pd_tp_problem(cfg.tp_size, backend)
+        if problem is not None:
+            raise ConfigError(problem)
         super().__init__(Engine(cfg, self.faults, hooks=self))
+        self.slices = rank_slices(self.engine)  # None: one rank holds whole pages
+        self.ranks = cfg.tp_size  # a run's payload carries every rank's slice
         self.tls = tls  # I8: every connection is mutual TLS with prefill certificates
         self.limits = limits or LinkLimits()
         self.link = page_receiver(backend, self.engine.pool, host)
@@ -212,7 +220,10 @@ class DecodeService(EngineRole):
             r.room, len(r.prompt), len(pages), cached_pages=cached, cached_tokens=r.cached_tokens
         )
         # The cached prefix as it is now: the read-back at DONE must find it unchanged.
-        sums = kvio.pool_checksums(pool, pages[:cached], r.cached_tokens) if cached else []
+        try:
+            sums = self._pool_sums(pages[:cached], r.cached_tokens) if cached else []
+        except TpBroken:
+            sums = []  # the engine failed closed: this room's client has its error already
         self.rooms[r.room] = _Room(
             room,
             None,
@@ -226,7 +237,7 @@ class DecodeService(EngineRole):
         self.transfer_stats.inc("prompt_tokens", len(r.prompt))
         self.transfer_stats.inc("prefix_cached_tokens", r.cached_tokens)
         self.transfer_stats.inc(
-            "bytes_not_transferred", cached * kvio.payload_size(pool, pool.page_size)
+            "bytes_not_transferred", cached * self.ranks * kvio.payload_size(pool, pool.page_size)
         )
         if cached and self.faults.active("stale_cached_page"):
             kvio.corrupt_page(pool, pages[0])
@@ -367,7 +378,7 @@ class DecodeService(EngineRole):
             0 <= run.first
             and run.first + n <= len(reserved)
             and 0 < run.n_tokens <= pool.page_size
-            and nbytes == self.link.payload_bytes(pool, n, run.n_tokens)
+            and nbytes == self.ranks * self.link.payload_bytes(pool, n, run.n_tokens)
         )
         return reserved[run.first : run.first + n] if ok_shape else None
 
@@ -384,8 +395,8 @@ class DecodeService(EngineRole):
         which writes only the room's own pages). The writes stop the moment the room stops
         being RESERVED. Each page's checksum is taken from the pool as its blocks land, and
         compared once the run is in (_placed_run)."""
-        if not isinstance(msg, wire.PageRun):
-            return None
+        if not isinstance(msg, wire.PageRun) or self.slices is not None:
+            return None  # under tensor parallelism a run carries every rank's slice: buffered
         room = self.rooms.get(msg.room)
         pages = self._run_pages(room, msg, nbytes)
         if room is None or pages is None or not all(self._owned(room.grant, pages)):
@@ -450,11 +461,14 @@ class DecodeService(EngineRole):
         data = None
         if payload is not None:
             size = run.n_tokens * kvio.token_bytes(pool)
-            data = torch.frombuffer(payload, dtype=torch.uint8).view(2, pool.num_layers, n, size)
+            shape = (self.ranks, 2, pool.num_layers, n, size)
+            data = torch.frombuffer(payload, dtype=torch.uint8).view(shape)
             if check:
                 got = kvio.run_checksums(data)
                 intact = [g == c for g, c in zip(got, run.checksums, strict=True)]
         owned = self._owned(grant, pages)
+        if self.slices is not None and self.faults.active("tp_rank_skips_tag_check"):
+            owned = [True] * n  # rank 0's own check off: the other ranks' must still refuse
         foreign = owned.count(False)
         if foreign:
             intact = [i and o for i, o in zip(intact, owned, strict=True)]
@@ -463,8 +477,27 @@ class DecodeService(EngineRole):
             return intact, foreign, 0
         which = None if len(good) == n else good
         dst = [pages[i] for i in good]
-        kvio.scatter(pool, dst, run.n_tokens, data, which)
+        kvio.scatter(pool, dst, run.n_tokens, data[0], which)
         pool.mark_written(grant, dst)
+        if self.slices is not None:
+            # The other ranks' slices: each rank writes only pages the grant owns in its own
+            # tables; a page any rank refused fails the room like a foreign one here.
+            try:
+                refused = self.slices.scatter(
+                    data[1:, :, :, good],
+                    dst,
+                    run.n_tokens,
+                    grant,
+                    self.faults.guards().on("dest_check"),
+                    self.faults.active("tp_corrupt_rank_slice"),
+                    self.faults.active("tp_leader_decides_alone"),
+                )
+            except TpBroken:  # the engine failed closed; the room fails with it
+                return [False] * n, foreign, 0
+            for i, bad in zip(good, refused, strict=True):
+                if bad:
+                    intact[i] = False
+                    foreign += 1
         return intact, foreign, len(good)
 
     def _placed_run(
@@ -495,7 +528,7 @@ class DecodeService(EngineRole):
         if written:
             self.transfer_stats.inc("pages_received", written)
             self.transfer_stats.inc(
-                "bytes_received", written * kvio.payload_size(pool, run.n_tokens)
+                "bytes_received", written * self.ranks * kvio.payload_size(pool, run.n_tokens)
             )
         bad = intact.count(False)
         if bad:
@@ -530,11 +563,20 @@ class DecodeService(EngineRole):
         writes), and the cached prefix exactly what it held when RESERVE went out."""
         if done.n_tokens != room.state.n_tokens or done.n_pages != len(room.pages):
             return False
-        sums = kvio.pool_checksums(self.engine.pool, room.pages, done.n_tokens)
+        try:
+            sums = self._pool_sums(room.pages, done.n_tokens)
+        except TpBroken:
+            return False  # a rank's slice cannot be read back: nothing to commit
         k = room.cached
         if sums[:k] != room.prefix_sums:
             return False
         return p.digest_of(tuple(enumerate(sums[k:])), done.n_tokens) == done.digest
+
+    def _pool_sums(self, pages: list[int], n_tokens: int) -> list[int]:
+        """Per-page checksums of what the pool holds, over every rank's slice (I3)."""
+        if self.slices is not None:
+            return self.slices.checksums(pages, n_tokens)
+        return kvio.pool_checksums(self.engine.pool, pages, n_tokens)
 
     def _feed(self, rid: str, event: Any, reason: str | None = None) -> None:
         """reason: why the connection was lost, for the client's error message."""

@@ -8,7 +8,8 @@ A CPU pool (the common case) moves each byte once per side beside the cipher:
   straight into them (Connection.recv's Placement; no buffer, no scatter) and hashes each block
   as it lands, while it is in cache; the per-page checksums are compared once the run is in, and
   DONE's read-back (I3) is unchanged.
-A GPU pool (and the corrupt_page fault) takes the buffered way: each run gathered into a reused
+A GPU pool, tensor parallelism (rank 0 sends every rank's slice of a run: pd/tp_slices.py)
+and the corrupt_page fault take the buffered way: each run gathered into a reused
 buffer and hashed on a thread while the previous one is sent; decode checks and scatters each
 run on one writer thread while the loop receives the next. So does a run with a page that is
 not the room's, whose other pages are written and that one refused.
@@ -49,7 +50,7 @@ class TcpSender(PageSender):
         pass
 
     async def send_room(self, job: RoomSend) -> list[tuple[int, int]] | None:
-        if not job.pool.k.is_cuda and not job.corrupt:
+        if not job.pool.k.is_cuda and not job.corrupt and job.slices is None:
             return await self._send_in_place(job)
         return await self._send_gathered(job)
 
@@ -80,14 +81,16 @@ class TcpSender(PageSender):
 
     async def _send_gathered(self, job: RoomSend) -> list[tuple[int, int]] | None:
         """Each run gathered into a buffer and hashed on a thread while the previous one is
-        sent (a GPU pool, or the corrupt_page fault, which flips a byte of the copy)."""
+        sent (a GPU pool, every rank's slice under tensor parallelism, or the corrupt_page
+        fault, which flips a byte of the copy)."""
         pool, runs = job.pool, job.runs
         loop = asyncio.get_running_loop()
         bufs: list[bytearray] = []  # this room's gather buffers, two while runs overlap
         pending: asyncio.Future | None = None  # the next run's gather and checksums
         sums: list[tuple[int, int]] = []
         try:
-            size = max(self.run_bytes, *(kvio.payload_size(pool, c) for _, _, c in runs))
+            ranks = 1 if job.slices is None else job.slices.size
+            size = ranks * max(self.run_bytes, *(kvio.payload_size(pool, c) for _, _, c in runs))
             for _ in range(2):
                 fits = [b for b in self._bufs if len(b) >= size]
                 if fits:
@@ -133,10 +136,13 @@ class TcpSender(PageSender):
         pages = job.src[first : first + n]
 
         def work() -> tuple[wire.Payload, list[int]]:
-            data = kvio.gather(pool, pages, count, bufs[i % 2])
+            if job.slices is None:
+                data = kvio.gather(pool, pages, count, bufs[i % 2])
+            else:  # rank 0 collects the other ranks' slices (pd/tp_slices.py)
+                data = job.slices.gather(pages, count, bufs[i % 2])
             sums = kvio.run_checksums(data)
             if first == 0 and job.corrupt:
-                data[0, 0, 0, 0] ^= 0xFF  # after checksumming: the receiver must notice
+                data.view(-1)[0] ^= 0xFF  # after checksumming: the receiver must notice
             return memoryview(data.numpy()).cast("B"), sums
 
         return asyncio.get_running_loop().run_in_executor(self._gather, work)
