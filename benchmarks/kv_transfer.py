@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import socket
 import subprocess
 import sys
@@ -46,6 +45,7 @@ from benchmarks.common import (  # noqa: E402
     this_command,
     write_json,
 )
+from benchmarks.pd_workers import PDWorkers  # noqa: E402
 
 
 def raw_tcp_rate(total: int, frame: int) -> float:
@@ -139,99 +139,6 @@ class RawSink:
         self.p.wait(10)
 
 
-class Workers:
-    """A 1P1D pair as two OS processes (`kvfence serve --disaggregation-mode prefill|decode`);
-    the request goes straight to decode, naming its prefill, as the router sends it."""
-
-    def __init__(
-        self, backend: str, model: str, ctx: int, pool: int, logs: Path, certs: Path
-    ) -> None:
-        import httpx
-
-        from kvfence.tools.cluster import free_port
-
-        self.backend = backend
-        self.http = httpx.Client(timeout=300)
-        from kvfence.server.hop import sign_prefill
-        from kvfence.server.operator import new_operator_key, operator_headers
-
-        self.operator_key = new_operator_key()
-        self.sign = lambda peer: sign_prefill(self.operator_key, peer)
-        self.http.headers.update(operator_headers(self.operator_key))  # reads /pd/info
-        env = {
-            **os.environ,
-            "KVFENCE_TLS_DIR": str(certs),
-            "KVFENCE_ADMIN_API_KEY": self.operator_key,
-        }
-        env.pop("KVFENCE_FAULT_INJECTION", None)
-        self.procs: list[subprocess.Popen] = []
-        self.urls: dict[str, str] = {}
-        self.commands: list[list[str]] = []
-        for role in ("prefill", "decode"):
-            port = free_port()
-            cmd = [
-                sys.executable, "-m", "kvfence.cli", "serve", "--model", model,
-                "--port", str(port), "--context-length", str(ctx), "--kv-pool-tokens", str(pool),
-                "--disaggregation-mode", role, "--disaggregation-transfer-backend", backend,
-                "--log-level", "warning",
-            ]  # fmt: skip
-            if role == "prefill":
-                cmd += ["--disaggregation-bootstrap-port", str(free_port())]
-            log = (logs / f"kv_transfer-{backend}-{role}.log").open("wb")
-            self.procs.append(subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env))
-            self.commands.append(cmd)
-            self.urls[role] = f"http://127.0.0.1:{port}"
-        deadline = time.monotonic() + 180
-        for role, url in self.urls.items():
-            while True:
-                assert time.monotonic() < deadline, f"{backend} {role} never became healthy"
-                assert all(p.poll() is None for p in self.procs), f"{backend} {role} exited"
-                try:
-                    if self.http.get(f"{url}/health", timeout=2).status_code == 200:
-                        break
-                except httpx.HTTPError:
-                    pass
-                time.sleep(0.2)
-        info = self.http.get(f"{self.urls['prefill']}/pd/info").json()
-        self.peer = f"{info['bootstrap_host']}:{info['bootstrap_port']}"
-        self.model_name = info["model"]
-        self.seen: set[str] = set()
-
-    def transfer(self, prompt: list[int]) -> float:
-        r = self.http.post(
-            f"{self.urls['decode']}/v1/completions",
-            json={"model": self.model_name, "prompt": prompt, "max_tokens": 1,
-                  "temperature": 0, "ignore_eos": True},
-            headers=self.sign(self.peer),  # as the router signs it
-        )  # fmt: skip
-        assert r.status_code == 200, f"{self.backend}: {r.status_code} {r.text}"
-        deadline = time.monotonic() + 10
-        while True:
-            marks = self.http.get(f"{self.urls['decode']}/pd/info").json()["transfer_marks"]
-            new = [
-                room for room, m in marks.items() if room not in self.seen and "done_handled" in m
-            ]
-            if new:
-                break
-            assert time.monotonic() < deadline, "DONE handling never finished"
-            time.sleep(0.002)
-        assert len(new) == 1, new
-        room = new[0]
-        self.seen.add(room)
-        sent = self.http.get(f"{self.urls['prefill']}/pd/info").json()["transfer_marks"][room]
-        return marks[room]["done_handled"] - sent["send_start"]
-
-    def close(self) -> None:
-        for p in self.procs:
-            p.terminate()
-        for p in self.procs:
-            try:
-                p.wait(20)
-            except subprocess.TimeoutExpired:
-                p.kill()
-        self.http.close()
-
-
 class Timed:
     """A 1P1D pair whose transfer windows are timed: from prefill's SendPages to the end of
     decode's DONE handling (the end is stamped on decode's loop, which may run after the client
@@ -240,7 +147,7 @@ class Timed:
     def __init__(self, backend: str, model: str, ctx: int, pool: int) -> None:
         from pd_harness import PDPair
 
-        self.backend = backend
+        self.name = self.backend = backend
         self.pair = PDPair(
             model, timeout_s=120.0, backend=backend, context_length=ctx, kv_pool_tokens=pool
         )
@@ -308,7 +215,14 @@ def run_mode(
         from kvfence.pd import certs
 
         cert_dir = certs.cluster(Path(tempfile.mkdtemp(prefix="kvfence-kv-transfer-")))
-        sides = [Workers(b, a.model, ctx, 2 * ctx, out, cert_dir) for b in backends]
+        sides = [
+            PDWorkers(
+                b, a.model, ctx, 2 * ctx, out / f"kv_transfer-{b}",
+                {"KVFENCE_TLS_DIR": str(cert_dir)},
+                args=["--disaggregation-transfer-backend", b],
+            )  # fmt: skip
+            for b in backends
+        ]
         sink = RawSink()
         tls_sink = Sink(cert_dir, tls=True)
         commands = [c for w in sides for c in w.commands]
@@ -321,7 +235,7 @@ def run_mode(
             for t in sides:
                 wall = t.transfer(prompt)
                 if i >= warmup:
-                    runs[t.backend].append(
+                    runs[t.name].append(
                         {"bytes": nbytes, "seconds": wall, "bytes_per_s": nbytes / wall}
                     )
             if i >= warmup:

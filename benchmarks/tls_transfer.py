@@ -34,6 +34,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from benchmarks.common import RESULTS, machine, random_prompts, this_command, write_json  # noqa: E402
+from benchmarks.pd_workers import PDWorkers  # noqa: E402
 
 # The TLS sink: per connection (TLS, client certificate required), an 8-byte length, then that
 # many bytes read into a reused 1 MiB buffer, then a 1-byte ack; length 0 ends it. argv: ROOT,
@@ -115,103 +116,6 @@ class Sink:
         self.p.wait(10)
 
 
-class Workers:
-    """`kvfence serve` prefill + decode of `tree` as two OS processes, with `env` added."""
-
-    def __init__(self, name: str, tree: Path, env: dict[str, str], a: argparse.Namespace) -> None:
-        import httpx
-
-        from kvfence.server.hop import sign_prefill
-        from kvfence.server.operator import new_operator_key, operator_headers
-        from kvfence.tools.cluster import free_port
-
-        self.name = name
-        self.http = httpx.Client(timeout=300)
-        # The operator key reads /pd/info and signs the prefill address as the router does; a
-        # tree from before the operator credential ignores both.
-        operator_key = new_operator_key()
-        self.sign = lambda peer: sign_prefill(operator_key, peer)
-        self.http.headers.update(operator_headers(operator_key))
-        full = {**os.environ, **env, "PYTHONPATH": str(tree), "KVFENCE_ADMIN_API_KEY": operator_key}
-        full.pop("KVFENCE_FAULT_INJECTION", None)
-        self.procs: list[subprocess.Popen] = []
-        self.urls: dict[str, str] = {}
-        self.commands: list[list[str]] = []
-        for role in ("prefill", "decode"):
-            port = free_port()
-            cmd = [
-                sys.executable, "-m", "kvfence.cli", "serve", "--model", a.model,
-                "--port", str(port), "--context-length", str(a.ctx),
-                "--kv-pool-tokens", str(2 * a.ctx), "--disaggregation-mode", role,
-                "--attention-backend", "torch", "--linear-backend", "torch",
-                "--log-level", "warning",
-            ]  # fmt: skip
-            if role == "prefill":
-                cmd += ["--disaggregation-bootstrap-port", str(free_port())]
-            log = (Path(a.out) / f"tls_transfer-{name}-{role}.log").open("wb")
-            self.procs.append(
-                subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=full, cwd=tree)
-            )
-            self.commands.append(cmd)
-            self.urls[role] = f"http://127.0.0.1:{port}"
-        try:
-            self._wait_healthy(name)
-        except BaseException:
-            self.close()  # a worker that did start must not outlive a failed start
-            raise
-        info = self.http.get(f"{self.urls['prefill']}/pd/info").json()
-        self.peer = f"{info['bootstrap_host']}:{info['bootstrap_port']}"
-        self.model_name = info["model"]
-        self.seen: set[str] = set()
-
-    def transfer(self, prompt: list[int]) -> float:
-        """Seconds of one prompt's transfer window."""
-        r = self.http.post(
-            f"{self.urls['decode']}/v1/completions",
-            json={"model": self.model_name, "prompt": prompt, "max_tokens": 1,
-                  "temperature": 0, "ignore_eos": True},
-            headers=self.sign(self.peer),  # as the router signs it
-        )  # fmt: skip
-        assert r.status_code == 200, f"{self.name}: {r.status_code} {r.text}"
-        deadline = time.monotonic() + 10
-        while True:
-            marks = self.http.get(f"{self.urls['decode']}/pd/info").json()["transfer_marks"]
-            new = [k for k, m in marks.items() if k not in self.seen and "done_handled" in m]
-            if new:
-                break
-            assert time.monotonic() < deadline, "DONE handling never finished"
-            time.sleep(0.002)
-        room = new[0]
-        self.seen.add(room)
-        sent = self.http.get(f"{self.urls['prefill']}/pd/info").json()["transfer_marks"][room]
-        return marks[room]["done_handled"] - sent["send_start"]
-
-    def _wait_healthy(self, name: str) -> None:
-        import httpx
-
-        deadline = time.monotonic() + 300
-        for role, url in self.urls.items():
-            while True:
-                assert time.monotonic() < deadline, f"{name} {role} never became healthy"
-                assert all(p.poll() is None for p in self.procs), f"{name} {role} exited"
-                try:
-                    if self.http.get(f"{url}/health", timeout=2).status_code == 200:
-                        break
-                except httpx.HTTPError:
-                    pass
-                time.sleep(0.2)
-
-    def close(self) -> None:
-        for p in self.procs:
-            p.terminate()
-        for p in self.procs:
-            try:
-                p.wait(20)
-            except subprocess.TimeoutExpired:
-                p.kill()
-        self.http.close()
-
-
 def export_tree(ref: str, into: Path) -> Path:
     """`git archive ref` unpacked into `into` (the repository itself is only read)."""
     data = subprocess.run(
@@ -255,11 +159,17 @@ def main(argv: list[str] | None = None) -> int:
     tmp = Path(tempfile.mkdtemp(prefix="kvfence-tls-bench-"))
     cert_dir = certs.cluster(tmp / "certs")
     before_tree = export_tree(a.before_ref, tmp / "before")
+    torch_kernels = ["--attention-backend", "torch", "--linear-backend", "torch"]
+
+    def workers(name: str, tree: Path, env: dict[str, str]) -> PDWorkers:
+        logs = out / f"tls_transfer-{name}"
+        return PDWorkers(name, a.model, a.ctx, 2 * a.ctx, logs, env, tree, torch_kernels)
+
     sides = [
         # A GMAC tree reads the secret, a TLS one (the smoke test's HEAD) the certificates.
-        Workers("before", before_tree, {"KVFENCE_CLUSTER_SECRET": "bench-" + "0" * 40,
-                                        "KVFENCE_TLS_DIR": str(cert_dir)}, a),  # fmt: skip
-        Workers("after", ROOT, {"KVFENCE_TLS_DIR": str(cert_dir)}, a),
+        workers("before", before_tree, {"KVFENCE_CLUSTER_SECRET": "bench-" + "0" * 40,
+                                        "KVFENCE_TLS_DIR": str(cert_dir)}),  # fmt: skip
+        workers("after", ROOT, {"KVFENCE_TLS_DIR": str(cert_dir)}),
     ]
     tls_sink, raw_sink = Sink(cert_dir, tls=True), Sink(cert_dir, tls=False)
     rates: dict[str, list[float]] = {"before": [], "after": [], "tls_ceiling": [], "raw_tcp": []}

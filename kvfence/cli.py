@@ -4,6 +4,7 @@ bench."""
 from __future__ import annotations
 
 import argparse
+import faulthandler
 import logging
 import os
 import signal
@@ -14,7 +15,7 @@ from typing import TYPE_CHECKING
 from kvfence.args import ENGINE_OPTIONS, PD_OPTIONS, SERVER_OPTIONS, TOOL_CALL_PARSER, add_options
 from kvfence.config import ConfigError, EngineConfig
 from kvfence.faults import Faults
-from kvfence.tp_layout import PD_TP_REFUSED
+from kvfence.tp_layout import pd_tp_problem
 
 if TYPE_CHECKING:
     from kvfence.role import RoleService
@@ -31,8 +32,9 @@ def role_service(args: argparse.Namespace, faults: Faults) -> RoleService:
 
         return UnifiedService(Engine(cfg, faults))
     role = args.disaggregation_mode
-    if cfg.tp_size > 1:
-        raise ConfigError(PD_TP_REFUSED.format(tp=cfg.tp_size, role=role))
+    problem = pd_tp_problem(cfg.tp_size, args.disaggregation_transfer_backend)
+    if problem is not None:  # before any certificate is read or rank started
+        raise ConfigError(problem)
     from kvfence.pd.tls import TlsConfig, load_files
     from kvfence.pd.transport.tcp import LinkLimits
 
@@ -64,6 +66,10 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from kvfence.model.config import UnsupportedModelError
     from kvfence.server.api import serve
 
+    # A worker ended by a fatal signal (a C-level crash: SIGSEGV, SIGBUS, SIGABRT...) leaves its
+    # threads' Python stacks on stderr, i.e. in its log; SIGKILL (the OOM killer) leaves only
+    # the exit status its parent sees.
+    faulthandler.enable()
     try:
         # This process's fault points: none unless a test harness started it with
         # KVFENCE_FAULTS (and fault injection on); a kill_* point then ends the process.

@@ -60,10 +60,15 @@ ACTION_POINTS = frozenset(
         "stale_cached_page",  # a PD decode's cached prefix page changes under a room after its
         #                       RESERVE went out (I3: the read-back covers cached pages too)
         # Tensor parallelism (I2 across ranks): the rank where it is armed contributes no fail
-        # flags to the batch's combined check (as if it skipped the check) ...
+        # flags to the batch's combined check (as if it skipped the check), and on rank 0 of a
+        # PD decode it skips the transfer's destination check ...
         "tp_rank_skips_tag_check",
-        # ... and rank 0's flags decide alone, not combined with the others' (the twin).
+        # ... and rank 0's flags decide alone, not combined with the others' (the twin); a PD
+        # decode's other ranks then write every page rank 0 accepted, checking nothing.
         "tp_leader_decides_alone",
+        # A tensor-parallel PD decode's last rank scrambles its slice of the first page of each
+        # run it writes, after the run's checksums passed (I3: the read-back covers every rank).
+        "tp_corrupt_rank_slice",
     }
 )
 POINTS = frozenset(GUARD_POINTS) | ACTION_POINTS

@@ -15,14 +15,18 @@ from dataclasses import dataclass
 
 from kvfence.shape import ModelShape
 
-# Each rank holds a slice of every KV page; moving a room then means N rank-to-rank transfers whose
-# checksums, counts and digest must all verify before decode commits. That is not built yet, so a
-# PD role with tensor parallelism refuses to start rather than move one rank's slice as the page.
-PD_TP_REFUSED = (
-    "--tp-size {tp} with --disaggregation-mode {role}: tensor parallelism runs in the unified "
-    "role only for now (a PD transfer moves whole pages from one process; per-rank slices are not "
-    "transferred yet). Use --tp-size 1 for prefill and decode workers."
-)
+
+def pd_tp_problem(tp_size: int, backend: str) -> str | None:
+    """Why a PD role cannot run tensor-parallel over this transfer backend, or None. A room moves
+    every rank's slice of each page through rank 0's connection (kvfence/pd/tp_slices.py);
+    Mooncake's one-sided writes reach only the pool a peer registered, rank 0's slice."""
+    if tp_size > 1 and backend == "mooncake":
+        return (
+            f"--disaggregation-transfer-backend mooncake with --tp-size {tp_size}: one-sided "
+            "writes reach only rank 0's slice of each page; tensor-parallel PD workers use the "
+            "tcp backend"
+        )
+    return None
 
 
 def tp_problem(mc: ModelShape, size: int, intermediate: int | None, moe: bool) -> str | None:

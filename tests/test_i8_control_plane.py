@@ -268,6 +268,27 @@ def test_i8_truncated_frame_changes_nothing(pair: PDPair) -> None:
     assert snapshot(pair) == before
 
 
+def test_pd_decodes_ack_of_a_prefill_abort_keeps_the_connection(pair: PDPair) -> None:
+    """Decode acknowledges every ABORT prefill sends (a refusal at prefill's door, a draining
+    prefill, a prefill timeout): prefill must take the ack as the end of that room, not as a
+    bad frame that drops the connection and fails every other room of that decode with it.
+    Each next RESERVE is answered only if the connection survived the previous ack."""
+    bad = bad_frames(pair)
+    raw = Raw(pair.prefill.port, files("decode"))
+    assert isinstance(raw.hello(pair), wire.HelloOk)
+    for room in ("e" * 32, "f" * 32, "0" * 32):
+        # An empty prompt: refused at prefill's door, answered with an ABORT.
+        raw.send(frame(p.Reserve(room, "mallory", (), {}, 4, (1,), 1)))
+        try:
+            got = read_frame(raw.sock)
+        except (ConnectionError, ssl.SSLError) as e:
+            pytest.fail(f"prefill dropped the connection after decode's ABORT_ACK: {e}")
+        assert isinstance(got, p.Abort) and got.room == room, got
+        raw.send(frame(p.AbortAck(room)))  # what decode's state machine answers
+    assert bad_frames(pair) == bad
+    raw.sock.close()
+
+
 # ---- bounded before authentication ----------------------------------------------------------
 
 

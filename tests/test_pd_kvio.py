@@ -25,3 +25,22 @@ def test_pool_blocks_are_the_gathered_run() -> None:
         assert b"".join(blocks) == kvio.gather(pool, pages, count).numpy().tobytes()
         sums = kvio.pool_checksums(pool, pages, len(pages) * count)
         assert sums == kvio.run_checksums(kvio.gather(pool, pages, count))
+
+
+def test_blocks_received_in_place_hash_to_the_senders_checksums() -> None:
+    """Decode hashes a placed run block by block as the blocks land (PageHashes over the
+    unmerged views); prefill hashes the run in place (run_pool_checksums): both must be the
+    checksums of gather()'s run, the bytes the old path sent and checked."""
+    pool = _pool()
+    for pages, count in (([1, 2, 3, 4], 4), ([5, 2, 3, 9], 4), ([7], 3), ([11, 10], 4)):
+        want = kvio.run_checksums(kvio.gather(pool, pages, count))
+        views = kvio.pool_blocks(pool, pages, count, merge=False)
+        assert len(views) == 2 * pool.num_layers * len(pages)
+        assert b"".join(views) == kvio.gather(pool, pages, count).numpy().tobytes()
+        hashes = kvio.PageHashes(len(pages))
+        for i, view in enumerate(views):
+            hashes.add(i, view)
+        assert hashes.digests() == want
+        assert kvio.run_pool_checksums(pool, pages, count) == want
+        kvio.corrupt_page(pool, pages[-1])  # a changed page no longer matches
+        assert kvio.run_pool_checksums(pool, pages, count)[-1] != want[-1]

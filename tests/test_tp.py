@@ -218,23 +218,27 @@ def test_tp2_stalled_rank_fails_the_engine_closed_within_the_timeout(checkpoint_
         engine.shutdown()
 
 
-def test_pd_roles_refuse_tensor_parallelism_at_start_up(tmp_path: Path) -> None:
+def test_pd_roles_refuse_tensor_parallelism_over_mooncake_at_start_up(tmp_path: Path) -> None:
+    """One-sided writes reach only rank 0's slice: refused before any certificate is read or
+    rank started (tcp PD with --tp-size 2 runs: tests/test_pd_tp.py)."""
     from kvfence.cli import build_parser, role_service
 
     for mode in ("prefill", "decode"):
-        argv = ["serve", "--model", str(tmp_path), "--disaggregation-mode", mode, "--tp-size", "2"]
-        with pytest.raises(ConfigError, match="unified role only"):
+        argv = ["serve", "--model", str(tmp_path), "--disaggregation-mode", mode, "--tp-size", "2",
+                "--disaggregation-transfer-backend", "mooncake"]  # fmt: skip
+        with pytest.raises(ConfigError, match="mooncake with --tp-size 2"):
             role_service(build_parser().parse_args(argv), Faults())
 
 
-def test_up_refuses_tensor_parallelism_before_starting_anything(
+def test_up_refuses_tensor_parallelism_over_mooncake_before_starting_anything(
     capsys: pytest.CaptureFixture[str],
 ) -> None:
     from kvfence.tools.up import main as up_main
 
     tiny = Path(__file__).resolve().parent.parent / "models" / "kvfence-tiny"
-    assert up_main(["--model", str(tiny), "--tp-size", "2"]) == 2
-    assert "unified role only" in capsys.readouterr().err
+    argv = ["--model", str(tiny), "--tp-size", "2", "--disaggregation-transfer-backend", "mooncake"]
+    assert up_main(argv) == 2
+    assert "tensor-parallel PD workers use the tcp backend" in capsys.readouterr().err
 
 
 def test_i7_pairing_compares_the_tp_split() -> None:

@@ -3,7 +3,8 @@
 two tenants concurrently, and reject over-length prompts before any page or transfer exists.
 Opt-in (RUN_SLOW=1): two tenants' multi-turn chats through a 2P2D cluster with caches on and the
 cache-aware router, token-exact, each later turn served from its decode's cache (the in-process
-version with forced eviction runs in CI: test_pd_prefix_2p2d.py)."""
+version with forced eviction runs in CI: test_pd_prefix_2p2d.py), and a 1P1D cluster with
+--tp-size 2 on both sides (in-process version in CI: test_pd_tp.py)."""
 
 from __future__ import annotations
 
@@ -26,7 +27,7 @@ KEYS = {"key-alpha": "alpha", "key-beta": "beta"}
 
 
 class Cluster(LocalCluster):
-    def __init__(self, tmp: Path, backend: str, prefill: int, decode: int) -> None:
+    def __init__(self, tmp: Path, backend: str, prefill: int, decode: int, *extra: str) -> None:
         super().__init__(
             tmp,
             TINY_MODEL,
@@ -40,6 +41,7 @@ class Cluster(LocalCluster):
             "4096",
             "--disaggregation-transfer-backend",
             backend,
+            *extra,
             keys=KEYS,
         )
 
@@ -181,3 +183,36 @@ def test_up_2p2d_multi_turn_two_tenants_hit_their_decode_cache_and_stay_exact(
     assert cached[:2] == [0, 0] and all(c >= 32 for c in cached[2:]), cached
     hits = 'kvfence_router_decisions_total{policy="cache_aware",reason="cache_hit",role="decode"}'
     assert f"{hits} 4.0" in metrics, metrics
+
+
+@pytest.mark.skipif(os.environ.get("RUN_SLOW") != "1", reason="slow (4 processes): RUN_SLOW=1")
+def test_up_1p1d_tp2_token_exact_and_the_second_turn_hits_decode_cache(tmp_path: Path) -> None:
+    """`kvfence up --tp-size 2`: prefill and decode each one server process and one child rank
+    (the bundled model has one KV head: each rank holds it whole, replicated). Run:
+    `RUN_SLOW=1 .venv/bin/python -m pytest tests/test_up_e2e.py -k tp2`."""
+    params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+    first = random_prompts([40], vocab=2048, seed=61)[0]
+    cluster = Cluster(tmp_path, "tcp", 1, 1, "--tp-size", "2")
+    prompts, got, cached = [], [], []
+    try:
+        prompt = first
+        for _ in range(2):
+            r = cluster.post({"model": "kvfence-tiny", "prompt": prompt, "max_tokens": 6,
+                              "temperature": 0, "ignore_eos": True, "logprobs": 0,
+                              "return_tokens_as_token_ids": True})  # fmt: skip
+            assert r.status_code == 200, r.text
+            body = r.json()
+            tokens = body["choices"][0]["logprobs"]["tokens"]
+            answer = [int(t.removeprefix("token_id:")) for t in tokens]
+            prompts.append(prompt)
+            got.append(answer)
+            cached.append(body["usage"]["prompt_tokens_details"]["cached_tokens"])
+            prompt = prompt + answer + [5, 6, 7]
+        wait_for(lambda: cluster.pages_used() == [0, 0], 15,
+                 lambda: f"pages still used: {cluster.pages_used()}", interval=0.1)
+    finally:
+        cluster.stop()
+    unified = LLM(str(TINY_MODEL), kv_pool_tokens=4096, context_length=CTX)
+    assert got == [o.token_ids for o in unified.generate(prompts, params)]
+    assert got == hf_greedy(TINY_MODEL, prompts, 6)
+    assert cached[0] == 0 and cached[1] >= 32, cached

@@ -193,7 +193,9 @@ class Engine:
         if self.tp is None:
             self.runner = ModelRunner(*runner_args)
         else:
-            self.runner = LeaderRunner(*runner_args, group=self.tp.group, send=self.tp.send)
+            self.runner = LeaderRunner(
+                *runner_args, group=self.tp.group, send=self.tp.send, lock=self.tp.lock
+            )
             install_collectives(self.model, self.tp.group, self.tp.layout)
             self.tp.ready()
             self.tp.on_broken = lambda: self._wake.set()
@@ -349,7 +351,9 @@ class Engine:
             log.error("engine failed closed: %s", reason)
         self._failed = reason
         self._drain_inbox()  # requests that arrived before admission saw the failure
-        for seq in list(self._seqs.values()):  # no HANDOFF here: PD roles run tp_size 1
+        # HANDOFF sequences too: a PD role's rooms hear through their sinks (prefill) or their
+        # clients (decode); this pool is never used again, so no late write can reach a reader.
+        for seq in list(self._seqs.values()):
             self._finish(seq, FinishReason.ERROR, self._failed, ENGINE_FAILED, status=503)
 
     def has_work(self) -> bool:

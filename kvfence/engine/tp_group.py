@@ -100,6 +100,9 @@ class TpLeader:
         self.size = cfg.tp_size
         self.layout = layout_of(0)
         self.broken: str | None = None
+        # Held while a frame goes down the pipes and until its collectives are over (a step, or
+        # a PD room's slice op from a transfer thread), so every rank meets them in pipe order.
+        self.lock = threading.RLock()
         self.on_broken: Callable[[], None] = lambda: None  # the engine wakes its loop
         self._closing = False
         self._dir = tempfile.mkdtemp(prefix="kvfence-tp-")

@@ -10,13 +10,14 @@ and runs the same forward: if any rank sees a bad page, no rank runs that row (I
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
 
-from kvfence.engine.runner import ModelRunner
+from kvfence.engine.runner import ModelRunner, StepResult
 from kvfence.engine.scheduler import ScheduledChunk
 from kvfence.kv.pool import Grant, KVPool, SealedReads
 from kvfence.model.tp import RankGroup
@@ -35,6 +36,7 @@ class StepPlan:
     sealed: SealedReads | None  # CPU tensors
     enforce: bool  # rank 0's tag_check guard: every rank drops failed rows, or none does
     leader_alone: bool  # fault twin: rank 0's flags decide alone (SGLang #39729's pattern)
+    check_only: bool = False  # the check alone, no forward (decode's commit probe)
 
 
 def agree(group: RankGroup, flags: torch.Tensor, leader_alone: bool) -> torch.Tensor:
@@ -68,14 +70,34 @@ def _cpu_sealed(s: SealedReads | None) -> SealedReads | None:
 
 
 class LeaderRunner(ModelRunner):
-    """Rank 0: the engine's runner; each ownership check first sends the step to the ranks."""
+    """Rank 0: the engine's runner; each ownership check first sends the step to the ranks.
+    A step (plan, check, forward) holds the group's lock: a PD room's slice ops
+    (kvfence/pd/tp_slices.py) come from other threads and must not interleave with it."""
 
-    def __init__(self, *args: Any, group: RankGroup, send: Any, **kwargs: Any) -> None:
+    def __init__(
+        self, *args: Any, group: RankGroup, send: Any, lock: threading.RLock, **kwargs: Any
+    ) -> None:
         super().__init__(*args, **kwargs)
         self.group = group
         self.send = send  # StepPlan -> None: writes it to every other rank
-        self.mirror = TableMirror(self.pool)
+        self.lock = lock
+        self.mirror = TableMirror(self.pool)  # read and advanced only under the lock
         self._enforce = True
+        self._forward_follows = False  # inside run(): the ranks run the forward after the check
+
+    def run(self, chunks: list[ScheduledChunk]) -> StepResult:
+        with self.lock:
+            self._forward_follows = True
+            try:
+                return super().run(chunks)
+            finally:
+                self._forward_follows = False
+
+    def check_ownership(
+        self, chunks: list[ScheduledChunk]
+    ) -> tuple[list[ScheduledChunk], list[ScheduledChunk]]:
+        with self.lock:
+            return super().check_ownership(chunks)
 
     def ownership_flags(self, chunks: list[ScheduledChunk]) -> torch.Tensor:
         inputs = self.ownership_inputs(chunks)
@@ -101,6 +123,7 @@ class LeaderRunner(ModelRunner):
                 sealed=_cpu_sealed(inputs[5]),
                 enforce=self._enforce,
                 leader_alone=alone,
+                check_only=not self._forward_follows,
             )
         )
         local = self.pool.check_owned(*inputs)
@@ -159,7 +182,7 @@ class FollowerRunner(ModelRunner):
             for start, n, s, pages, toks, g, t in plan.rows
         ]
         kept, _ = self.check_ownership(list(chunks))
-        if kept:
+        if kept and not plan.check_only:
             self.forward(kept)
 
     def ownership_flags(self, chunks: list[ScheduledChunk]) -> torch.Tensor:

@@ -1,6 +1,7 @@
 """A tensor-parallel rank other than 0 (`python -m kvfence.engine.tp_worker`, started by rank 0's
 TpLeader): build this rank's slice of the model and KV pool, then run each step rank 0 sends
-until its pipe ends. It holds no scheduler, no tokenizer and no HTTP side; it never samples.
+until its pipe ends (and, in a PD role, the KV slice ops of rank 0's transfers: pd/tp_slices.py).
+It holds no scheduler, no tokenizer and no HTTP side; it never samples.
 """
 
 from __future__ import annotations
@@ -13,12 +14,13 @@ import torch
 import torch.distributed as dist
 
 from kvfence.engine.tp_group import RankSetup, rank_device, read_frame
-from kvfence.engine.tp_runner import FollowerRunner
+from kvfence.engine.tp_runner import FollowerRunner, StepPlan
 from kvfence.faults import Faults
 from kvfence.kv.pool import KVPool
 from kvfence.model.config import ModelConfig
 from kvfence.model.loader import TORCH_DTYPES, load_model
 from kvfence.model.tp import RankGroup, install_collectives, shard_model
+from kvfence.pd.tp_slices import follow
 from kvfence.tp_layout import TpLayout
 
 log = logging.getLogger("kvfence.tp")
@@ -70,7 +72,10 @@ def run_rank(setup: RankSetup, pipe: object) -> int:
         plan = read_frame(pipe)  # type: ignore[arg-type]
         if plan is None:
             return 0  # rank 0 closed the pipe (shutdown) or died
-        runner.step(plan)
+        if isinstance(plan, StepPlan):
+            runner.step(plan)
+        else:  # a PD room's KV slices (prefill or decode role)
+            follow(plan, pool, group)
 
 
 def main() -> int:

@@ -61,6 +61,7 @@ class RankGroup:
         self._bcast.timeout = timeout
         self._barrier = dist.BarrierOptions()
         self._barrier.timeout = timeout
+        self._timeout = timeout
         self.comm_s = 0.0  # seconds spent in collectives (benchmarks read it)
         self.comm_calls = 0
 
@@ -90,6 +91,15 @@ class RankGroup:
         self.comm_s += time.perf_counter() - t0
         self.comm_calls += 1
         return torch.cat(outs[0], dim=-1) if self.rank == 0 else t
+
+    def send_(self, t: torch.Tensor, dst: int) -> None:
+        """t (contiguous) to rank dst, which must be in the matching recv_."""
+        self.pg.send([t], dst, 0).wait(self._timeout)
+
+    def recv_(self, t: torch.Tensor, src: int) -> torch.Tensor:
+        """Rank src's matching send_, into t (contiguous, its shape and dtype)."""
+        self.pg.recv([t], src, 0).wait(self._timeout)
+        return t
 
     def barrier(self) -> None:
         self.pg.barrier(self._barrier).wait()

@@ -16,11 +16,12 @@ from typing import Any
 import torch
 from prometheus_client.core import Metric
 
-from kvfence.config import EngineConfig
+from kvfence.config import ConfigError, EngineConfig
 from kvfence.engine.admission import Admitted, Rejected
 from kvfence.engine.engine import Engine
 from kvfence.engine.request import GenerateRequest
 from kvfence.engine.sequence import SeqMode, Sequence
+from kvfence.engine.tp_group import TpBroken
 from kvfence.faults import Faults
 from kvfence.kv.pool import Grant
 from kvfence.kv.prefix import held_digest
@@ -30,9 +31,18 @@ from kvfence.pd.ioloop import IOLoop
 from kvfence.pd.pairing import model_fingerprint, node_info, pairing_problem
 from kvfence.pd.stats import TransferStats
 from kvfence.pd.tls import TlsConfig
+from kvfence.pd.tp_slices import rank_slices
 from kvfence.pd.transport.link import page_receiver
-from kvfence.pd.transport.tcp import Connection, LinkLimits, PeerKey, RecordError, resolve
+from kvfence.pd.transport.tcp import (
+    Connection,
+    LinkLimits,
+    PeerKey,
+    Placement,
+    RecordError,
+    resolve,
+)
 from kvfence.role import EngineRole
+from kvfence.tp_layout import pd_tp_problem
 
 log = logging.getLogger("kvfence.pd.decode")
 
@@ -89,7 +99,12 @@ class DecodeService(EngineRole):
         self.faults = faults if faults is not None else Faults()
         if tls is None or tls.role != "decode":
             raise ValueError("a decode worker needs its decode TLS certificate (I8)")
+        problem = pd_tp_problem(cfg.tp_size, backend)
+        if problem is not None:
+            raise ConfigError(problem)
         super().__init__(Engine(cfg, self.faults, hooks=self))
+        self.slices = rank_slices(self.engine)  # None: one rank holds whole pages
+        self.ranks = cfg.tp_size  # a run's payload carries every rank's slice
         self.tls = tls  # I8: every connection is mutual TLS with prefill certificates
         self.limits = limits or LinkLimits()
         self.link = page_receiver(backend, self.engine.pool, host)
@@ -205,7 +220,10 @@ class DecodeService(EngineRole):
             r.room, len(r.prompt), len(pages), cached_pages=cached, cached_tokens=r.cached_tokens
         )
         # The cached prefix as it is now: the read-back at DONE must find it unchanged.
-        sums = kvio.pool_checksums(pool, pages[:cached], r.cached_tokens) if cached else []
+        try:
+            sums = self._pool_sums(pages[:cached], r.cached_tokens) if cached else []
+        except TpBroken:
+            sums = []  # the engine failed closed: this room's client has its error already
         self.rooms[r.room] = _Room(
             room,
             None,
@@ -219,7 +237,7 @@ class DecodeService(EngineRole):
         self.transfer_stats.inc("prompt_tokens", len(r.prompt))
         self.transfer_stats.inc("prefix_cached_tokens", r.cached_tokens)
         self.transfer_stats.inc(
-            "bytes_not_transferred", cached * kvio.payload_size(pool, pool.page_size)
+            "bytes_not_transferred", cached * self.ranks * kvio.payload_size(pool, pool.page_size)
         )
         if cached and self.faults.active("stale_cached_page"):
             kvio.corrupt_page(pool, pages[0])
@@ -298,11 +316,20 @@ class DecodeService(EngineRole):
         assert peer.conn is not None
         conn = peer.conn
         writing: deque[asyncio.Future] = deque()  # runs handed to the writer, in arrival order
+        placed: list[_Placed] = []  # where recv() decrypted the frame it returned, if it did
+
+        def place(msg: wire.Frame, nbytes: int) -> _Placed | None:
+            found = self._place(msg, nbytes)
+            if found is not None:
+                placed.append(found)
+            return found
+
         try:
             while True:
-                msg, payload = await conn.recv()
+                placed.clear()  # recv() asks place() only for a frame with a payload
+                msg, payload = await conn.recv(place)
                 if isinstance(msg, wire.PageRun):
-                    applied = self._on_run(conn, msg, payload)
+                    applied = self._on_run(conn, msg, payload, placed[0] if placed else None)
                     if applied is not None:
                         writing.append(applied)
                     while writing and (writing[0].done() or len(writing) > _RUNS_IN_FLIGHT):
@@ -340,32 +367,76 @@ class DecodeService(EngineRole):
         else:
             raise wire.WireError(f"unexpected {type(msg).__name__} from prefill")
 
-    def _on_run(
-        self, conn: Connection, run: wire.PageRun, payload: memoryview
-    ) -> asyncio.Future | None:
-        """A run of pages: every page is checked (position, size, checksum, grant) on its own,
-        the good ones are written in one batch, and the state machine sees the run as one
-        RunArrived. The transport applies it: at once, or on its writer thread (the Future)."""
-        room = self.rooms.get(run.room)
+    def _run_pages(self, room: _Room | None, run: wire.PageRun, nbytes: int) -> list[int] | None:
+        """The pages a run of a RESERVED room writes, if its position and size are right."""
         if room is None or room.state.state is not p.DState.RESERVED:
-            # the tcp receiver can refuse a late write
-            self.transfer_stats.inc("late_writes_dropped", len(run.checksums))
             return None
-        self.transfer_stats.mark(run.room, "first_page")
         pool = self.engine.pool
         n = len(run.checksums)
-        expected = self.link.payload_bytes(pool, n, run.n_tokens)
         reserved = room.reserved
         ok_shape = (
             0 <= run.first
             and run.first + n <= len(reserved)
             and 0 < run.n_tokens <= pool.page_size
-            and payload.nbytes == expected
+            and nbytes == self.ranks * self.link.payload_bytes(pool, n, run.n_tokens)
         )
-        if not ok_shape:
-            self._run_applied(run, [False] * n, 0, 0)
+        return reserved[run.first : run.first + n] if ok_shape else None
+
+    def _owned(self, grant: Grant, pages: list[int]) -> list[bool]:
+        """I2 on the write path: per page, whether it still belongs to the room's grant and
+        tenant (every page, with the guard off: the mutation twin)."""
+        owned = self.engine.pool.check_destination(grant, pages)
+        return owned if self.faults.guards().on("dest_check") else [True] * len(pages)
+
+    def _place(self, msg: wire.Frame, nbytes: int) -> _Placed | None:
+        """Where a PageRun's bytes are decrypted to, asked with its header: straight into the
+        room's pages when the transport allows it and every destination page is the room's
+        (I2, checked before a byte lands; a run with a foreign page goes the buffered way,
+        which writes only the room's own pages). The writes stop the moment the room stops
+        being RESERVED. Each page's checksum is taken from the pool as its blocks land, and
+        compared once the run is in (_placed_run)."""
+        if not isinstance(msg, wire.PageRun) or self.slices is not None:
+            return None  # under tensor parallelism a run carries every rank's slice: buffered
+        room = self.rooms.get(msg.room)
+        pages = self._run_pages(room, msg, nbytes)
+        if room is None or pages is None or not all(self._owned(room.grant, pages)):
             return None
-        pages = reserved[run.first : run.first + n]
+        views = self.link.place(self.engine.pool, pages, msg.n_tokens)
+        if views is None:
+            return None
+        hashes = kvio.PageHashes(len(pages)) if self.faults.guards().on("checksum") else None
+        rid = msg.room
+
+        def holds() -> bool:  # the room still holds its pages and takes writes
+            return self.rooms.get(rid) is room and room.state.state is p.DState.RESERVED
+
+        filled = None if hashes is None else (lambda i: hashes.add(i, views[i]))
+        return _Placed(views, holds, filled, hashes=hashes)
+
+    def _on_run(
+        self,
+        conn: Connection,
+        run: wire.PageRun,
+        payload: memoryview,
+        placed: _Placed | None = None,
+    ) -> asyncio.Future | None:
+        """A run of pages: every page is checked (position, size, checksum, grant) on its own,
+        the good ones are written in one batch (or were decrypted into place: _place), and the
+        state machine sees the run as one RunArrived. The transport applies a buffered run: at
+        once, or on its writer thread (the Future)."""
+        room = self.rooms.get(run.room)
+        if room is None or room.state.state is not p.DState.RESERVED:
+            # the tcp receiver can refuse a late write (a placed run stopped writing then)
+            self.transfer_stats.inc("late_writes_dropped", len(run.checksums))
+            return None
+        self.transfer_stats.mark(run.room, "first_page")
+        if placed is not None:
+            self._placed_run(run, room, placed.hashes)
+            return None
+        pages = self._run_pages(room, run, payload.nbytes)
+        if pages is None:
+            self._run_applied(run, [False] * len(run.checksums), 0, 0)
+            return None
         check = self.faults.guards().on("checksum")  # off: mutation twin, the bytes as they come
         return self.link.apply(
             conn,
@@ -390,15 +461,14 @@ class DecodeService(EngineRole):
         data = None
         if payload is not None:
             size = run.n_tokens * kvio.token_bytes(pool)
-            data = torch.frombuffer(payload, dtype=torch.uint8).view(2, pool.num_layers, n, size)
+            shape = (self.ranks, 2, pool.num_layers, n, size)
+            data = torch.frombuffer(payload, dtype=torch.uint8).view(shape)
             if check:
                 got = kvio.run_checksums(data)
                 intact = [g == c for g, c in zip(got, run.checksums, strict=True)]
-        # I2 on the write path: every destination page must still belong to this room's grant
-        # and tenant.
-        owned = pool.check_destination(grant, pages)
-        if not self.faults.guards().on("dest_check"):
-            owned = [True] * n
+        owned = self._owned(grant, pages)
+        if self.slices is not None and self.faults.active("tp_rank_skips_tag_check"):
+            owned = [True] * n  # rank 0's own check off: the other ranks' must still refuse
         foreign = owned.count(False)
         if foreign:
             intact = [i and o for i, o in zip(intact, owned, strict=True)]
@@ -407,9 +477,47 @@ class DecodeService(EngineRole):
             return intact, foreign, 0
         which = None if len(good) == n else good
         dst = [pages[i] for i in good]
-        kvio.scatter(pool, dst, run.n_tokens, data, which)
+        kvio.scatter(pool, dst, run.n_tokens, data[0], which)
         pool.mark_written(grant, dst)
+        if self.slices is not None:
+            # The other ranks' slices: each rank writes only pages the grant owns in its own
+            # tables; a page any rank refused fails the room like a foreign one here.
+            try:
+                refused = self.slices.scatter(
+                    data[1:, :, :, good],
+                    dst,
+                    run.n_tokens,
+                    grant,
+                    self.faults.guards().on("dest_check"),
+                    self.faults.active("tp_corrupt_rank_slice"),
+                    self.faults.active("tp_leader_decides_alone"),
+                )
+            except TpBroken:  # the engine failed closed; the room fails with it
+                return [False] * n, foreign, 0
+            for i, bad in zip(good, refused, strict=True):
+                if bad:
+                    intact[i] = False
+                    foreign += 1
         return intact, foreign, len(good)
+
+    def _placed_run(
+        self, run: wire.PageRun, room: _Room, hashes: kvio.PageHashes | None
+    ) -> None:
+        """A run decrypted straight into the room's pages: each page is intact if its bytes in
+        the pool hashed to the sender's checksum as they landed and it is still the room's;
+        only those count as written. hashes None: the checksum guard is off (mutation twin,
+        the bytes as they come)."""
+        pool = self.engine.pool
+        pages = room.reserved[run.first : run.first + len(run.checksums)]
+        intact = [True] * len(pages)
+        if hashes is not None:
+            intact = [g == c for g, c in zip(hashes.digests(), run.checksums, strict=True)]
+        owned = self._owned(room.grant, pages)
+        intact = [i and o for i, o in zip(intact, owned, strict=True)]
+        good = [page for page, ok in zip(pages, intact, strict=True) if ok]
+        if good:
+            pool.mark_written(room.grant, good)
+        self._run_applied(run, intact, owned.count(False), len(good))
 
     def _run_applied(
         self, run: wire.PageRun, intact: list[bool], foreign: int, written: int
@@ -420,7 +528,7 @@ class DecodeService(EngineRole):
         if written:
             self.transfer_stats.inc("pages_received", written)
             self.transfer_stats.inc(
-                "bytes_received", written * kvio.payload_size(pool, run.n_tokens)
+                "bytes_received", written * self.ranks * kvio.payload_size(pool, run.n_tokens)
             )
         bad = intact.count(False)
         if bad:
@@ -455,11 +563,20 @@ class DecodeService(EngineRole):
         writes), and the cached prefix exactly what it held when RESERVE went out."""
         if done.n_tokens != room.state.n_tokens or done.n_pages != len(room.pages):
             return False
-        sums = kvio.pool_checksums(self.engine.pool, room.pages, done.n_tokens)
+        try:
+            sums = self._pool_sums(room.pages, done.n_tokens)
+        except TpBroken:
+            return False  # a rank's slice cannot be read back: nothing to commit
         k = room.cached
         if sums[:k] != room.prefix_sums:
             return False
         return p.digest_of(tuple(enumerate(sums[k:])), done.n_tokens) == done.digest
+
+    def _pool_sums(self, pages: list[int], n_tokens: int) -> list[int]:
+        """Per-page checksums of what the pool holds, over every rank's slice (I3)."""
+        if self.slices is not None:
+            return self.slices.checksums(pages, n_tokens)
+        return kvio.pool_checksums(self.engine.pool, pages, n_tokens)
 
     def _feed(self, rid: str, event: Any, reason: str | None = None) -> None:
         """reason: why the connection was lost, for the client's error message."""
@@ -533,6 +650,13 @@ class DecodeService(EngineRole):
                 log.info("closing idle connection to prefill %s:%s", *key)
                 self.transfer_stats.inc("idle_closed")
                 peer.conn.close()
+
+
+@dataclass
+class _Placed(Placement):
+    """A PageRun decrypted into the pool, with its pages' checksums taken as it landed."""
+
+    hashes: kvio.PageHashes | None = None
 
 
 class _RoomEffects:

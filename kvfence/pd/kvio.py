@@ -6,9 +6,17 @@ kv_heads, head_dim] in the pool's dtype, i.e. 2 * layers contiguous runs of the 
 checksum is xxh3-64 of those bytes. A run of pages with the same token count travels as one
 frame: [2, layers, pages, tokens, kv_heads, head_dim], gathered and scattered as whole blocks
 (a page's tokens of one layer), one vectorised take / put per K and V.
+
+Tensor parallelism: each rank holds its KV heads' slice of every page, so a run carries the
+ranks' slices one after another ([ranks, 2, layers, pages, ...]) and a page's checksum is xxh3-64
+of its slices' checksums in rank order (`fold_ranks`): one number per page, whichever rank's
+slice changed. Prefill and decode pair only with the same split (pairing.py, I7).
 """
 
 from __future__ import annotations
+
+import struct
+from collections.abc import Sequence
 
 import numpy as np
 import torch
@@ -25,6 +33,14 @@ RUN_BYTES = 8 << 20
 
 def checksum(data: bytes | memoryview) -> int:
     return xxhash.xxh3_64_intdigest(data)
+
+
+def fold_ranks(per_rank: Sequence[Sequence[int]]) -> list[int]:
+    """Per-page checksums over every rank's slice, from each rank's per-page checksums of its
+    own slice; one rank: its own, unchanged."""
+    if len(per_rank) == 1:
+        return list(per_rank[0])
+    return [checksum(struct.pack(f"<{len(col)}Q", *col)) for col in zip(*per_rank, strict=True)]
 
 
 def page_token_counts(n_tokens: int, page_size: int) -> list[int]:
@@ -73,13 +89,19 @@ def _as_blocks(run: torch.Tensor) -> np.ndarray:
 
 
 def gather(
-    pool: KVPool, pages: list[int], count: int, buf: bytearray | None = None
+    pool: KVPool,
+    pages: list[int],
+    count: int,
+    buf: bytearray | None = None,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """The first `count` tokens of each page as one contiguous CPU byte tensor in run layout
-    [2, layers, len(pages), count * token_bytes], in `buf` when it is big enough (reusing a
-    buffer spares the page faults of fresh memory, which cost as much as the copy)."""
+    [2, layers, len(pages), count * token_bytes], in `out` or in `buf` when it is big enough
+    (reusing a buffer spares the page faults of fresh memory, which cost as much as the copy)."""
     size = count * token_bytes(pool)
     if pool.k.is_cuda:
+        if out is not None:
+            return out.copy_(gather(pool, pages, count))
         idx = torch.tensor(pages, dtype=torch.int64, device=pool.device)
         n = len(pages)
         return torch.stack(
@@ -93,7 +115,9 @@ def gather(
         ).cpu()
     shape = (2, pool.num_layers, len(pages), size)
     need = 2 * pool.num_layers * len(pages) * size
-    if buf is not None and len(buf) >= need:
+    if out is not None:
+        assert out.shape == shape and out.is_contiguous()
+    elif buf is not None and len(buf) >= need:
         out = torch.frombuffer(buf, dtype=torch.uint8, count=need).view(shape)
     else:
         out = torch.empty(shape, dtype=torch.uint8)
@@ -106,7 +130,10 @@ def gather(
 
 def run_checksums(run: torch.Tensor) -> list[int]:
     """Per-page checksums of a run-layout byte tensor [2, layers, pages, bytes]: each page's
-    2 * layers blocks hashed in order, i.e. the checksum of its page payload."""
+    2 * layers blocks hashed in order, i.e. the checksum of its page payload ([ranks, 2, layers,
+    pages, bytes]: folded over the ranks' slices)."""
+    if run.dim() == 5:
+        return fold_ranks([run_checksums(r) for r in run])
     two, layers, n, size = run.shape
     flat = memoryview(run.numpy()).cast("B")
     out = []
@@ -128,6 +155,16 @@ def pool_checksums(pool: KVPool, pages: list[int], n_tokens: int) -> list[int]:
         for first, n, count in runs(pool, n_tokens):
             out += run_checksums(gather(pool, pages[first : first + n], count))
         return out
+    return _hash_pages(pool, pages, counts)
+
+
+def run_pool_checksums(pool: KVPool, pages: list[int], count: int) -> list[int]:
+    """Per-page checksums of the first `count` tokens of each of `pages` in a CPU pool, hashed
+    in place: what run_checksums gives for the run gather() would copy."""
+    return _hash_pages(pool, pages, [count] * len(pages))
+
+
+def _hash_pages(pool: KVPool, pages: list[int], counts: list[int]) -> list[int]:
     tb = token_bytes(pool)
     layer = pool.k.shape[1] * tb
     # One view per layer of K and V, sliced per page: the loop body is this module's hot spot
@@ -157,16 +194,19 @@ def corrupt_page(pool: KVPool, page: int) -> None:
     pool.v[:, slots] *= -16
 
 
-def pool_blocks(pool: KVPool, pages: list[int], count: int) -> list[memoryview]:
+def pool_blocks(
+    pool: KVPool, pages: list[int], count: int, merge: bool = True
+) -> list[memoryview]:
     """The bytes gather() would copy, as views of a CPU pool in run layout order ([2, layers,
-    pages] blocks of each page's first `count` tokens; a page's block that directly follows the
-    previous page's is merged with it): a run sent straight from the pool, no copy."""
+    pages] blocks of each page's first `count` tokens; with merge, a page's block that directly
+    follows the previous page's is merged with it): a run sent straight from the pool, or
+    received straight into it, no copy. Unmerged, view i is page i % len(pages)'s."""
     tb = token_bytes(pool)
     pb = pool.page_size * tb
     spans: list[list[int]] = []  # [start, end) within one layer of K or V
     for page in pages:
         start = page * pb
-        if spans and spans[-1][1] == start:
+        if merge and spans and spans[-1][1] == start:
             spans[-1][1] = start + count * tb
         else:
             spans.append([start, start + count * tb])
@@ -177,6 +217,23 @@ def pool_blocks(pool: KVPool, pages: list[int], count: int) -> list[memoryview]:
         for lay in range(pool.num_layers):
             out += [base[lay * layer + a : lay * layer + b] for a, b in spans]
     return out
+
+
+class PageHashes:
+    """Per-page checksums of a run taken block by block as its unmerged pool_blocks are filled
+    (block i belongs to page i % n, and a page's blocks come in the order _hash_pages reads
+    them): the digests run_pool_checksums would read back, hashed while each block is still in
+    cache."""
+
+    def __init__(self, n: int) -> None:
+        self._n = n
+        self._hashes = [xxhash.xxh3_64() for _ in range(n)]
+
+    def add(self, i: int, block: memoryview) -> None:
+        self._hashes[i % self._n].update(block)
+
+    def digests(self) -> list[int]:
+        return [h.intdigest() for h in self._hashes]
 
 
 def scatter(

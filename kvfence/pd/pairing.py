@@ -46,8 +46,8 @@ def node_info(engine: Any, role: str, fingerprint: str, backend: str = "tcp") ->
         "page_size": engine.pool.page_size,
         "kv_dtype": str(engine.pool.k.dtype).removeprefix("torch."),
         "kv_layout": [mc.num_layers, mc.num_kv_heads, mc.head_dim, "page-blocks"],  # kvio.py layout
-        # Ranks and KV heads per rank: a page's bytes are one rank's slice when tp_size > 1, so
-        # two nodes pair only with the same split (PD roles refuse tp_size > 1 today: cli.py).
+        # Ranks and KV heads per rank: a run carries every rank's slice (pd/tp_slices.py), so
+        # two nodes pair only with the same split; unequal sizes are refused, not re-sliced.
         "tp_layout": [engine.cfg.tp_size, engine.pool.k.shape[2]],
     }
 

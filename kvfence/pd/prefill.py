@@ -10,18 +10,19 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
 from prometheus_client.core import Metric
 
-from kvfence.config import EngineConfig
+from kvfence.config import ConfigError, EngineConfig
 from kvfence.engine.admission import Admitted, Rejected
 from kvfence.engine.engine import Engine
-from kvfence.engine.request import GenerateRequest, RequestOutput, SamplingParams
+from kvfence.engine.request import FinishReason, GenerateRequest, RequestOutput, SamplingParams
 from kvfence.engine.sequence import SeqMode, Sequence
+from kvfence.engine.tp_group import TpBroken
 from kvfence.faults import Faults
 from kvfence.kv.pool import SealedReads
 from kvfence.kv.prefix import Namespace, held_digest
@@ -31,9 +32,11 @@ from kvfence.pd.ioloop import IOLoop
 from kvfence.pd.pairing import model_fingerprint, node_info, pairing_problem
 from kvfence.pd.stats import TransferStats
 from kvfence.pd.tls import TlsConfig
+from kvfence.pd.tp_slices import rank_slices
 from kvfence.pd.transport.link import RoomSend, page_sender
 from kvfence.pd.transport.tcp import Connection, LinkLimits, Listener, RecordError
 from kvfence.role import EngineRole
+from kvfence.tp_layout import pd_tp_problem
 
 log = logging.getLogger("kvfence.pd.prefill")
 
@@ -66,7 +69,11 @@ class PrefillService(EngineRole):
         self.faults = faults if faults is not None else Faults()
         if tls is None or tls.role != "prefill":
             raise ValueError("a prefill worker needs its prefill TLS certificate (I8)")
+        problem = pd_tp_problem(cfg.tp_size, backend)
+        if problem is not None:
+            raise ConfigError(problem)
         super().__init__(Engine(cfg, self.faults, hooks=self))
+        self.slices = rank_slices(self.engine)  # None: one rank holds whole pages
         self.tls = tls  # I8: every connection is mutual TLS with decode certificates
         self.limits = limits or LinkLimits()
         self.host, self.port = host, port
@@ -203,6 +210,12 @@ class PrefillService(EngineRole):
             self._feed(msg.room, p.AbortArrived(msg), conn)
         elif isinstance(msg, p.DoneAck):
             self._feed(msg.room, p.DoneAckArrived(), conn)
+        elif isinstance(msg, p.AbortAck):
+            # Decode's answer to an ABORT of ours (a refusal at this door, a timeout, a failed
+            # source check): that ABORT closed the room and fenced it, so nothing is left to do
+            # (formal/model.py models it so). Not a bad frame: dropping the connection for it
+            # would fail every other room of that decode.
+            pass
         elif isinstance(msg, wire.Heartbeat):
             pass
         else:
@@ -233,7 +246,7 @@ class PrefillService(EngineRole):
                 # The workers' fault, not the client's: a 500, fail-closed.
                 verdict = Rejected(r.room, "kv_prefix_mismatch", problem, status=500)
             else:
-                verdict = self.engine.submit(req, _ignore, SeqMode.PREFILL_ONLY)
+                verdict = self.engine.submit(req, self._compute_sink(r.room), SeqMode.PREFILL_ONLY)
         except (TypeError, ValueError) as e:
             verdict = Rejected(r.room, "invalid_request", f"bad RESERVE: {e}")
         if isinstance(verdict, Rejected) and self.faults.active("placeholder_on_reject"):
@@ -252,6 +265,21 @@ class PrefillService(EngineRole):
         if state.state is not p.PState.CLOSED:
             now = time.monotonic()
             self.rooms[r.room] = _Room(state, conn, r, now + self.timeout_s, now)
+
+    def _compute_sink(self, rid: str) -> Callable[[RequestOutput], None]:
+        """A room's sequence has no HTTP client: its result travels as pages and DONE. An error
+        (the ownership check failed it, or the engine failed closed: a lost tensor-parallel rank)
+        aborts the room at once rather than leaving decode to time it out."""
+
+        def sink(out: RequestOutput) -> None:
+            if out.finished and out.finish_reason is FinishReason.ERROR:
+                failed = p.ComputeFailed(out.error_code or "engine_error", out.error or "failed")
+                try:
+                    self.loop.call_soon_threadsafe(self._feed, rid, failed)
+                except RuntimeError:
+                    pass  # the io loop is closed: the service is shutting down, rooms and all
+
+        return sink
 
     def _prefix_problem(self, r: p.Reserve) -> str | None:
         """Why RESERVE's cached-prefix claim cannot be honoured, or None: the count must be
@@ -329,7 +357,8 @@ class PrefillService(EngineRole):
             self.transfer_stats.inc("source_integrity_errors")
             self._feed(rid, p.ComputeFailed("kv_integrity_error", "KV source check failed"))
             return
-        runs = kvio.runs(pool, sent_tokens, self.link.run_bytes)
+        ranks = self.engine.cfg.tp_size  # each run carries every rank's slice
+        runs = kvio.runs(pool, sent_tokens, self.link.run_bytes // ranks)
         if self.faults.active("truncate_transfer"):
             sent_tokens = min(sent_tokens, pool.page_size)
             runs, n_tokens = [(0, 1, sent_tokens)], skip * pool.page_size + sent_tokens
@@ -342,7 +371,7 @@ class PrefillService(EngineRole):
             if self.faults.active("kill_prefill"):
                 self.faults.crash("kill_prefill")
             self.transfer_stats.inc("pages_sent", n)
-            self.transfer_stats.inc("bytes_sent", n * kvio.payload_size(pool, count))
+            self.transfer_stats.inc("bytes_sent", n * ranks * kvio.payload_size(pool, count))
 
         job = RoomSend(
             rid,
@@ -357,11 +386,16 @@ class PrefillService(EngineRole):
             stopped=lambda: (room.stop_sending and not late) or room.conn.closed,
             hold=hold,
             sent=sent,
+            slices=self.slices,
         )
         try:
             sums = await self.link.send_room(job)
         except ConnectionError:
             return  # the reader sees the close and feeds ConnectionLost
+        except TpBroken as e:  # a rank was lost: the engine fails closed, the room with it
+            log.error("sending room %s failed: %s", rid, e)
+            self._feed(rid, p.ComputeFailed("engine_failed", "prefill lost a tensor-parallel rank"))
+            return
         except Exception as e:  # a failed one-sided write: abort the room with the reason
             log.error("sending room %s failed: %s", rid, e)
             self._feed(rid, p.TimedOut())
@@ -384,7 +418,7 @@ class PrefillService(EngineRole):
         )
         self.transfer_stats.inc("transfers_done")
         self.transfer_stats.inc(
-            "bytes_not_transferred", skip * kvio.payload_size(pool, pool.page_size)
+            "bytes_not_transferred", skip * ranks * kvio.payload_size(pool, pool.page_size)
         )
         now = self.transfer_stats.mark(rid, "done_queued")
         self.transfer_stats.observe_phase("send", now - started)

@@ -51,7 +51,7 @@ from kvfence.env import admin_api_key
 from kvfence.pd import certs
 from kvfence.pd.certs import TlsFiles
 from kvfence.server.operator import load_operator_key, new_operator_key, operator_headers
-from kvfence.tp_layout import PD_TP_REFUSED
+from kvfence.tp_layout import pd_tp_problem
 
 BUNDLED_MODEL = Path(__file__).resolve().parents[2] / "models" / "kvfence-tiny"
 DEFAULT_STARTUP_TIMEOUT_S = 300.0
@@ -381,8 +381,9 @@ def run_up(args: argparse.Namespace) -> int:
     except ConfigError as e:
         say(f"kvfence up: {e}", err=True)
         return 2
-    if args.tp_size > 1:  # every worker up starts is a PD role
-        say(f"kvfence up: {PD_TP_REFUSED.format(tp=args.tp_size, role='prefill/decode')}", err=True)
+    problem = pd_tp_problem(args.tp_size, args.disaggregation_transfer_backend)
+    if problem is not None:  # every worker up starts is a PD role
+        say(f"kvfence up: {problem}", err=True)
         return 2
     if not Path(args.model).is_dir():
         say(f"kvfence up: model directory {args.model} does not exist (--model)", err=True)

@@ -201,8 +201,12 @@ torch::Tensor rope_store(const torch::Tensor& qkv, const torch::Tensor& cos,
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-    m.def("add_rms_norm", &add_rms_norm, "x += delta (in place); returns rmsnorm(x) * weight");
-    m.def("silu_mul", &silu_mul, "silu(gate_up[:, :n]) * gate_up[:, n:]");
-    m.def("rope_store", &rope_store,
+    // The GIL is released while a kernel runs, as torch releases it for its own ops: the
+    // server's event loop must keep streaming tokens while the engine thread computes.
+    const auto nogil = py::call_guard<py::gil_scoped_release>();
+    m.def("add_rms_norm", &add_rms_norm, nogil,
+          "x += delta (in place); returns rmsnorm(x) * weight");
+    m.def("silu_mul", &silu_mul, nogil, "silu(gate_up[:, :n]) * gate_up[:, n:]");
+    m.def("rope_store", &rope_store, nogil,
           "rotates q and k of qkv, writes k and v to the caches' rows slot_mapping; returns q");
 }

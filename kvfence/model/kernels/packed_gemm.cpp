@@ -144,6 +144,9 @@ torch::Tensor packed_matmul(const torch::Tensor& x, const torch::Tensor& packed,
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-    m.def("packed_matmul", &packed_matmul, "x @ W with W packed in 48-column panels");
+    // The GIL is released while a kernel runs, as torch releases it for its own ops: the
+    // server's event loop must keep streaming tokens while the engine thread computes.
+    const auto nogil = py::call_guard<py::gil_scoped_release>();
+    m.def("packed_matmul", &packed_matmul, nogil, "x @ W with W packed in 48-column panels");
     m.def("packed_panel_width", &packed_panel_width, "columns per panel");
 }

@@ -243,5 +243,9 @@ torch::Tensor paged_decode(torch::Tensor q, torch::Tensor k_cache, torch::Tensor
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-    m.def("paged_decode", &paged_decode, "decode attention read in place from the paged KV pool");
+    // The GIL is released while a kernel runs, as torch releases it for its own ops: the
+    // server's event loop must keep streaming tokens while the engine thread computes.
+    const auto nogil = py::call_guard<py::gil_scoped_release>();
+    m.def("paged_decode", &paged_decode, nogil,
+          "decode attention read in place from the paged KV pool");
 }

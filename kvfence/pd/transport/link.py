@@ -11,11 +11,14 @@ import asyncio
 from abc import ABC, abstractmethod
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from kvfence.kv.pool import Grant, KVPool
 from kvfence.pd import kvio
 from kvfence.pd.transport.tcp import Connection
+
+if TYPE_CHECKING:
+    from kvfence.pd.tp_slices import RankSlices
 
 BACKENDS = ("tcp", "mooncake")
 R = TypeVar("R")
@@ -37,6 +40,7 @@ class RoomSend:
     stopped: Callable[[], bool]  # send no further frame (cancelled, unless a fault says not)
     hold: Callable[[asyncio.Future], None]  # the room's pages are read until this is done
     sent: Callable[[int, int], None]  # after each PageRun frame: (pages, tokens per page)
+    slices: RankSlices | None = None  # tensor parallelism: every rank's slice goes in each run
 
 
 class PageSender(ABC):
@@ -77,6 +81,11 @@ class PageReceiver(ABC):
     @abstractmethod
     def payload_bytes(self, pool: KVPool, n_pages: int, n_tokens: int) -> int:
         """The payload a PageRun of n_pages pages of n_tokens tokens must carry."""
+
+    def place(self, pool: KVPool, pages: list[int], n_tokens: int) -> list[memoryview] | None:
+        """Views of `pages` (their first n_tokens tokens) in run layout for a PageRun's payload
+        to be decrypted straight into, or None: the payload comes in a buffer to apply()."""
+        return None
 
     @abstractmethod
     def apply(

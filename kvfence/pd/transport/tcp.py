@@ -3,7 +3,8 @@ pd/tls.py), driven on asyncio; and the bootstrap Listener that accepts them.
 
 The TLS socket is driven directly, non-blocking (recv_into / send raising SSLWant*), rather than
 through asyncio streams or memory BIOs: OpenSSL decrypts a payload straight into its destination
-buffer and encrypts from the caller's memory, so the only copies are the cipher's own (streams
+(a reused buffer, or memory the receiver names for it: a Placement, e.g. decode's pool pages)
+and encrypts from the caller's memory, so the only copies are the cipher's own (streams
 copy a large frame three times on the way in; memory BIOs add one copy each way). The GIL is
 released inside SSL_read / SSL_write.
 
@@ -29,6 +30,9 @@ from kvfence.pd import wire
 from kvfence.pd.tls import TlsConfig
 
 _STAGE = 64 << 10  # small reads (prefixes, headers) go through a staging buffer of this size
+# A read of at least one TLS record's plaintext goes straight into its destination (OpenSSL hands
+# out at most a record per call and never reads past what was asked).
+_RECORD = 16 << 10
 # While a big payload is due, the socket reports readable only once this much of it is queued
 # (SO_RCVLOWAT): a frame of MiBs then costs a few loop wake-ups instead of one per segment burst.
 _LOWAT = 256 << 10
@@ -45,6 +49,26 @@ _BATCH = 256 << 10
 _WANT = (ssl.SSLWantReadError, ssl.SSLWantWriteError, BlockingIOError, InterruptedError)
 
 PeerKey = tuple[str, int]  # a resolved address: (ip, port)
+
+
+@dataclass
+class Placement:
+    """Where a frame's payload goes instead of a connection buffer: `views` of the receiver's
+    memory, filled in order (their sizes sum to the payload's). valid() is asked before the
+    first read and after every wait for the socket (the only points where anything else runs
+    on the loop): once it says False, the rest of the payload is read and dropped, so nothing
+    that ran meanwhile (a room released) is written over afterwards. filled(i): view i is full
+    (while still valid), e.g. to hash it while it is in cache."""
+
+    views: list[memoryview]
+    valid: Callable[[], bool]
+    filled: Callable[[int], None] | None = None
+    dropped: bool = False  # valid() said False: the views did not get the whole payload
+
+    def writable(self) -> bool:
+        if not self.dropped and not self.valid():
+            self.dropped = True
+        return not self.dropped
 
 
 class RecordError(ConnectionError):
@@ -161,11 +185,14 @@ class Connection:
 
     # ---- receiving ----------------------------------------------------------------------------
 
-    async def recv(self) -> tuple[wire.Frame, memoryview]:
+    async def recv(
+        self, place: Callable[[wire.Frame, int], Placement | None] | None = None
+    ) -> tuple[wire.Frame, memoryview]:
         """The next frame; ConnectionError at EOF or when TLS fails (a forged, replayed or
         reordered record), wire.WireError on a malformed frame. The payload is a view of a
         buffer this connection reuses: it is valid until the next recv(), unless keep() takes
-        it."""
+        it. place(frame, payload size), asked once the header is in: a Placement to decrypt
+        the payload straight into (the payload returned is then empty), or None."""
         if self._lent is not None:
             self.give_back(self._lent)
             self._lent = None
@@ -178,8 +205,19 @@ class Connection:
         self._hello = False
         header = bytearray(header_len)
         await self._read_into(memoryview(header))
+        frame = wire.decode_header(bytes(header))
         payload = memoryview(b"")
-        if payload_len:
+        placement = place(frame, payload_len) if place is not None and payload_len else None
+        if placement is not None:
+            left = payload_len
+            if sum(v.nbytes for v in placement.views) != payload_len:
+                raise ValueError("a placement must take the whole payload")
+            for i, view in enumerate(placement.views):
+                left -= view.nbytes
+                await self._read_into(view, left, placement)
+                if placement.filled is not None and not placement.dropped:
+                    placement.filled(i)
+        elif payload_len:
             fits = [b for b in self._spares if len(b) >= payload_len]
             if fits:
                 buf = fits[0]
@@ -189,7 +227,7 @@ class Connection:
             self._lent = buf
             payload = memoryview(buf)[:payload_len]
             await self._read_into(payload)
-        return wire.decode_header(bytes(header)), payload
+        return frame, payload
 
     def keep(self) -> bytearray | None:
         """Take the last payload's buffer: it stays valid until give_back(buf), across recv()s
@@ -201,17 +239,32 @@ class Connection:
         if len(self._spares) < _SPARES:
             self._spares.append(buf)
 
-    async def _read_into(self, dst: memoryview) -> None:
+    async def _read_into(
+        self, dst: memoryview, more: int = 0, placement: Placement | None = None
+    ) -> None:
+        """Fill dst; `more`: what the frame still owes after it (how long to let the socket
+        fill before waking). Into a placement's view only while it is writable: else into the
+        staging buffer, dropped."""
         got = min(self._hi - self._lo, dst.nbytes)
-        dst[:got] = self._stage[self._lo : self._lo + got]
+        write = placement is None or placement.writable()
+        if write:
+            dst[:got] = self._stage[self._lo : self._lo + got]
         self._lo += got
         while got < dst.nbytes:
             # A record at most per call: read synchronously while records are there, and go
             # back to the loop only when OpenSSL wants more bytes from the socket.
-            big = dst.nbytes - got >= _STAGE  # big: decrypted straight into its destination
+            if not write:
+                n = self._try_recv(memoryview(self._stage)[: dst.nbytes - got])
+                if n is None:
+                    await self._wait_readable(dst.nbytes - got + more)
+                else:
+                    got += n
+                continue
+            big = dst.nbytes - got >= _RECORD  # big: decrypted straight into its destination
             n = self._try_recv(dst[got:] if big else memoryview(self._stage))
             if n is None:
-                await self._wait_readable(dst.nbytes - got)
+                await self._wait_readable(dst.nbytes - got + more)
+                write = placement is None or placement.writable()
                 continue
             if big:
                 got += n

@@ -1,11 +1,18 @@
 """The tcp transport: page bytes ride in the PageRun frames' payloads on the TLS connection, and
 decode writes them into its pool itself (so it can refuse any write).
 
-Sender: each run is gathered into one of two reused buffers and hashed on a thread while the
-previous run is being encrypted and sent: one contiguous SSL_write per run (a page's blocks
-are a few KiB, and one TLS record and syscall per block would cost more than the gather).
-Receiver: a run's checksums, grant check and writes run on one writer thread while the loop
-receives the next.
+A CPU pool (the common case) moves each byte once per side beside the cipher:
+- sender: a run is hashed in place, then encrypted straight from its pages (pool views; no
+  gather copy, no thread hand-off: on a few shared cores the hand-offs cost more than they hid);
+- receiver: decode checks the run's destination pages (I2) with its header, decrypts the payload
+  straight into them (Connection.recv's Placement; no buffer, no scatter) and hashes each block
+  as it lands, while it is in cache; the per-page checksums are compared once the run is in, and
+  DONE's read-back (I3) is unchanged.
+A GPU pool, tensor parallelism (rank 0 sends every rank's slice of a run: pd/tp_slices.py)
+and the corrupt_page fault take the buffered way: each run gathered into a reused
+buffer and hashed on a thread while the previous one is sent; decode checks and scatters each
+run on one writer thread while the loop receives the next. So does a run with a page that is
+not the room's, whose other pages are written and that one refused.
 """
 
 from __future__ import annotations
@@ -25,10 +32,10 @@ R = TypeVar("R")
 
 class TcpSender(PageSender):
     backend = "tcp"
-    # Over TLS, runs of 1 MiB pipeline: run i + 1 is gathered and hashed while run i is
-    # encrypted, and decode checks and writes run i while run i + 1 is decrypted. One 8 MiB run
-    # serialised them (2 shared cores, in-process sweep, best of 8: 8 MiB 39 ms, 1 MiB 23 ms,
-    # 512 KiB 23 ms, 256 KiB 31 ms, 128 KiB 46 ms per 8 MiB prompt; see benchmarks/RESULTS.md).
+    # Runs of 1 MiB: a run hashed in place is still in cache when it is encrypted, and the
+    # buffered way pipelines across runs (one 8 MiB run serialised it: 2 shared cores,
+    # in-process sweep, best of 8: 8 MiB 39 ms, 1 MiB 23 ms, 512 KiB 23 ms, 256 KiB 31 ms,
+    # 128 KiB 46 ms per 8 MiB prompt; see benchmarks/RESULTS.md).
     run_bytes = 1 << 20
 
     def __init__(self) -> None:
@@ -43,13 +50,47 @@ class TcpSender(PageSender):
         pass
 
     async def send_room(self, job: RoomSend) -> list[tuple[int, int]] | None:
+        if not job.pool.k.is_cuda and not job.corrupt and job.slices is None:
+            return await self._send_in_place(job)
+        return await self._send_gathered(job)
+
+    async def _send_in_place(self, job: RoomSend) -> list[tuple[int, int]] | None:
+        """A CPU pool's runs go out as they lie in it: each run hashed in place, then
+        encrypted straight from its pages (still in cache from the hashing)."""
+        loop = asyncio.get_running_loop()
+        sums: list[tuple[int, int]] = []
+        for first, n, count in job.runs:
+            if job.stopped():
+                return None
+            pages = job.src[first : first + n]
+            run_sums = kvio.run_pool_checksums(job.pool, pages, count)
+            # The pages are read until send() returns (the bytes are in the kernel then);
+            # job.hold keeps them held that long, should the room be released meanwhile.
+            sending = loop.create_future()
+            job.hold(sending)
+            try:
+                await job.conn.send(
+                    wire.PageRun(job.room, first, count, tuple(run_sums)),
+                    kvio.pool_blocks(job.pool, pages, count),
+                )
+            finally:
+                sending.set_result(None)
+            sums += [(first + k, c) for k, c in enumerate(run_sums)]
+            job.sent(n, count)
+        return sums
+
+    async def _send_gathered(self, job: RoomSend) -> list[tuple[int, int]] | None:
+        """Each run gathered into a buffer and hashed on a thread while the previous one is
+        sent (a GPU pool, every rank's slice under tensor parallelism, or the corrupt_page
+        fault, which flips a byte of the copy)."""
         pool, runs = job.pool, job.runs
         loop = asyncio.get_running_loop()
         bufs: list[bytearray] = []  # this room's gather buffers, two while runs overlap
         pending: asyncio.Future | None = None  # the next run's gather and checksums
         sums: list[tuple[int, int]] = []
         try:
-            size = max(self.run_bytes, *(kvio.payload_size(pool, c) for _, _, c in runs))
+            ranks = 1 if job.slices is None else job.slices.size
+            size = ranks * max(self.run_bytes, *(kvio.payload_size(pool, c) for _, _, c in runs))
             for _ in range(2):
                 fits = [b for b in self._bufs if len(b) >= size]
                 if fits:
@@ -95,10 +136,13 @@ class TcpSender(PageSender):
         pages = job.src[first : first + n]
 
         def work() -> tuple[wire.Payload, list[int]]:
-            data = kvio.gather(pool, pages, count, bufs[i % 2])
+            if job.slices is None:
+                data = kvio.gather(pool, pages, count, bufs[i % 2])
+            else:  # rank 0 collects the other ranks' slices (pd/tp_slices.py)
+                data = job.slices.gather(pages, count, bufs[i % 2])
             sums = kvio.run_checksums(data)
             if first == 0 and job.corrupt:
-                data[0, 0, 0, 0] ^= 0xFF  # after checksumming: the receiver must notice
+                data.view(-1)[0] ^= 0xFF  # after checksumming: the receiver must notice
             return memoryview(data.numpy()).cast("B"), sums
 
         return asyncio.get_running_loop().run_in_executor(self._gather, work)
@@ -120,6 +164,10 @@ class TcpReceiver(PageReceiver):
 
     def payload_bytes(self, pool: KVPool, n_pages: int, n_tokens: int) -> int:
         return n_pages * kvio.payload_size(pool, n_tokens)
+
+    def place(self, pool: KVPool, pages: list[int], n_tokens: int) -> list[memoryview] | None:
+        # A CPU pool takes the plaintext in place: no buffer, no scatter pass, no writer thread.
+        return None if pool.k.is_cuda else kvio.pool_blocks(pool, pages, n_tokens, merge=False)
 
     def apply(
         self,
