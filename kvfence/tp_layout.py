@@ -12,7 +12,8 @@ last one padded with zero rows that are cut off the gathered logits.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Protocol
+
+from kvfence.shape import ModelShape
 
 
 def pd_tp_problem(tp_size: int, backend: str) -> str | None:
@@ -28,24 +29,7 @@ def pd_tp_problem(tp_size: int, backend: str) -> str | None:
     return None
 
 
-class DenseShape(Protocol):
-    """The config numbers a split needs (kvfence.model.config.ModelConfig has them)."""
-
-    @property
-    def num_heads(self) -> int: ...
-    @property
-    def num_kv_heads(self) -> int: ...
-    @property
-    def head_dim(self) -> int: ...
-    @property
-    def hidden_size(self) -> int: ...
-    @property
-    def vocab_size(self) -> int: ...
-    @property
-    def num_layers(self) -> int: ...
-
-
-def tp_problem(mc: DenseShape, size: int, intermediate: int | None, moe: bool) -> str | None:
+def tp_problem(mc: ModelShape, size: int, intermediate: int | None, moe: bool) -> str | None:
     """Why this model cannot split over size ranks (one line naming the flag), or None."""
     if size < 1:
         return f"--tp-size {size}: must be >= 1"
@@ -74,7 +58,7 @@ class TpLayout:
     vocab_rows: int  # embedding / LM head rows per rank, padding included
 
     @classmethod
-    def of(cls, mc: DenseShape, rank: int, size: int) -> TpLayout:
+    def of(cls, mc: ModelShape, rank: int, size: int) -> TpLayout:
         assert 0 <= rank < size
         kv = mc.num_kv_heads
         if kv >= size:
@@ -105,7 +89,7 @@ class TpLayout:
         return self.rank * n, (self.rank + 1) * n
 
 
-def replicated_extra_params(mc: DenseShape, size: int, qkv_bias: bool, tied: bool) -> int:
+def replicated_extra_params(mc: ModelShape, size: int, qkv_bias: bool, tied: bool) -> int:
     """Parameters one rank holds beyond an even 1/size share of the model: replicated K/V
     projections (fewer KV heads than ranks) and the vocab padding rows. Norm weights (replicated
     too, a few KiB per layer) are left out, as the plan has always counted them split."""

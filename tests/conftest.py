@@ -17,8 +17,10 @@ torch.set_num_threads(min(2, os.cpu_count() or 1))
 from checkpoints import build_checkpoint  # noqa: E402
 from tls_certs import cluster_dir  # noqa: E402
 
-# Worker processes the tests start find the cluster's certificates there (I8).
-os.environ.setdefault("KVFENCE_TLS_DIR", str(cluster_dir()))
+# Worker processes the tests start find the cluster's certificates there (I8). Set, not
+# defaulted: under pytest-xdist (`make test`) each test process inherits the controller's
+# environment but makes (and must hand its children) a CA of its own.
+os.environ["KVFENCE_TLS_DIR"] = str(cluster_dir())
 
 REPO = Path(__file__).resolve().parent.parent
 TINY_MODEL = REPO / "models" / "kvfence-tiny"

@@ -139,6 +139,7 @@ SMOKE = {
 SMOKE_ENV = {"OMP_NUM_THREADS": "1", "OMP_WAIT_POLICY": "PASSIVE"}
 
 
+@pytest.mark.serial  # ~35 processes: both cores, alone
 def test_every_benchmark_script_runs_on_a_tiny_configuration(tmp_path: Path) -> None:
     # All at once: most of their time is process start-up and model loading, not compute.
     procs = {

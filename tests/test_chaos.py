@@ -19,6 +19,7 @@ SLOW = pytest.mark.skipif(
 )
 
 
+@pytest.mark.serial  # asserts a request count reached in a fixed 30 s: alone
 @pytest.mark.parametrize("prefill", [pytest.param(1, marks=SLOW), 2], ids=["1P1D", "2P1D"])
 def test_chaos_soak_all_guards_on(prefill: int) -> None:
     res = run(str(TINY_MODEL), prefill, duration=30.0)

@@ -14,6 +14,7 @@ import pytest
 from conftest import TINY_MODEL
 from fastapi.testclient import TestClient
 from tls_certs import tls
+from waiting import wait_for
 
 from kvfence.config import EngineConfig
 from kvfence.faults import Faults
@@ -105,7 +106,9 @@ def test_a_connect_failure_says_prefill_unavailable_and_no_more(decode) -> None:
     assert "prefill unavailable" in message
     for detail in ("Errno", "refused", "Connect call failed", "127.0.0.1"):
         assert detail not in message, message
-    assert svc.engine.stats().pages_used == 0
+    # The room's release reaches the engine thread as a posted command, after the 503 is out.
+    wait_for(lambda: svc.engine.stats().pages_used == 0, 30,
+             lambda: f"pages still used: {svc.engine.stats().pages_used}", interval=0.05)
 
 
 def test_a_signed_address_is_good_for_one_request(decode, listener) -> None:

@@ -1,8 +1,8 @@
 """How many tokens a node's KV pool holds, whether one full-context request fits.
 
-Pure arithmetic over a model's shape (ModelShape: the numbers of a config.json, which
-kvfence.model.config.ModelConfig provides) and flag values; the engine and `kvfence preflight`
-share it.
+Pure arithmetic over a model's shape (kvfence.shape.ModelShape: the numbers of a config.json,
+which kvfence.model.config.ModelConfig provides) and flag values; the engine and `kvfence
+preflight` share it.
 """
 
 from __future__ import annotations
@@ -13,9 +13,10 @@ import os
 import struct
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any
 
 from kvfence.config import EngineConfig
+from kvfence.shape import ModelShape
 from kvfence.tp_layout import replicated_extra_params
 
 ROLES = ("unified", "prefill", "decode")
@@ -46,33 +47,6 @@ _SAFETENSORS_BYTES = {
 }  # fmt: skip
 _SAFETENSORS_FLOAT = {"F64", "F32", "F16", "BF16", "F8_E4M3", "F8_E5M2"}
 _MAX_HEADER = 100 * 1024 * 1024  # the safetensors format's own limit
-
-
-class ModelShape(Protocol):
-    """The model numbers sizing reads. A Protocol, so kv/ needs nothing from model/."""
-
-    @property
-    def architecture(self) -> str: ...
-    @property
-    def num_layers(self) -> int: ...
-    @property
-    def num_heads(self) -> int: ...
-    @property
-    def num_kv_heads(self) -> int: ...
-    @property
-    def head_dim(self) -> int: ...
-    @property
-    def hidden_size(self) -> int: ...
-    @property
-    def token_intermediate_size(self) -> int: ...
-    @property
-    def vocab_size(self) -> int: ...
-    @property
-    def max_position_embeddings(self) -> int: ...
-    @property
-    def num_params(self) -> int: ...
-    @property
-    def num_active_params(self) -> int: ...
 
 
 def dtype_bytes(name: str) -> int:

@@ -20,7 +20,7 @@ from kvfence.server.app_state import AppState, Event, Generation
 from kvfence.server.drain import NOT_ADMITTED_HEADER
 from kvfence.server.errors import INVALID_REQUEST, SERVER_ERROR, APIError
 from kvfence.server.metrics import RequestRecord
-from kvfence.server.schemas import ChoiceState, CompletionFormat, usage
+from kvfence.server.schemas import ChoiceState, CompletionFormat, Delta, usage
 
 _FAILED = (FinishReason.ERROR, FinishReason.ABORT)
 
@@ -231,9 +231,8 @@ async def _sse_chunks(
             yield _sse(err.body(), include_usage=False)
             return
         finish = out.finish_reason.value if out.finish_reason is not None else None
-        chunks = fmt.delta_chunks(
-            choice, out.new_text, out.logprobs, offset, finish, len(out.new_token_ids)
-        )
+        delta = Delta(out.new_text, out.logprobs, offset, finish, len(out.new_token_ids))
+        chunks = fmt.delta_chunks(choice, delta)
         for chunk in chunks:
             yield _sse(chunk, include_usage)
     if include_usage:

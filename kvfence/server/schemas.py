@@ -286,6 +286,19 @@ class ChoiceState:
     finish_reason: str | None = None
 
 
+@dataclass(frozen=True)
+class Delta:
+    """What one engine output adds to a choice's stream: its new text and those tokens'
+    logprobs, the choice's text offset before them, its finish reason (None until the last),
+    and how many tokens it carries (their text may be held back)."""
+
+    text: str
+    logprobs: tuple[TokenLogprob, ...]
+    offset: int
+    finish: str | None
+    new_tokens: int = 0
+
+
 def usage(
     prompt_tokens: int, completion_tokens: int, cached_tokens: int | None = None
 ) -> dict[str, Any]:
@@ -372,27 +385,19 @@ class CompletionFormat:
     def start_chunks(self, n_choices: int) -> list[dict[str, Any]]:
         return []
 
-    def delta_chunks(
-        self,
-        c: ChoiceState,
-        text: str,
-        lps: tuple[TokenLogprob, ...],
-        offset: int,
-        finish: str | None,
-        new_tokens: int = 0,
-    ) -> list[dict[str, Any]]:
+    def delta_chunks(self, c: ChoiceState, d: Delta) -> list[dict[str, Any]]:
         # A chunk per output that carries tokens, even when the detokenizer holds their text back
         # (a partial UTF-8 character, U+FFFD, a possible stop string): vLLM does the same, and
         # clients time TTFT and ITL by chunks.
-        if not text and not lps and not new_tokens and finish is None:
+        if not d.text and not d.logprobs and not d.new_tokens and d.finish is None:
             return []
         choice = {
             "index": c.index,
-            "text": text,
-            "logprobs": completion_logprobs(lps, self.token_text, offset)
+            "text": d.text,
+            "logprobs": completion_logprobs(d.logprobs, self.token_text, d.offset)
             if self.logprobs
             else None,
-            "finish_reason": finish,
+            "finish_reason": d.finish,
         }
         return [self._envelope([choice])]
 
@@ -447,19 +452,11 @@ class ChatFormat(CompletionFormat):
     def start_chunks(self, n_choices: int) -> list[dict[str, Any]]:
         return [self.delta_chunk(i, {"role": "assistant", "content": ""}) for i in range(n_choices)]
 
-    def delta_chunks(
-        self,
-        c: ChoiceState,
-        text: str,
-        lps: tuple[TokenLogprob, ...],
-        offset: int,
-        finish: str | None,
-        new_tokens: int = 0,
-    ) -> list[dict[str, Any]]:
+    def delta_chunks(self, c: ChoiceState, d: Delta) -> list[dict[str, Any]]:
         out = []
-        if text or lps or new_tokens:  # `content: ""` for tokens whose text is held back
-            logprobs = chat_logprobs(lps, self.token_text) if self.logprobs else None
-            out.append(self.delta_chunk(c.index, {"content": text}, logprobs))
-        if finish is not None:
-            out.append(self.delta_chunk(c.index, {}, finish=finish))
+        if d.text or d.logprobs or d.new_tokens:  # `content: ""` for tokens held back
+            logprobs = chat_logprobs(d.logprobs, self.token_text) if self.logprobs else None
+            out.append(self.delta_chunk(c.index, {"content": d.text}, logprobs))
+        if d.finish is not None:
+            out.append(self.delta_chunk(c.index, {}, finish=d.finish))
         return out

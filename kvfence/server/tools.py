@@ -12,7 +12,7 @@ from typing import Any
 
 from kvfence.engine.request import TokenLogprob
 from kvfence.server.errors import APIError, bad_request
-from kvfence.server.schemas import ChatFormat, ChoiceState, TokenText, chat_logprobs
+from kvfence.server.schemas import ChatFormat, ChoiceState, Delta, TokenText, chat_logprobs
 from kvfence.server.tool_parsers import ToolCall, ToolParser, parser_named
 from kvfence.structured.spec import Constraint
 
@@ -202,25 +202,18 @@ class ToolChatFormat(ChatFormat):
         logprobs = chat_logprobs(lps, self.token_text) if self.logprobs and lps else None
         return self.delta_chunk(index, delta, logprobs, finish)
 
-    def delta_chunks(
-        self,
-        c: ChoiceState,
-        text: str,
-        lps: tuple[TokenLogprob, ...],
-        offset: int,
-        finish: str | None,
-        new_tokens: int = 0,  # held-back tokens get no empty chunk here: a call is one unit
-    ) -> list[dict[str, Any]]:
+    def delta_chunks(self, c: ChoiceState, d: Delta) -> list[dict[str, Any]]:
+        # d.new_tokens is not read: held-back tokens get no empty chunk here, a call is one unit.
         s = self._streams.setdefault(c.index, _Stream())
-        s.text += text
-        s.lps.extend(lps)
+        s.text += d.text
+        s.lps.extend(d.logprobs)
         if self.plan.mode == "named":
-            return self._named_deltas(c, s, text, finish)
-        if finish is None:
+            return self._named_deltas(c, s, d.text, d.finish)
+        if d.finish is None:
             return self._content(c, s, self._held_from(s))
-        content, calls = extract_calls(self.plan, s.text) if finish == "stop" else (s.text, [])
+        content, calls = extract_calls(self.plan, s.text) if d.finish == "stop" else (s.text, [])
         if not calls:
-            return [*self._content(c, s, len(s.text)), self._chunk(c.index, {}, [], finish)]
+            return [*self._content(c, s, len(s.text)), self._chunk(c.index, {}, [], d.finish)]
         out = []
         for i, call in enumerate(calls):
             head = _call_json(call)
