@@ -48,6 +48,17 @@ class Cluster(LocalCluster):
     def post(self, body: dict, key: str = "key-alpha") -> httpx.Response:  # type: ignore[override]
         return super().post(body, key)
 
+    def turn(self, prompt: list[int], key: str = "key-alpha") -> tuple[list[int], int]:
+        """One greedy 6-token answer as token ids, and the prompt tokens served from cache."""
+        r = self.post({"model": "kvfence-tiny", "prompt": prompt, "max_tokens": 6,
+                       "temperature": 0, "ignore_eos": True, "logprobs": 0,
+                       "return_tokens_as_token_ids": True}, key)  # fmt: skip
+        assert r.status_code == 200, r.text
+        body = r.json()
+        tokens = body["choices"][0]["logprobs"]["tokens"]
+        answer = [int(t.removeprefix("token_id:")) for t in tokens]
+        return answer, body["usage"]["prompt_tokens_details"]["cached_tokens"]
+
 
 def backend_or_skip(backend: str) -> None:
     if backend == "mooncake":
@@ -159,16 +170,10 @@ def test_up_2p2d_multi_turn_two_tenants_hit_their_decode_cache_and_stay_exact(
         for turn in range(3):
             for key in KEYS:
                 prompt = history[key] + (users[key][turn - 1] if turn else [])
-                r = cluster.post({"model": "kvfence-tiny", "prompt": prompt, "max_tokens": 6,
-                                  "temperature": 0, "ignore_eos": True, "logprobs": 0,
-                                  "return_tokens_as_token_ids": True}, key)  # fmt: skip
-                assert r.status_code == 200, r.text
-                body = r.json()
-                tokens = body["choices"][0]["logprobs"]["tokens"]
-                answer = [int(t.removeprefix("token_id:")) for t in tokens]
+                answer, hit = cluster.turn(prompt, key)
                 prompts.append(prompt)
                 got.append(answer)
-                cached.append(body["usage"]["prompt_tokens_details"]["cached_tokens"])
+                cached.append(hit)
                 history[key] = prompt + answer
         wait_for(lambda: cluster.pages_used() == [0, 0, 0, 0], 15,
                  lambda: f"pages still used: {cluster.pages_used()}", interval=0.1)
@@ -197,16 +202,10 @@ def test_up_1p1d_tp2_token_exact_and_the_second_turn_hits_decode_cache(tmp_path:
     try:
         prompt = first
         for _ in range(2):
-            r = cluster.post({"model": "kvfence-tiny", "prompt": prompt, "max_tokens": 6,
-                              "temperature": 0, "ignore_eos": True, "logprobs": 0,
-                              "return_tokens_as_token_ids": True})  # fmt: skip
-            assert r.status_code == 200, r.text
-            body = r.json()
-            tokens = body["choices"][0]["logprobs"]["tokens"]
-            answer = [int(t.removeprefix("token_id:")) for t in tokens]
+            answer, hit = cluster.turn(prompt)
             prompts.append(prompt)
             got.append(answer)
-            cached.append(body["usage"]["prompt_tokens_details"]["cached_tokens"])
+            cached.append(hit)
             prompt = prompt + answer + [5, 6, 7]
         wait_for(lambda: cluster.pages_used() == [0, 0], 15,
                  lambda: f"pages still used: {cluster.pages_used()}", interval=0.1)
