@@ -208,7 +208,13 @@ def test_i7_pd_tp2_prefill_refuses_a_tp1_decode_at_pairing(pair: PDPair, llama: 
         assert "tp_layout" in str(res.final.error) and res.token_ids == []
         assert decode.transfer_stats.get("pairing_refused") == 1
         assert pair.prefill.transfer_stats.get("pairing_refused") >= 1
-        assert decode.engine.pool.num_used == 0
+        # The refused request's pages are released on decode's engine thread after its error
+        # is delivered: wait (bounded) for that, never read the count at once.
+        wait_for(
+            lambda: decode.engine.pool.num_used == 0,
+            WAIT_S,
+            lambda: f"decode pages still used: {decode.engine.pool.num_used}",
+        )
     finally:
         decode.shutdown()
 
