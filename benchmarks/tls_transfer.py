@@ -55,11 +55,23 @@ buf = memoryview(bytearray(1 << 20))
 while True:
     raw, _ = srv.accept()
     raw.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-    conn = ctx.wrap_socket(raw, server_side=True) if tls else raw
-    head = b""
-    while len(head) < 8:
-        head += conn.recv(8 - len(head))
+    # A stray client (another process polling /health on a port this sink was handed since)
+    # fails the handshake or sends no sane length: dropped, the sink keeps serving.
+    try:
+        conn = ctx.wrap_socket(raw, server_side=True) if tls else raw
+        head = b""
+        while len(head) < 8:
+            part = conn.recv(8 - len(head))
+            if not part:
+                raise OSError("closed before the length")
+            head += part
+    except (ssl.SSLError, OSError):
+        raw.close()
+        continue
     total = int.from_bytes(head, "big")
+    if total >= 1 << 40:
+        conn.close()
+        continue
     if not total:
         break
     got = 0
