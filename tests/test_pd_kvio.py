@@ -41,6 +41,10 @@ def test_blocks_received_in_place_hash_to_the_senders_checksums() -> None:
         for i, view in enumerate(views):
             hashes.add(i, view)
         assert hashes.digests() == want
+        fed = kvio.PageHashes(len(pages))  # as the receiver's hot loop feeds them
+        for feed, view in zip(fed.feeds(len(views)), views, strict=True):
+            feed(view)
+        assert fed.digests() == want
         assert kvio.run_pool_checksums(pool, pages, count) == want
         kvio.corrupt_page(pool, pages[-1])  # a changed page no longer matches
         assert kvio.run_pool_checksums(pool, pages, count)[-1] != want[-1]

@@ -410,8 +410,8 @@ class DecodeService(EngineRole):
         def holds() -> bool:  # the room still holds its pages and takes writes
             return self.rooms.get(rid) is room and room.state.state is p.DState.RESERVED
 
-        filled = None if hashes is None else (lambda i: hashes.add(i, views[i]))
-        return _Placed(views, holds, filled, hashes=hashes)
+        landed = None if hashes is None else hashes.feeds(len(views))
+        return _Placed(views, holds, landed, hashes=hashes)
 
     def _on_run(
         self,
@@ -549,7 +549,9 @@ class DecodeService(EngineRole):
         room = self.rooms.get(done.room)
         ok = False
         if room is not None and room.state.state is p.DState.RESERVED:
+            self.transfer_stats.mark(done.room, "done_arrived")
             ok = self._pool_matches(room, done)
+            self.transfer_stats.mark(done.room, "read_back")
         self._feed(done.room, p.DoneArrived(done, ok))
         if room is not None:
             marks = self.transfer_stats

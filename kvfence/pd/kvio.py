@@ -16,7 +16,8 @@ slice changed. Prefill and decode pair only with the same split (pairing.py, I7)
 from __future__ import annotations
 
 import struct
-from collections.abc import Sequence
+import weakref
+from collections.abc import Callable, Sequence
 
 import numpy as np
 import torch
@@ -164,16 +165,28 @@ def run_pool_checksums(pool: KVPool, pages: list[int], count: int) -> list[int]:
     return _hash_pages(pool, pages, [count] * len(pages))
 
 
+# A CPU pool's layers of K then V, each as flat bytes: built once per pool (a tensor-to-bytes view
+# costs microseconds, and a transfer asks for them on every run on both sides).
+_LAYER_BYTES: weakref.WeakKeyDictionary[KVPool, list[memoryview]] = weakref.WeakKeyDictionary()
+
+
+def _layer_bytes(pool: KVPool) -> list[memoryview]:
+    views = _LAYER_BYTES.get(pool)
+    if views is None:
+        layer = pool.k.shape[1] * token_bytes(pool)
+        views = _LAYER_BYTES[pool] = [
+            memoryview(t.view(torch.uint8).numpy()).cast("B")[lay * layer : (lay + 1) * layer]
+            for t in (pool.k, pool.v)
+            for lay in range(pool.num_layers)
+        ]
+    return views
+
+
 def _hash_pages(pool: KVPool, pages: list[int], counts: list[int]) -> list[int]:
     tb = token_bytes(pool)
-    layer = pool.k.shape[1] * tb
     # One view per layer of K and V, sliced per page: the loop body is this module's hot spot
     # (2 * layers updates per page, most of the read-back's time beside the hashing itself).
-    first, *rest = [
-        memoryview(t.view(torch.uint8).numpy()).cast("B")[lay * layer : (lay + 1) * layer]
-        for t in (pool.k, pool.v)
-        for lay in range(pool.num_layers)
-    ]
+    first, *rest = _layer_bytes(pool)
     pb = pool.page_size * tb
     out = []
     for page, count in zip(pages, counts, strict=False):
@@ -210,12 +223,9 @@ def pool_blocks(
             spans[-1][1] = start + count * tb
         else:
             spans.append([start, start + count * tb])
-    layer = pool.k.shape[1] * tb
     out = []
-    for t in (pool.k, pool.v):
-        base = memoryview(t.view(torch.uint8).numpy()).cast("B")
-        for lay in range(pool.num_layers):
-            out += [base[lay * layer + a : lay * layer + b] for a, b in spans]
+    for base in _layer_bytes(pool):
+        out += [base[a:b] for a, b in spans]
     return out
 
 
@@ -231,6 +241,11 @@ class PageHashes:
 
     def add(self, i: int, block: memoryview) -> None:
         self._hashes[i % self._n].update(block)
+
+    def feeds(self, n_blocks: int) -> list[Callable[[memoryview], object]]:
+        """Per block, what add(i, block) does, as the hash's own update: no Python frame
+        per block on the receiver's hot loop."""
+        return [self._hashes[i % self._n].update for i in range(n_blocks)]
 
     def digests(self) -> list[int]:
         return [h.intdigest() for h in self._hashes]

@@ -357,6 +357,7 @@ class PrefillService(EngineRole):
             self.transfer_stats.inc("source_integrity_errors")
             self._feed(rid, p.ComputeFailed("kv_integrity_error", "KV source check failed"))
             return
+        self.transfer_stats.mark(rid, "source_checked")
         ranks = self.engine.cfg.tp_size  # each run carries every rank's slice
         runs = kvio.runs(pool, sent_tokens, self.link.run_bytes // ranks)
         if self.faults.active("truncate_transfer"):
@@ -402,6 +403,7 @@ class PrefillService(EngineRole):
             return
         if sums is None or room.stop_sending:
             return
+        self.transfer_stats.mark(rid, "pages_sent")
         first_lp: dict = {}
         if room.seq.pending_logprobs:
             lp = room.seq.pending_logprobs[-1]

@@ -48,6 +48,8 @@ class TransferStats:
     _phases: dict[str, _Histogram] = field(default_factory=dict)
     # room -> phase -> CLOCK_MONOTONIC seconds, which every process on the host shares: a window
     # that starts in prefill and ends in decode is the difference of the two workers' marks.
+    # Prefill: send_start, source_checked (I2 on the source), pages_sent, done_queued; decode:
+    # first_page (the first run in), done_arrived, read_back (I3's digest), done_handled.
     _marks: OrderedDict[str, dict[str, float]] = field(default_factory=OrderedDict)
     _lock: threading.Lock = field(default_factory=threading.Lock)
 

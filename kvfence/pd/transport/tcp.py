@@ -22,7 +22,7 @@ from __future__ import annotations
 import asyncio
 import socket
 import ssl
-from collections.abc import Awaitable, Callable, Iterator
+from collections.abc import Awaitable, Callable, Iterator, Sequence
 from dataclasses import dataclass
 
 from kvfence.faults import Faults
@@ -57,12 +57,13 @@ class Placement:
     memory, filled in order (their sizes sum to the payload's). valid() is asked before the
     first read and after every wait for the socket (the only points where anything else runs
     on the loop): once it says False, the rest of the payload is read and dropped, so nothing
-    that ran meanwhile (a room released) is written over afterwards. filled(i): view i is full
-    (while still valid), e.g. to hash it while it is in cache."""
+    that ran meanwhile (a room released) is written over afterwards. landed[i](views[i]) once
+    view i is full (while still valid), e.g. a hash's update while the bytes are in cache (a
+    bound C method: it is called for every view of a transfer)."""
 
     views: list[memoryview]
     valid: Callable[[], bool]
-    filled: Callable[[int], None] | None = None
+    landed: Sequence[Callable[[memoryview], object]] | None = None
     dropped: bool = False  # valid() said False: the views did not get the whole payload
 
     def writable(self) -> bool:
@@ -212,11 +213,19 @@ class Connection:
             left = payload_len
             if sum(v.nbytes for v in placement.views) != payload_len:
                 raise ValueError("a placement must take the whole payload")
+            # The hot loop of a transfer (a view per page block, hundreds per frame): no
+            # coroutine per view, and valid() asked only where something else may have run.
+            write = placement.writable()
+            landed = placement.landed
             for i, view in enumerate(placement.views):
                 left -= view.nbytes
-                await self._read_into(view, left, placement)
-                if placement.filled is not None and not placement.dropped:
-                    placement.filled(i)
+                got = self._fill(view, 0, write)
+                while got < view.nbytes:
+                    await self._wait_readable(view.nbytes - got + left)
+                    write = placement.writable()
+                    got = self._fill(view, got, write)
+                if write and landed is not None:
+                    landed[i](view)
         elif payload_len:
             fits = [b for b in self._spares if len(b) >= payload_len]
             if fits:
@@ -245,27 +254,33 @@ class Connection:
         """Fill dst; `more`: what the frame still owes after it (how long to let the socket
         fill before waking). Into a placement's view only while it is writable: else into the
         staging buffer, dropped."""
-        got = min(self._hi - self._lo, dst.nbytes)
-        write = placement is None or placement.writable()
-        if write:
-            dst[:got] = self._stage[self._lo : self._lo + got]
-        self._lo += got
+        got = self._fill(dst, 0, placement is None or placement.writable())
+        while got < dst.nbytes:
+            await self._wait_readable(dst.nbytes - got + more)
+            got = self._fill(dst, got, placement is None or placement.writable())
+
+    def _fill(self, dst: memoryview, got: int, write: bool) -> int:
+        """Fill dst from byte `got` on with what can be read without waiting (staged bytes
+        first); how far it is filled now. write False: the bytes are read and dropped."""
+        take = min(self._hi - self._lo, dst.nbytes - got)
+        if take:
+            if write:
+                dst[got : got + take] = self._stage[self._lo : self._lo + take]
+            self._lo += take
+            got += take
         while got < dst.nbytes:
             # A record at most per call: read synchronously while records are there, and go
             # back to the loop only when OpenSSL wants more bytes from the socket.
             if not write:
                 n = self._try_recv(memoryview(self._stage)[: dst.nbytes - got])
                 if n is None:
-                    await self._wait_readable(dst.nbytes - got + more)
-                else:
-                    got += n
+                    return got
+                got += n
                 continue
             big = dst.nbytes - got >= _RECORD  # big: decrypted straight into its destination
             n = self._try_recv(dst[got:] if big else memoryview(self._stage))
             if n is None:
-                await self._wait_readable(dst.nbytes - got + more)
-                write = placement is None or placement.writable()
-                continue
+                return got
             if big:
                 got += n
                 continue
@@ -273,6 +288,7 @@ class Connection:
             dst[got : got + take] = self._stage[:take]
             self._lo, self._hi = take, n
             got += take
+        return got
 
     def _try_recv(self, buf: memoryview) -> int | None:
         """Bytes read into buf, or None when none can be read without waiting."""
