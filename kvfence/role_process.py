@@ -251,7 +251,9 @@ class RemoteRole:
 
 def spawn_role(args: argparse.Namespace) -> RemoteRole:
     """Start the role of `args` (kvfence serve's parsed flags) in a child process and return once
-    its engine is built. Raises RoleStartFailed with the child's exit status if it is not."""
+    its engine is built. Raises RoleStartFailed with the child's exit status if it is not.
+    Call it from a thread that outlives the role (the main thread): Linux's parent-death signal,
+    which ties the child's life to this process, fires when the thread that spawned it ends."""
     from kvfence.config import EngineConfig
     from kvfence.model.tokenizer import load_tokenizer
 
