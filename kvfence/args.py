@@ -300,6 +300,15 @@ ADMIN_API_KEY_FILE = Option(
 SERVER_OPTIONS: tuple[Option, ...] = (
     HOST, PORT, API_KEY_FILE, LOG_LEVEL, DRAIN_TIMEOUT, ADMIN_API_KEY_FILE,
 )  # fmt: skip
+# The engine's step loop runs in a process of its own unless asked (kvfence/role_process.py).
+ENGINE_IN_PROCESS = Option(
+    ("--engine-in-process",),
+    "engine_in_process",
+    default=False,
+    switch=True,
+    help="run the engine in the HTTP server's process (one interpreter, as before the split: "
+    "streams stall while the GIL is shared; for debugging and profiling)",
+)
 # Chat answers with tool_choice "auto" are read for calls in this model family's format.
 TOOL_CALL_PARSER = Option(
     ("--tool-call-parser",),

@@ -12,7 +12,14 @@ import sys
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
-from kvfence.args import ENGINE_OPTIONS, PD_OPTIONS, SERVER_OPTIONS, TOOL_CALL_PARSER, add_options
+from kvfence.args import (
+    ENGINE_IN_PROCESS,
+    ENGINE_OPTIONS,
+    PD_OPTIONS,
+    SERVER_OPTIONS,
+    TOOL_CALL_PARSER,
+    add_options,
+)
 from kvfence.config import ConfigError, EngineConfig
 from kvfence.faults import Faults
 from kvfence.tp_layout import pd_tp_problem
@@ -61,20 +68,39 @@ def _crash(point: str) -> None:
     os.kill(os.getpid(), signal.SIGKILL)
 
 
-def cmd_serve(args: argparse.Namespace) -> int:
-    from kvfence.engine.engine import CapacityError
+def startup_error(e: BaseException) -> int | None:
+    """A role that cannot start: say why on stderr and return the exit status (None: a bug,
+    let it raise). One rule for this process and the engine process (kvfence/role_child.py)."""
+    from kvfence.kv.sizing import CapacityError
     from kvfence.model.config import UnsupportedModelError
+
+    if isinstance(e, CapacityError):
+        print(f"kvfence: refusing to start: {e}", file=sys.stderr)
+        return EXIT_CAPACITY
+    if isinstance(e, (ConfigError, UnsupportedModelError, ValueError, OSError, RuntimeError)):
+        print(f"kvfence: {e}", file=sys.stderr)
+        return 1
+    return None
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    from kvfence.role_process import RemoteRole, RoleStartFailed, spawn_role
     from kvfence.server.api import serve
 
     # A worker ended by a fatal signal (a C-level crash: SIGSEGV, SIGBUS, SIGABRT...) leaves its
     # threads' Python stacks on stderr, i.e. in its log; SIGKILL (the OOM killer) leaves only
     # the exit status its parent sees.
     faulthandler.enable()
+    remote: RemoteRole | None = None
     try:
         # This process's fault points: none unless a test harness started it with
         # KVFENCE_FAULTS (and fault injection on); a kill_* point then ends the process.
         faults = Faults.from_env(crash=_crash)
-        service = role_service(args, faults)
+        # The engine runs in a process of its own (kvfence/role_process.py) unless asked.
+        if args.engine_in_process:
+            service = role_service(args, faults)
+        else:
+            service = remote = spawn_role(args)
         serve(
             service,
             args.host,
@@ -86,12 +112,16 @@ def cmd_serve(args: argparse.Namespace) -> int:
             tool_call_parser=args.tool_call_parser,
             admin_api_key_file=args.admin_api_key_file,
         )
-    except CapacityError as e:
-        print(f"kvfence: refusing to start: {e}", file=sys.stderr)
-        return EXIT_CAPACITY
-    except (ConfigError, UnsupportedModelError, ValueError, OSError, RuntimeError) as e:
-        print(f"kvfence: {e}", file=sys.stderr)
-        return 1
+    except RoleStartFailed as e:
+        return e.code  # the engine process said why
+    except Exception as e:
+        code = startup_error(e)
+        if code is None:
+            raise
+        return code
+    finally:
+        if remote is not None:  # serve() may have failed before it started the role
+            remote.shutdown()  # idempotent
     return 0
 
 
@@ -102,7 +132,7 @@ def build_parser() -> argparse.ArgumentParser:
     s = sub.add_parser("serve", help="run an OpenAI-compatible server (unified prefill+decode)")
     add_options(s, ENGINE_OPTIONS)
     add_options(s, SERVER_OPTIONS)
-    add_options(s, (TOOL_CALL_PARSER,))
+    add_options(s, (TOOL_CALL_PARSER, ENGINE_IN_PROCESS))
     add_options(s, PD_OPTIONS)
     sub.add_parser(
         "preflight", help="check a node's KV pool against its context length", add_help=False

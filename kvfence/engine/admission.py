@@ -11,6 +11,9 @@ from dataclasses import dataclass
 from kvfence.engine.request import GenerateRequest
 from kvfence.guards import ALL_ON, Guards
 
+# The engine serves nothing more (a tensor-parallel rank or the engine process was lost): a 503.
+ENGINE_FAILED = "engine_failed"
+
 
 @dataclass(frozen=True)
 class Admitted:

@@ -21,7 +21,7 @@ from typing import Protocol
 import torch
 
 from kvfence.config import ConfigError, EngineConfig
-from kvfence.engine.admission import AdmissionLimits, Admitted, Rejected, admit
+from kvfence.engine.admission import ENGINE_FAILED, AdmissionLimits, Admitted, Rejected, admit
 from kvfence.engine.output import advance, emit, logprob_entry, sendable_upto
 from kvfence.engine.request import FinishReason, GenerateRequest, RequestOutput, TokenLogprob
 from kvfence.engine.runner import ModelRunner, StepResult
@@ -36,7 +36,7 @@ from kvfence.kv.prefix import PrefixCache, PrefixCacheStats, SharedPrefixes, loa
 from kvfence.kv.sizing import CapacityError, PoolPlan, plan_for_engine, require_fits
 from kvfence.model.config import ModelConfig
 from kvfence.model.loader import TORCH_DTYPES, load_model
-from kvfence.model.tokenizer import IncrementalDetokenizer, NoTokenizer, Tokenizer
+from kvfence.model.tokenizer import IncrementalDetokenizer, Tokenizer, load_tokenizer
 from kvfence.model.tp import install_collectives, shard_model
 from kvfence.structured.grammar import GrammarError, Grammars, Matcher
 from kvfence.tp_layout import TpLayout, tp_problem
@@ -59,7 +59,6 @@ class HandoffHooks(Protocol):
         """A HANDOFF seq was aborted; its pages stay held until `release`."""
 
 
-ENGINE_FAILED = "engine_failed"  # a tensor-parallel rank was lost: nothing runs here again
 DRAINING = "draining"
 DRAINING_MESSAGE = "This worker is shutting down and admits no new requests; retry on another."
 
@@ -115,11 +114,7 @@ class Engine:
             require_fits(self.plan)  # I7: refuse to start rather than silently lower the limit
         # The plan resolved the flags' defaults (context length, KV dtype); nothing re-derives them.
         self.context_length = self.plan.context_length
-        self.tokenizer: Tokenizer | NoTokenizer = (
-            NoTokenizer(self.model_config.vocab_size)
-            if cfg.skip_tokenizer_init
-            else Tokenizer(cfg.model, special_tokens_in_chat=cfg.special_tokens_in_chat)
-        )
+        self.tokenizer = load_tokenizer(cfg, self.model_config.vocab_size)
         # Ranks 1..N-1 start first, so they load their slices while this process loads its own.
         self.tp = (
             TpLeader(
@@ -206,6 +201,9 @@ class Engine:
         self._stopping = threading.Event()
         self._draining = threading.Event()
         self.integrity_failures = 0
+        # Called on the engine thread after each pass of the loop: a sink that batches (the
+        # engine process's pipe, kvfence/role_child.py) sends one step's outputs at once.
+        self.after_step: Callable[[], None] = lambda: None
 
     def _prefix_cache(self) -> PrefixCache:
         shared: list[list[int]] = []
@@ -320,6 +318,7 @@ class Engine:
 
     def _loop(self) -> None:
         while not self._stopping.is_set():
+            self.after_step()  # what the last step emitted leaves before the loop waits or steps
             if not self.has_work():
                 self._wake.wait(timeout=0.5)
                 self._wake.clear()
@@ -343,6 +342,7 @@ class Engine:
                 log.exception("engine step failed; failing the running requests closed")
                 for seq in list(self.scheduler.running):
                     self._finish(seq, FinishReason.ERROR, "internal engine error", "engine_error")
+        self.after_step()
 
     def _fail_closed(self, reason: str) -> None:
         """Every request this engine holds or was sent ends with an error (I5); every later

@@ -8,13 +8,16 @@ import re
 import secrets
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from jinja2.exceptions import TemplateError
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer as HFTokenizer
 
 from kvfence.model.config import UnsupportedModelError
+
+if TYPE_CHECKING:
+    from kvfence.config import EngineConfig
 
 
 class ChatTemplateError(ValueError):
@@ -246,3 +249,10 @@ class IncrementalDetokenizer:
         full = self.tokenizer.decode(all_ids[self.prefix_offset :])
         self.prefix_offset = self.read_offset = len(all_ids)
         return full[len(prefix) :] if len(full) > len(prefix) else ""
+
+
+def load_tokenizer(cfg: EngineConfig, vocab_size: int) -> Tokenizer | NoTokenizer:
+    """A node's tokenizer as its flags ask (one rule for the engine and the HTTP process)."""
+    if cfg.skip_tokenizer_init:
+        return NoTokenizer(vocab_size)
+    return Tokenizer(cfg.model, special_tokens_in_chat=cfg.special_tokens_in_chat)

@@ -1,0 +1,142 @@
+"""The engine in a process of its own (kvfence/role_process.py, kvfence/role_child.py): the same
+answers as the engine in this process, each stream keyed by its own handle, and when the engine
+process dies every open stream ends with one error (I5) and no later request is admitted."""
+
+from __future__ import annotations
+
+import queue
+import signal
+from collections.abc import Iterator
+
+import pytest
+
+from kvfence.cli import build_parser, role_service
+from kvfence.engine.admission import ENGINE_FAILED, Admitted, Rejected
+from kvfence.engine.request import FinishReason, GenerateRequest, RequestOutput, SamplingParams
+from kvfence.faults import Faults
+from kvfence.role_process import RemoteRole, spawn_role
+from tests.conftest import TINY_MODEL
+from tests.waiting import wait_for
+
+WAIT_S = 60.0  # a loaded 2-core machine: the child imports torch and loads the model
+PROMPT = (5, 17, 42, 8, 99, 3, 61, 250, 7, 12)
+
+
+def _args(*extra: str):
+    argv = ["serve", "--model", str(TINY_MODEL), "--context-length", "2048",
+            "--kv-pool-tokens", "8192", *extra]  # fmt: skip
+    return build_parser().parse_args(argv)
+
+
+def _request(rid: str, max_tokens: int = 8, prompt: tuple[int, ...] = PROMPT) -> GenerateRequest:
+    return GenerateRequest(
+        rid, "tenant-a", prompt, SamplingParams(max_tokens=max_tokens, temperature=0.0)
+    )
+
+
+class Stream:
+    """One request's outputs as the HTTP layer's sink receives them (from the pipe's thread)."""
+
+    def __init__(self) -> None:
+        self.q: queue.SimpleQueue[RequestOutput] = queue.SimpleQueue()
+
+    def __call__(self, out: RequestOutput) -> None:
+        self.q.put(out)
+
+    def collect(self) -> list[RequestOutput]:
+        outs: list[RequestOutput] = []
+        while not outs or not outs[-1].finished:
+            try:
+                outs.append(self.q.get(timeout=WAIT_S))
+            except queue.Empty:
+                raise AssertionError(f"no final output within {WAIT_S:g} s: {outs}") from None
+        return outs
+
+
+def _tokens(outs: list[RequestOutput]) -> list[int]:
+    return [t for o in outs for t in o.new_token_ids]
+
+
+@pytest.fixture(scope="module")
+def remote() -> Iterator[RemoteRole]:
+    role = spawn_role(_args())
+    role.start()
+    yield role
+    role.shutdown()
+
+
+def test_remote_answers_match_the_engine_in_this_process(remote: RemoteRole) -> None:
+    local = role_service(_args("--engine-in-process"), Faults())
+    local.start()
+    try:
+        want = Stream()
+        assert isinstance(local.submit(_request("local-1", 12), want), Admitted)
+        expected = want.collect()
+    finally:
+        local.shutdown()
+    got = Stream()
+    verdict = remote.submit(_request("remote-1", 12), got)
+    assert isinstance(verdict, Admitted) and verdict.max_tokens == 12
+    outs = got.collect()
+    assert _tokens(outs) == _tokens(expected) and len(_tokens(outs)) == 12
+    assert "".join(o.new_text for o in outs) == "".join(o.new_text for o in expected)
+    assert outs[-1].finish_reason is FinishReason.LENGTH
+    assert [o for o in outs if o.finished] == [outs[-1]]  # one final output (I5)
+    assert remote.alive and remote.model_name == local.model_name
+    assert remote.context_length == local.context_length
+
+
+def test_calls_reach_the_role_in_the_child(remote: RemoteRole) -> None:
+    assert remote.info()["role"] == "unified"
+    stats = remote.stats()
+    assert stats.pages_total > 0 and stats.running == 0
+    assert list(remote.metrics()) == []  # a unified role has no families beyond the pool's
+    rejected = remote.submit(_request("too-long", max_tokens=10**6), Stream())
+    assert isinstance(rejected, Rejected) and rejected.status == 400
+
+
+def test_a_duplicate_request_id_cannot_take_over_another_stream(remote: RemoteRole) -> None:
+    """Outputs come back keyed by the handle this process picked, not by the request id: the
+    engine refuses the second request of an id, and that refusal reaches the second caller
+    only, while the first stream runs to its end."""
+    first, second = Stream(), Stream()
+    assert isinstance(remote.submit(_request("same-id", 24), first), Admitted)
+    remote.submit(_request("same-id", 4), second)
+    dup = second.collect()
+    assert dup[-1].finish_reason is FinishReason.ERROR
+    assert dup[-1].error_code == "duplicate_request_id"
+    outs = first.collect()
+    assert outs[-1].finish_reason is FinishReason.LENGTH and len(_tokens(outs)) == 24
+
+
+def test_abort_ends_the_stream_with_one_final_output(remote: RemoteRole) -> None:
+    s = Stream()
+    assert isinstance(remote.submit(_request("to-abort", 2000), s), Admitted)
+    first = s.q.get(timeout=WAIT_S)
+    remote.abort("to-abort")
+    outs = [first, *s.collect()] if not first.finished else [first]
+    assert outs[-1].finish_reason is FinishReason.ABORT
+    wait_for(lambda: remote.stats().pages_used == 0, WAIT_S, "the aborted request's pages")
+
+
+def test_a_dead_engine_process_ends_every_open_stream_and_admits_nothing() -> None:
+    role = spawn_role(_args())
+    try:
+        role.start()
+        streams = [Stream() for _ in range(3)]
+        for i, s in enumerate(streams):
+            assert isinstance(role.submit(_request(f"long-{i}", 2000), s), Admitted)
+        streams[0].q.get(timeout=WAIT_S)  # the engine is stepping
+        role._proc.send_signal(signal.SIGKILL)  # an OOM kill, a segfault
+        for s in streams:
+            last = s.collect()[-1]
+            assert last.finish_reason is FinishReason.ERROR
+            assert last.error_code == ENGINE_FAILED and last.error_status == 503
+        wait_for(lambda: not role.alive, WAIT_S, "alive after the engine process died")
+        later = role.submit(_request("after", 4), Stream())
+        assert isinstance(later, Rejected) and later.status == 503
+        with pytest.raises(RuntimeError, match="engine process"):
+            role.stats()
+    finally:
+        role.shutdown()
+    assert role._proc.returncode == -signal.SIGKILL
