@@ -251,7 +251,8 @@ class KVPool:
     ) -> None:
         """These pages now hold data written under grant: one Grant for all of them, or a tensor
         of grant ids shaped like pages (a batch's rows, one scatter)."""
-        if isinstance(grant, Grant) and not isinstance(pages, torch.Tensor) and not self.k.is_cuda:
+        cpu = self.device.type == "cpu"
+        if cpu and isinstance(grant, Grant) and not isinstance(pages, torch.Tensor):
             # A transfer run's pages, on decode's io loop: as check_destination.
             self._written_by.numpy()[np.asarray(pages, dtype=np.int64)] = grant.grant_id
             return
