@@ -300,14 +300,17 @@ ADMIN_API_KEY_FILE = Option(
 SERVER_OPTIONS: tuple[Option, ...] = (
     HOST, PORT, API_KEY_FILE, LOG_LEVEL, DRAIN_TIMEOUT, ADMIN_API_KEY_FILE,
 )  # fmt: skip
-# The engine's step loop runs in a process of its own unless asked (kvfence/role_process.py).
-ENGINE_IN_PROCESS = Option(
-    ("--engine-in-process",),
-    "engine_in_process",
+# The engine's step loop in a process of its own (kvfence/role_process.py), or in the HTTP
+# server's (the default: on 2 quiet shared cores the split measured ~10% slower, RESULTS.md
+# "Session 9"; its case is hosts with cores to spare for the HTTP process, and isolation).
+ENGINE_PROCESS = Option(
+    ("--engine-process",),
+    "engine_process",
     default=False,
     switch=True,
-    help="run the engine in the HTTP server's process (one interpreter, as before the split: "
-    "streams stall while the GIL is shared; for debugging and profiling)",
+    help="run the engine in a process of its own, as vLLM's EngineCore and SGLang's scheduler "
+    "run: the HTTP server never shares the engine's GIL nor maps its KV pool (costs one core's "
+    "share of the HTTP work on small hosts)",
 )
 # Chat answers with tool_choice "auto" are read for calls in this model family's format.
 TOOL_CALL_PARSER = Option(

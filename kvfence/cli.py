@@ -13,8 +13,8 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 from kvfence.args import (
-    ENGINE_IN_PROCESS,
     ENGINE_OPTIONS,
+    ENGINE_PROCESS,
     PD_OPTIONS,
     SERVER_OPTIONS,
     TOOL_CALL_PARSER,
@@ -96,11 +96,11 @@ def cmd_serve(args: argparse.Namespace) -> int:
         # This process's fault points: none unless a test harness started it with
         # KVFENCE_FAULTS (and fault injection on); a kill_* point then ends the process.
         faults = Faults.from_env(crash=_crash)
-        # The engine runs in a process of its own (kvfence/role_process.py) unless asked.
-        if args.engine_in_process:
-            service = role_service(args, faults)
-        else:
+        # The engine in a process of its own (kvfence/role_process.py) when asked.
+        if args.engine_process:
             service = remote = spawn_role(args)
+        else:
+            service = role_service(args, faults)
         serve(
             service,
             args.host,
@@ -132,7 +132,7 @@ def build_parser() -> argparse.ArgumentParser:
     s = sub.add_parser("serve", help="run an OpenAI-compatible server (unified prefill+decode)")
     add_options(s, ENGINE_OPTIONS)
     add_options(s, SERVER_OPTIONS)
-    add_options(s, (TOOL_CALL_PARSER, ENGINE_IN_PROCESS))
+    add_options(s, (TOOL_CALL_PARSER, ENGINE_PROCESS))
     add_options(s, PD_OPTIONS)
     sub.add_parser(
         "preflight", help="check a node's KV pool against its context length", add_help=False

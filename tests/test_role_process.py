@@ -1,14 +1,19 @@
-"""The engine in a process of its own (kvfence/role_process.py, kvfence/role_child.py): the same
-answers as the engine in this process, each stream keyed by its own handle, and when the engine
-process dies every open stream ends with one error (I5) and no later request is admitted."""
+"""The engine in a process of its own (`kvfence serve --engine-process`: kvfence/role_process.py,
+kvfence/role_child.py): the same answers as the engine in this process, each stream keyed by its
+own handle; when the engine process dies every open stream ends with one error (I5) and no later
+request is admitted; when the HTTP process dies, however, the engine process dies with it."""
 
 from __future__ import annotations
 
 import queue
 import signal
 from collections.abc import Iterator
+from pathlib import Path
 
+import httpx
 import pytest
+from procs import OPERATOR, serve
+from test_pd_processes import STALL, in_background, post
 
 from kvfence.cli import build_parser, role_service
 from kvfence.engine.admission import ENGINE_FAILED, Admitted, Rejected
@@ -66,7 +71,7 @@ def remote() -> Iterator[RemoteRole]:
 
 
 def test_remote_answers_match_the_engine_in_this_process(remote: RemoteRole) -> None:
-    local = role_service(_args("--engine-in-process"), Faults())
+    local = role_service(_args(), Faults())
     local.start()
     try:
         want = Stream()
@@ -140,3 +145,43 @@ def test_a_dead_engine_process_ends_every_open_stream_and_admits_nothing() -> No
     finally:
         role.shutdown()
     assert role._proc.returncode == -signal.SIGKILL
+
+
+def test_a_killed_prefill_worker_stops_transferring_with_its_engine_process(
+    tmp_path: Path,
+) -> None:
+    """SIGKILL leaves the server no cleanup, yet its engine process ends with it (the kernel's
+    parent-death signal; the pipe's end would stop it too, a step later): the transfer it was
+    stalling in stops, decode answers 503 and frees the room, and no engine process remains."""
+    prefill = serve("prefill", tmp_path, "--engine-process", env=STALL)
+    decode = serve("decode", tmp_path)
+    try:
+        for p in (prefill, decode):
+            p.wait_healthy(WAIT_S)
+        info = httpx.get(f"{prefill.url}/pd/info", headers=OPERATOR).json()
+        peer = f"{info['bootstrap_host']}:{info['bootstrap_port']}"
+        engine = _children(prefill.p.pid)
+        assert len(engine) == 1, engine
+        t, box = in_background(lambda: post(decode, peer))
+        wait_for(lambda: prefill.pages_used() > 0, WAIT_S, "prefill holding the room", interval=0.1)
+        prefill.kill()
+        t.join(WAIT_S)
+        assert box["r"].status_code == 503, box["r"].text
+        wait_for(lambda: not _alive(engine[0]), WAIT_S, "the engine process after SIGKILL")
+        wait_for(lambda: decode.pages_used() == 0, WAIT_S, "decode pool back to zero", interval=0.1)
+    finally:
+        prefill.stop()
+        decode.stop()
+
+
+def _children(pid: int) -> list[int]:
+    path = Path(f"/proc/{pid}/task/{pid}/children")
+    return [int(c) for c in path.read_text().split()]
+
+
+def _alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except FileNotFoundError:
+        return False
+    return state != "Z"  # a zombie is dead, waiting for its (killed) parent's reaper
