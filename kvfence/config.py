@@ -54,9 +54,7 @@ class EngineConfig:
     # and the prefill tokens such a step always takes, so prompts progress (TTFT) however
     # tight the target (ITL).
     max_decode_step_ms: float | None = None
-    # 16, not 32: at C=8 a 32-token floor outweighed the time target in most mixed steps
-    # (benchmarks/RESULTS.md session 9: 16 gave 1.22x throughput, 0.83x ITL p99, 1.21x TTFT).
-    min_prefill_chunk: int = 16
+    min_prefill_chunk: int = 32
     # ... and at least 1/N of the prompt tokens waiting, so a burst drains in about N steps.
     prefill_backlog_steps: int = 16
     # ... and at least this times the prompt tokens arriving per step (0: no such floor).
