@@ -18,7 +18,14 @@ def test_48_concurrent_requests_with_small_pool_finish_token_exact(checkpoint_di
     roomy = LLM(model_dir, kv_pool_tokens=8192, chunked_prefill_size=256, context_length=128)
     want = [c.token_ids for c in roomy.generate(prompts, GREEDY)]
     # 16 pages of 16 = 256 tokens: room for about 3 of the 48 at once.
-    tight = LLM(model_dir, kv_pool_tokens=256, chunked_prefill_size=64, context_length=128)
+    # No step-time target (it reads the clock): the same chunks, so preemptions, on every machine.
+    tight = LLM(
+        model_dir,
+        kv_pool_tokens=256,
+        chunked_prefill_size=64,
+        context_length=128,
+        max_decode_step_ms=0,
+    )
     got = tight.generate(prompts, GREEDY)
     assert [c.token_ids for c in got] == want
     stats = tight.engine.stats()

@@ -56,7 +56,14 @@ def test_token_exact_with_cache_on_off_and_transformers(arch: str, checkpoint_di
     want = hf_greedy(model_dir, prompts, MAX_NEW)
     # Tight: 16 pages for 12 requests of up to 6 pages each forces preemption and eviction;
     # chunks of 24 straddle page boundaries.
-    on = LLM(str(model_dir), kv_pool_tokens=256, context_length=128, chunked_prefill_size=24)
+    # No step-time target (it reads the clock): the same chunks, so preemptions, on every machine.
+    on = LLM(
+        str(model_dir),
+        kv_pool_tokens=256,
+        context_length=128,
+        chunked_prefill_size=24,
+        max_decode_step_ms=0,
+    )
     got_on = run_waves(on.engine, waves_of(prompts), GREEDY)
     off = LLM(
         str(model_dir),
@@ -249,7 +256,10 @@ def test_random_workload_keeps_every_invariant_at_every_step(checkpoint_dir) -> 
         [asks],
         params,
     )
-    llm = LLM(model_dir, kv_pool_tokens=144, context_length=128, chunked_prefill_size=24)
+    llm = LLM(  # no step-time target (it reads the clock): the same run on every machine
+        model_dir, kv_pool_tokens=144, context_length=128, chunked_prefill_size=24,
+        max_decode_step_ms=0,
+    )
     engine, prefix = llm.engine, llm.engine.pool.prefix
     answers: dict[str, list[RequestOutput]] = {a.rid: [] for a in asks}
     aborted: set[str] = set()
