@@ -188,9 +188,12 @@ def main(argv: list[str] | None = None) -> int:
         for rep in range(a.repeats):
             k = rep % len(names)
             order = names[k:] + names[:k]
-            for c, client in plan:
+            for i, (c, client) in enumerate(plan):
+                # Fresh prompts for every run: a run that repeated an earlier run's prompts would
+                # hit kvfence's prefix cache (on by default) but not vLLM's (off here).
+                seed = 100 + rep * len(plan) + i
                 for name in order:
-                    srv, seed = servers[name], 100 + rep
+                    srv = servers[name]
                     try:
                         res = (
                             kvfence_client(srv, a, c, vocab, seed)
