@@ -189,8 +189,9 @@ def online(engine: str, a: argparse.Namespace, model: Path, out: Path) -> dict:
     try:
         srv.wait_ready(timeout=600)
         vocab = int(json.loads((model / "config.json").read_text())["vocab_size"])
-        for c in a.concurrency:
-            r = run_bench(srv.url, a.num_prompts, a.input_len, a.output_len, c, vocab, seed=1)
+        for i, c in enumerate(a.concurrency):
+            # Fresh prompts per run: a repeat would hit kvfence's prefix cache, not vLLM's (off).
+            r = run_bench(srv.url, a.num_prompts, a.input_len, a.output_len, c, vocab, seed=1 + i)
             res["runs"][str(c)] = {
                 k: r[k]
                 for k in (
