@@ -22,6 +22,7 @@ from kvfence.args import (
 )
 from kvfence.config import ConfigError, EngineConfig
 from kvfence.faults import Faults
+from kvfence.lifetime import die_with_parent_from_env
 from kvfence.tp_layout import pd_tp_problem
 
 if TYPE_CHECKING:
@@ -155,6 +156,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    die_with_parent_from_env()  # a child of `kvfence up` goes with it, even when it is SIGKILLed
     parser = build_parser()
     argv = list(sys.argv[1:] if argv is None else argv)
     # These load their own modules only when asked, so `serve` stays light.

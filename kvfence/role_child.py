@@ -21,6 +21,7 @@ from typing import Any
 from kvfence.engine.admission import Rejected
 from kvfence.engine.request import GenerateRequest, RequestOutput
 from kvfence.faults import Faults
+from kvfence.lifetime import die_with_parent
 from kvfence.role import RoleService
 
 # How often the command thread looks at the role's liveness when no command comes.
@@ -156,25 +157,13 @@ class Commands:
                 self.conn.send(("alive", alive))
 
 
-def _die_with_parent(parent: int) -> None:
-    """The worker is one unit: when its HTTP process dies, however it dies (SIGKILL included),
-    the kernel kills this one at once (Linux's parent-death signal), so no engine or bootstrap
-    listener outlives it and finishes a transfer nobody answers for."""
-    if sys.platform.startswith("linux"):
-        import ctypes
-
-        libc = ctypes.CDLL(None, use_errno=True)
-        pr_set_pdeathsig = 1
-        if libc.prctl(pr_set_pdeathsig, signal.SIGKILL, 0, 0, 0) != 0:
-            raise OSError(ctypes.get_errno(), "prctl(PR_SET_PDEATHSIG)")
-    if os.getppid() != parent:  # it died before the signal was armed
-        os.kill(os.getpid(), signal.SIGKILL)
-
-
 def main(fd: int, parent: int) -> int:
     from kvfence.cli import role_service, startup_error
 
-    _die_with_parent(parent)
+    # The worker is one unit: when its HTTP process dies, however it dies (SIGKILL included),
+    # this one goes at once, so no engine or bootstrap listener finishes a transfer nobody
+    # answers for.
+    die_with_parent(parent)
     faulthandler.enable()  # a C-level crash leaves its threads' stacks in the worker's log
     # The HTTP process owns the signals: Ctrl-C reaches the whole process group, and SIGTERM's
     # drain must keep this process serving until the parent says stop.

@@ -25,6 +25,8 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.types import Receive, Scope, Send
 from waiting import poll
 
+from kvfence.lifetime import die_with_parent_from_env
+
 # `up` tests: a worker of this role exits at start-up, as a real one does on a bad pool size.
 EXIT_ROLE_ENV = "KVFENCE_FAKE_EXIT_ROLE"
 EXIT_CODE = 3
@@ -210,7 +212,9 @@ def stop_all(servers: list[ServerThread]) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Process mode: accepts `serve` and the worker flags `kvfence up` passes, ignores the rest."""
+    """Process mode: accepts `serve` and the worker flags `kvfence up` passes, ignores the rest.
+    Like a real worker's entry (kvfence/cli.py), it dies with the `up` that started it."""
+    die_with_parent_from_env()
     p = argparse.ArgumentParser()
     p.add_argument("cmd", choices=["serve"])
     p.add_argument("--disaggregation-mode", default="null")

@@ -20,6 +20,8 @@ import httpx
 import pytest
 from conftest import TINY_MODEL
 from fake_workers import EXIT_ROLE_ENV, UNHEALTHY_ROLE_ENV, free_port
+from test_lifetime import running
+from waiting import wait_for
 
 from kvfence.args import ENGINE_OPTIONS, add_options
 from kvfence.tools.up import (
@@ -256,6 +258,31 @@ def test_up_stops_everything_when_a_child_dies(model_dir: Path) -> None:
         assert [name for name, pid in pids.items() if alive(pid)] == []
     finally:
         up.kill()
+
+
+def test_sigkill_of_up_takes_every_child_with_it(model_dir: Path) -> None:
+    """`up` SIGKILLed cannot stop anyone; each child armed the parent-death signal at start
+    (kvfence/lifetime.py), so the kernel does. tests/test_lifetime.py shows the same wait
+    seeing an orphan that did not arm it."""
+    up = Up(model_dir)
+    pids: dict[str, int] = {}
+    try:
+        up.wait_line("kvfence up: ready on")
+        pids = up.pids()
+        assert sorted(pids) == ["decode-0", "prefill-0", "router"]
+        up.proc.kill()
+        up.proc.wait(timeout=30)
+        wait_for(
+            lambda: not [n for n, pid in pids.items() if running(pid)],
+            15,
+            lambda: f"outlived a SIGKILLed up: {[n for n, pid in pids.items() if running(pid)]}",
+            interval=0.05,
+        )
+    finally:
+        up.kill()
+        for pid in pids.values():
+            if running(pid):
+                os.kill(pid, signal.SIGKILL)
 
 
 def test_wait_healthy_reports_the_last_health_answer() -> None:

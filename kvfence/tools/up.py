@@ -48,6 +48,7 @@ from kvfence.args import (
 )
 from kvfence.config import ConfigError, RoutingConfig
 from kvfence.env import admin_api_key
+from kvfence.lifetime import DIE_WITH_ENV
 from kvfence.pd import certs
 from kvfence.pd.certs import TlsFiles
 from kvfence.server.operator import load_operator_key, new_operator_key, operator_headers
@@ -222,7 +223,9 @@ class Child:
         self.cmd = cmd
         self.url = url
         self.tail: deque[str] = deque(maxlen=TAIL_LINES)
-        env = dict(os.environ, PYTHONUNBUFFERED="1")
+        # DIE_WITH_ENV: if `up` itself is SIGKILLed (no chance to stop anyone), the kernel kills
+        # each child (kvfence/lifetime.py), so no worker is left holding its ports and pool.
+        env = dict(os.environ, PYTHONUNBUFFERED="1", **{DIE_WITH_ENV: str(os.getpid())})
         # Own session: a terminal's Ctrl-C reaches only `up`, which then stops children in order;
         # and killpg reaches anything a child spawned.
         self.proc = subprocess.Popen(
