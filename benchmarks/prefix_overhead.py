@@ -47,7 +47,6 @@ class CacheClock:
 
     def __init__(self) -> None:
         self.seconds = 0.0
-        self.calls = 0
         self._depth = 0
 
     def wrap(self, cls: type, names: list[str]) -> None:
@@ -65,7 +64,6 @@ class CacheClock:
                 return fn(*args, **kwargs)
             finally:
                 self.seconds += time.perf_counter() - t0
-                self.calls += 1
                 self._depth -= 1
 
         return timed

@@ -14,7 +14,7 @@ from waiting import wait_for
 from kvfence.server.operator import operator_headers
 from kvfence.tools.cluster import free_port, worker_pages_used
 
-__all__ = ["OPERATOR", "OPERATOR_KEY", "Proc", "free_port", "serve"]
+__all__ = ["OPERATOR", "OPERATOR_KEY", "Proc", "free_port", "running", "serve"]
 
 # The operator key every role started here holds (a decode needs one to check its router's
 # signed prefill address); tests read /pd/info and /metrics with OPERATOR.
@@ -84,3 +84,12 @@ def serve(role: str, tmp: Path, *extra: str, env: dict[str, str] | None = None) 
     if role == "prefill":
         args += ["--disaggregation-bootstrap-port", str(free_port())]
     return Proc(args, port, tmp / f"{role}-{port}.log", env)
+
+
+def running(pid: int) -> bool:
+    """Alive and not a zombie (a killed parent's orphan waits for a reaper that may be slow)."""
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except FileNotFoundError:
+        return False
+    return state != "Z"

@@ -8,6 +8,7 @@ import signal
 import subprocess
 import sys
 
+from procs import running
 from waiting import poll
 
 from kvfence.lifetime import DIE_WITH_ENV
@@ -24,15 +25,6 @@ PARENT = (
     f"env.update({{{DIE_WITH_ENV!r}: str(os.getpid())}} if sys.argv[1] == 'arm' else {{}}); "
     f"subprocess.Popen([sys.executable, '-c', {CHILD!r}], env=env); time.sleep(600)"
 )
-
-
-def running(pid: int) -> bool:
-    """Alive and not a zombie (an orphan's reaper may be slow to collect it)."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except FileNotFoundError:
-        return False
 
 
 def orphan_after_parent_sigkill(arm: bool, within: float) -> tuple[int, str, bool]:

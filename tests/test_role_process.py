@@ -12,7 +12,7 @@ from pathlib import Path
 
 import httpx
 import pytest
-from procs import OPERATOR, serve
+from procs import OPERATOR, running, serve
 from test_pd_processes import STALL, in_background, post
 
 from kvfence.cli import build_parser, role_service
@@ -167,7 +167,7 @@ def test_a_killed_prefill_worker_stops_transferring_with_its_engine_process(
         prefill.kill()
         t.join(WAIT_S)
         assert box["r"].status_code == 503, box["r"].text
-        wait_for(lambda: not _alive(engine[0]), WAIT_S, "the engine process after SIGKILL")
+        wait_for(lambda: not running(engine[0]), WAIT_S, "the engine process after SIGKILL")
         wait_for(lambda: decode.pages_used() == 0, WAIT_S, "decode pool back to zero", interval=0.1)
     finally:
         prefill.stop()
@@ -177,11 +177,3 @@ def test_a_killed_prefill_worker_stops_transferring_with_its_engine_process(
 def _children(pid: int) -> list[int]:
     path = Path(f"/proc/{pid}/task/{pid}/children")
     return [int(c) for c in path.read_text().split()]
-
-
-def _alive(pid: int) -> bool:
-    try:
-        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    except FileNotFoundError:
-        return False
-    return state != "Z"  # a zombie is dead, waiting for its (killed) parent's reaper

@@ -20,7 +20,7 @@ import httpx
 import pytest
 from conftest import TINY_MODEL
 from fake_workers import EXIT_ROLE_ENV, UNHEALTHY_ROLE_ENV, free_port
-from test_lifetime import running
+from procs import running
 from waiting import wait_for
 
 from kvfence.args import ENGINE_OPTIONS, add_options
