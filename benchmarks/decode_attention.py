@@ -1,0 +1,142 @@
+"""Decode attention kernel (kvfence/model/kernels/paged_decode.cpp) against its source at another
+git revision, interleaved in one process: every layer has its own K/V cache and each row's pages
+are scattered over it, as in a real pool, so each call streams its rows' K/V from memory. Both
+builds must give the same output to the bit; the figure is ms per step (all layers) and the GB/s
+of K/V read, beside the read bandwidth `torch.sum` gets here.
+
+    .venv/bin/python benchmarks/decode_attention.py --base-rev 36ff464
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from benchmarks.common import RESULTS, machine, this_command, write_json  # noqa: E402
+from benchmarks.decode_floor import read_bandwidth  # noqa: E402
+
+ROOT = Path(__file__).resolve().parent.parent
+SOURCE = "kvfence/model/kernels/paged_decode.cpp"
+FLAGS = ["-O3", "-march=native", "-fopenmp", "-fno-math-errno"]
+
+
+def build_at(rev: str) -> object:
+    """The kernel compiled from SOURCE as it was at `rev` (its own extension name)."""
+    from torch.utils.cpp_extension import load
+
+    text = subprocess.run(
+        ["git", "-C", str(ROOT), "show", f"{rev}:{SOURCE}"],
+        check=True,
+        capture_output=True,
+        text=True,
+    ).stdout
+    name = "kvfence_pd_bench_" + hashlib.sha256(text.encode()).hexdigest()[:12]
+    src = Path(tempfile.mkdtemp()) / f"{name}.cpp"
+    src.write_text(text)
+    mod = load(name=name, sources=[str(src)], extra_cflags=FLAGS, extra_ldflags=["-fopenmp"])
+    return mod.paged_decode  # type: ignore[attr-defined]
+
+
+def step(f, q, kc, vc, table, lens, page) -> float:  # noqa: ANN001
+    """Seconds for one decode step's attention: every layer once."""
+    t = time.perf_counter()
+    for k, v in zip(kc, vc, strict=True):
+        f(q, k, v, table, lens, page, 0.125, 0)
+    return time.perf_counter() - t
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__)
+    p.add_argument("--base-rev", required=True, help="the git revision to compare against")
+    p.add_argument("--tiny", action="store_true", help="2 layers, small shapes (smoke test)")
+    p.add_argument("--shapes", default="32x320,8x1216,1x2048", help="ROWSxCONTEXT,...")
+    p.add_argument("--alternations", type=int, default=12)
+    p.add_argument("--out", default=str(RESULTS))
+    p.add_argument("--name", default="decode_attention")
+    a = p.parse_args(argv)
+
+    import torch
+
+    from kvfence.model import kernels
+
+    torch.set_num_threads(torch.get_num_threads())
+    new = kernels.paged_decode()
+    if new is None:
+        raise SystemExit("the native decode kernel cannot be built here")
+    sides = {"base": build_at(a.base_rev), "tree": new}
+    heads, kv_heads, dim, page = 9, 3, 64, 16  # SmolLM-135M's attention
+    layers, slots = (2, 2048) if a.tiny else (30, 23_000)
+    shapes = ["2x64"] if a.tiny else a.shapes.split(",")
+    results = {}
+    for shape in shapes:
+        rows, ctx = (int(x) for x in shape.split("x"))
+        pages = -(-ctx // page)
+        gen = torch.Generator().manual_seed(0)
+        kc = [torch.randn(slots, kv_heads, dim, generator=gen) for _ in range(layers)]
+        vc = [torch.randn(slots, kv_heads, dim, generator=gen) for _ in range(layers)]
+        table = torch.randperm(slots // page, generator=gen)[: rows * pages].view(rows, pages)
+        q = torch.randn(rows, heads, dim, generator=gen)
+        lens = torch.full((rows,), ctx, dtype=torch.int64)
+        outs = {k: f(q, kc[0], vc[0], table, lens, page, 0.125, 0) for k, f in sides.items()}
+        equal = torch.equal(outs["base"], outs["tree"])
+
+        times: dict[str, list[float]] = {k: [] for k in sides}
+        args = (q, kc, vc, table, lens, page)
+        for f in sides.values():
+            step(f, *args)  # warm
+        for i in range(a.alternations):
+            order = list(sides) if i % 2 == 0 else list(sides)[::-1]
+            for k in order:
+                times[k].append(step(sides[k], *args))
+        kv_bytes = layers * rows * ctx * kv_heads * dim * 4 * 2
+        row = {"bitwise_equal": equal}
+        for k, ts in times.items():
+            med = statistics.median(ts)
+            row[k] = {
+                "ms": med * 1e3,
+                "min_ms": min(ts) * 1e3,
+                "max_ms": max(ts) * 1e3,
+                "gb_s": kv_bytes / med / 1e9,
+            }
+        ratios = sorted(t / b for t, b in zip(times["tree"], times["base"], strict=True))
+        row["tree_over_base"] = {
+            "median": statistics.median(ratios),
+            "min": ratios[0],
+            "max": ratios[-1],
+        }
+        results[shape] = row
+        print(
+            f"{shape}: base {row['base']['ms']:.1f} ms ({row['base']['gb_s']:.1f} GB/s), "
+            f"tree {row['tree']['ms']:.1f} ms ({row['tree']['gb_s']:.1f} GB/s), tree/base "
+            f"{row['tree_over_base']['median']:.3f} ({ratios[0]:.3f}-{ratios[-1]:.3f}), "
+            f"bitwise equal: {equal}",
+            flush=True,
+        )
+        if not equal:
+            raise SystemExit(f"{shape}: the two builds disagree; the comparison is void")
+    bandwidth = read_bandwidth(256 << 20 if not a.tiny else 16 << 20, 3)
+    print(f"read bandwidth (torch.sum): {bandwidth / 1e9:.1f} GB/s")
+    write_json(
+        Path(a.out) / f"{a.name}.json",
+        {
+            "command": this_command(),
+            "machine": machine(),
+            "base_rev": a.base_rev,
+            "layers": layers,
+            "read_bandwidth_gb_s": bandwidth / 1e9,
+            "shapes": results,
+        },
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
