@@ -7,6 +7,12 @@ purpose (`--rounding`) is compared by its error against a float64 reference inst
 the tree's worst error is over twice the base's (and over 1e-6 of the output's scale).
 
     .venv/bin/python benchmarks/decode_attention.py --base-rev 36ff464
+    .venv/bin/python benchmarks/decode_attention.py --base-rev HEAD --tree-runs 16
+
+`--tree-runs N` gives the tree's side the same K/V with each row's pages laid out in runs of N
+neighbours (as the pool's lowest-first allocation hands them out) instead of scattered one by
+one (as a FIFO free list leaves them after churn): with the same source on both sides, the
+figure is what page locality alone is worth.
 """
 
 from __future__ import annotations
@@ -71,12 +77,29 @@ def reference(q, k, v, table, lens, page) -> object:  # noqa: ANN001
     return out
 
 
+def in_runs(kc, vc, table, run, num_pages, page, gen) -> tuple:  # noqa: ANN001
+    """The same K/V per row, its pages moved to runs of `run` neighbouring pages."""
+    import torch
+
+    rows, pages = table.shape
+    starts = torch.randperm(num_pages // run, generator=gen)[: -(-rows * pages // run)]
+    moved = (starts[:, None] * run + torch.arange(run)).flatten()[: rows * pages].view(rows, pages)
+    src = (table.flatten()[:, None] * page + torch.arange(page)).flatten()
+    dst = (moved.flatten()[:, None] * page + torch.arange(page)).flatten()
+    kc2, vc2 = [k.clone() for k in kc], [v.clone() for v in vc]
+    for k2, v2, k, v in zip(kc2, vc2, kc, vc, strict=True):
+        k2[dst] = k[src]
+        v2[dst] = v[src]
+    return kc2, vc2, moved
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__)
     p.add_argument("--base-rev", required=True, help="the git revision to compare against")
     p.add_argument("--tiny", action="store_true", help="2 layers, small shapes (smoke test)")
     p.add_argument("--shapes", default="32x320,8x1216,1x2048", help="ROWSxCONTEXT,...")
     p.add_argument("--alternations", type=int, default=12)
+    p.add_argument("--tree-runs", type=int, default=0, help="tree's pages in runs of N (0: same)")
     p.add_argument(
         "--rounding",
         action="store_true",
@@ -108,7 +131,13 @@ def main(argv: list[str] | None = None) -> int:
         table = torch.randperm(slots // page, generator=gen)[: rows * pages].view(rows, pages)
         q = torch.randn(rows, heads, dim, generator=gen)
         lens = torch.full((rows,), ctx, dtype=torch.int64)
-        outs = {k: f(q, kc[0], vc[0], table, lens, page, 0.125, 0) for k, f in sides.items()}
+        data = {"base": (kc, vc, table), "tree": (kc, vc, table)}
+        if a.tree_runs:
+            data["tree"] = in_runs(kc, vc, table, a.tree_runs, slots // page, page, gen)
+        outs = {
+            k: f(q, data[k][0][0], data[k][1][0], data[k][2], lens, page, 0.125, 0)
+            for k, f in sides.items()
+        }
         equal = torch.equal(outs["base"], outs["tree"])
         ref = reference(q, kc[0], vc[0], table, lens, page)
         error = {
@@ -116,13 +145,12 @@ def main(argv: list[str] | None = None) -> int:
         }
 
         times: dict[str, list[float]] = {k: [] for k in sides}
-        args = (q, kc, vc, table, lens, page)
-        for f in sides.values():
-            step(f, *args)  # warm
+        for k, f in sides.items():
+            step(f, q, *data[k], lens, page)  # warm
         for i in range(a.alternations):
             order = list(sides) if i % 2 == 0 else list(sides)[::-1]
             for k in order:
-                times[k].append(step(sides[k], *args))
+                times[k].append(step(sides[k], q, *data[k], lens, page))
         kv_bytes = layers * rows * ctx * kv_heads * dim * 4 * 2
         row = {"bitwise_equal": equal, "max_error_vs_float64": error}
         for k, ts in times.items():
@@ -160,6 +188,7 @@ def main(argv: list[str] | None = None) -> int:
             "command": this_command(),
             "machine": machine(),
             "base_rev": a.base_rev,
+            "tree_runs": a.tree_runs,
             "layers": layers,
             "read_bandwidth_gb_s": bandwidth / 1e9,
             "shapes": results,

@@ -138,7 +138,12 @@ def test_poison_twin_a_stale_read_shows_as_nan_garbage(checkpoint_dir) -> None:
     engine.submit(GenerateRequest("s", "t", tuple(prompt), PARAMS), outs.append)
     engine.step()
     seq = engine.scheduler.running[0]
-    seq.pages[0] = next(p for p in range(1, engine.pool.num_pages + 1) if p not in seq.pages)
+    # A page freed (so poisoned) just now: the pool hands out its lowest free pages first, so
+    # the highest of four taken and returned is the last any later allocation would reuse.
+    scratch = engine.pool.new_grant("other", "scratch")
+    freed = engine.pool.allocate(scratch, 4)
+    engine.pool.free(scratch, freed)
+    seq.pages[0] = max(freed)
     with engine.faults.injected("skip_tag_check"):
         while not (outs and outs[-1].finished):
             engine.step()

@@ -203,9 +203,12 @@ def test_ttl_expires_unused_pages_and_poisons_them(checkpoint_dir) -> None:
     now[0] = 4.0
     assert run_waves(engine, [[Ask("b", prompt)]], GREEDY)["b"].cached == 2 * PAGE
     now[0] = 20.0  # 16 s unused
-    run_waves(engine, [[Ask("c", other)]], GREEDY)
+    # What every step's schedule does first. Checked here, before any allocation: the pool hands
+    # out its lowest free pages, so the next request would take (and overwrite) these at once.
+    engine.pool.expire_prefix()
     assert not any(engine.pool.prefix.is_cached(p) for p in cached_pages)
     assert all(torch.isnan(engine.pool.k[:, p * PAGE : (p + 1) * PAGE]).all() for p in cached_pages)
+    run_waves(engine, [[Ask("c", other)]], GREEDY)
     again = run_waves(engine, [[Ask("d", prompt)]], GREEDY)["d"]
     assert again.cached == 0 and again.tokens == first.tokens
     assert engine.stats().prefix_cache.evictions >= 2
