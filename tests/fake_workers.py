@@ -12,7 +12,6 @@ import argparse
 import asyncio
 import json
 import os
-import socket
 import sys
 import threading
 from collections.abc import AsyncIterator
@@ -26,6 +25,7 @@ from starlette.types import Receive, Scope, Send
 from waiting import poll
 
 from kvfence.lifetime import die_with_parent_from_env
+from kvfence.tools.ports import free_port  # noqa: F401  (the tests take it from here)
 
 # `up` tests: a worker of this role exits at start-up, as a real one does on a bad pool size.
 EXIT_ROLE_ENV = "KVFENCE_FAKE_EXIT_ROLE"
@@ -170,12 +170,6 @@ async def _stream(fake: FakeState, prompt: str) -> AsyncIterator[bytes]:
         raise
     finally:
         fake.open_requests -= 1
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 class ServerThread:

@@ -6,7 +6,6 @@ from __future__ import annotations
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -15,12 +14,7 @@ from pathlib import Path
 import httpx
 
 from kvfence.server.operator import new_operator_key, operator_headers
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from kvfence.tools.ports import free_port
 
 
 def write_key_file(path: Path, keys: dict[str, str]) -> Path:

@@ -52,6 +52,7 @@ from kvfence.lifetime import DIE_WITH_ENV
 from kvfence.pd import certs
 from kvfence.pd.certs import TlsFiles
 from kvfence.server.operator import load_operator_key, new_operator_key, operator_headers
+from kvfence.tools.ports import free_port
 from kvfence.tp_layout import pd_tp_problem
 
 BUNDLED_MODEL = Path(__file__).resolve().parents[2] / "models" / "kvfence-tiny"
@@ -69,13 +70,6 @@ def say(line: str, *, err: bool = False) -> None:
         stream = sys.stderr if err else sys.stdout
         stream.write(line + "\n")
         stream.flush()
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    """A port the OS just had free on `host` (bind to 0). Racy by nature, fine for one box."""
-    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as s:
-        s.bind((host, 0))
-        return int(s.getsockname()[1])
 
 
 def _free_ports(host: str, n: int) -> list[int]:
