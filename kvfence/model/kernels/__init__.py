@@ -25,6 +25,7 @@ from kvfence import env
 
 log = logging.getLogger(__name__)
 HERE = Path(__file__).resolve().parent
+HEADER = HERE / "vec16.h"  # included by every kernel: part of each build's key
 
 
 @cache
@@ -36,7 +37,8 @@ def _build(stem: str) -> object | None:
     # source hash), so a shared cache directory never hands one CPU another's binary. The
     # source's path is in the name too: ninja rebuilds when a build line changes, so two
     # checkouts sharing one name would rebuild each other's kernel at every start.
-    key = src.read_bytes() + str(src).encode() + platform.machine().encode() + _cpu_id()
+    key = src.read_bytes() + HEADER.read_bytes() + str(src).encode() + platform.machine().encode()
+    key += _cpu_id()
     tag = hashlib.sha256(key).hexdigest()
     name = f"kvfence_{stem}_{tag[:12]}"
     try:

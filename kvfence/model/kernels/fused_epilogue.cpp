@@ -14,25 +14,16 @@
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
+#include "vec16.h"
+
 #include <cmath>
 #include <cstring>
 
 namespace {
 
-typedef float v16 __attribute__((vector_size(64), aligned(4)));
-typedef int i16 __attribute__((vector_size(64), aligned(4)));
-
 constexpr int64_t kLanes = 16;
 // Elements per parallel chunk: below this a call stays on the calling thread.
 constexpr int64_t kGrainElems = 1 << 16;
-
-inline v16 load16(const float* p) {
-    v16 v;
-    std::memcpy(&v, p, sizeof v);
-    return v;
-}
-
-inline void store16(float* p, v16 v) { std::memcpy(p, &v, sizeof v); }
 
 inline v16 splat(float a) { return v16{} + a; }
 
@@ -52,9 +43,7 @@ inline v16 exp16(v16 x) {
     p = p * r + splat(5.0000001201e-1f);
     p = p * r * r + r + splat(1.0f);
     const i16 bits = (__builtin_convertvector(n, i16) + 127) << 23;
-    v16 scale;
-    std::memcpy(&scale, &bits, sizeof scale);
-    return p * scale;
+    return p * as_float16(bits);
 }
 
 inline v16 silu_mul16(v16 g, v16 u) { return g / (splat(1.0f) + exp16(-g)) * u; }

@@ -8,6 +8,8 @@
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
+#include "vec16.h"
+
 #include <algorithm>
 #include <vector>
 
@@ -20,16 +22,6 @@ constexpr int64_t kMR = 8;  // rows per register tile
 // Prefetches go to L2 (prefetcht2), not L1: a block, the next one and x's rows would not all
 // fit in L1. Measured against L1 (3), L1/L2 (2) and non-temporal (0, 1.2-2x slower).
 constexpr int kLocality = 1;
-
-typedef float v16 __attribute__((vector_size(64), aligned(4)));
-
-inline v16 load16(const float* p) {
-    v16 v;
-    __builtin_memcpy(&v, p, sizeof v);
-    return v;
-}
-
-inline void store16(float* p, v16 v) { __builtin_memcpy(p, &v, sizeof v); }
 
 // Rows [0, MR) of x (row stride ldx) against panel rows [0, kn): the tile's sums start from
 // acc (or zero when `fresh`) and end there, so a panel can be walked in blocks of K.

@@ -8,6 +8,8 @@
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
+#include "vec16.h"
+
 #include <algorithm>
 #include <cmath>
 #include <limits>
@@ -42,14 +44,6 @@ inline void axpy(float a, const T* x, float* y, int64_t d) {
 // float32 with head_dim % 16 == 0: scores for 16 slots at a time, each a 16-lane partial sum,
 // then one transpose-and-add tree instead of 16 horizontal reductions. GCC vector extensions
 // lower to AVX-512, AVX2 or SSE, whatever -march=native offers.
-typedef float v16 __attribute__((vector_size(64), aligned(4)));
-typedef int i16 __attribute__((vector_size(64)));
-
-inline v16 load16(const float* p) {
-    v16 v;
-    __builtin_memcpy(&v, p, sizeof v);
-    return v;
-}
 
 // out lane i = the sum of p[i]'s 16 lanes.
 inline v16 reduce16(const v16* p) {
@@ -74,8 +68,6 @@ inline v16 reduce16(const v16* p) {
     return __builtin_shuffle(u[0], u[1], lo4) + __builtin_shuffle(u[0], u[1], hi4);
 }
 
-inline void store16(float* p, v16 v) { __builtin_memcpy(p, &v, sizeof v); }
-
 // exp(x) on 16 lanes for softmax's x <= 0 (a score minus the row's maximum): Cody-Waite
 // reduction to r in [-ln2/2, ln2/2] and Cephes' polynomial for expf (documented at about 1 ulp;
 // the attention's error against float64 is unchanged: decode_attention.py --rounding). Below
@@ -94,9 +86,7 @@ inline v16 exp16(v16 x) {
     p = p * r + 5.0000001201e-1f;
     p = p * r * r + r + 1.0f;
     const i16 bits = (__builtin_convertvector(n, i16) + 127) << 23;
-    v16 scale;
-    __builtin_memcpy(&scale, &bits, sizeof scale);
-    return p * scale;
+    return p * as_float16(bits);
 }
 
 inline float sum16(v16 v) {
@@ -128,7 +118,8 @@ inline void pv_block(const float* vc, const int64_t* pages, int64_t page_size, i
             for (int j = 0; j < NV; ++j) a[g][j] += p * v[j];
         }
     }
-    for (int g = 0; g < gb; ++g) __builtin_memcpy(acc + (qh0 + g) * D, a[g], sizeof a[g]);
+    for (int g = 0; g < gb; ++g)
+        for (int j = 0; j < NV; ++j) store16(acc + (qh0 + g) * D + 16 * j, a[g][j]);
 }
 
 template <int NV, int GB>
@@ -193,7 +184,7 @@ void decode_kernel(const T* q, const T* kc, const T* vc, const int64_t* pt, cons
                                     part[i] = acc;
                                 }
                                 const v16 sc = reduce16(part);
-                                __builtin_memcpy(&scores[qh * len + (t - t0)], &sc, sizeof sc);
+                                store16(&scores[qh * len + (t - t0)], sc);
                             }
                     }
                 }
