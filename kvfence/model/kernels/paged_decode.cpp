@@ -41,10 +41,8 @@ inline void axpy(float a, const T* x, float* y, int64_t d) {
     for (int64_t i = 0; i < d; ++i) y[i] += a * static_cast<float>(x[i]);
 }
 
-// float32 with head_dim % 16 == 0: scores for 16 slots at a time, each a 16-lane partial sum,
-// then one transpose-and-add tree instead of 16 horizontal reductions. GCC vector extensions
-// lower to AVX-512, AVX2 or SSE, whatever -march=native offers.
-
+// float32 with head_dim % 16 == 0: scores for 16 slots at a time, each a 16-lane partial sum
+// (vec16.h), then one transpose-and-add tree instead of 16 horizontal reductions:
 // out lane i = the sum of p[i]'s 16 lanes.
 inline v16 reduce16(const v16* p) {
     v16 r[8], s[4], u[2];
