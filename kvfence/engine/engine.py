@@ -22,6 +22,7 @@ import torch
 
 from kvfence.config import ConfigError, EngineConfig
 from kvfence.engine.admission import ENGINE_FAILED, AdmissionLimits, Admitted, Rejected, admit
+from kvfence.engine.openmp import release_thread_pool
 from kvfence.engine.output import advance, emit, logprob_entry, sendable_upto
 from kvfence.engine.request import FinishReason, GenerateRequest, RequestOutput, TokenLogprob
 from kvfence.engine.runner import ModelRunner, StepResult
@@ -295,6 +296,9 @@ class Engine:
         return -1
 
     def start(self) -> None:
+        # From here on the loop's thread computes; the pool of OpenMP workers the model's load
+        # left on this thread would make each of its parallel regions wait for a wake-up.
+        release_thread_pool()
         self._thread = threading.Thread(target=self._loop, name="kvfence-engine", daemon=True)
         self._thread.start()
 

@@ -1,0 +1,88 @@
+"""The thread that builds an engine gives back its OpenMP workers when the engine's own thread
+takes over (`kvfence/engine/openmp.py` says why: with them left idle, every parallel region of
+the engine thread waited for a wake-up, a third of a batch-1 decode step on 2 cores).
+
+Checked by thread ids, not by time: in a fresh interpreter, the workers a parallel region on the
+main thread starts (one more than the model's load left) are new entries of /proc/self/task
+(torch may start an idle helper thread or two beside them); after `Engine.start` the workers
+must be gone. The twin starts the engine with the release turned off and sees none go.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+pytestmark = pytest.mark.skipif(sys.platform != "linux", reason="reads /proc/self/task")
+
+PROBE = textwrap.dedent(
+    """
+    import json, os, sys
+    import torch
+    from kvfence.engine import engine as engine_mod
+    from kvfence.engine.llm import LLM
+
+    def tids():
+        return set(os.listdir("/proc/self/task"))
+
+    llm = LLM(sys.argv[1], kv_pool_tokens=1024)  # may leave this thread a pool already
+    before = tids()
+    torch.set_num_threads(3)  # so the next region starts workers of its own, even on 1 core
+    torch.zeros(1 << 22).add_(1.0)  # far above ATen's grain: a parallel region on this thread
+    workers = tids() - before
+    if sys.argv[2] == "off":
+        engine_mod.release_thread_pool = lambda: False
+    llm.engine.start()
+    print(json.dumps({"started": sorted(workers), "gone": sorted(workers - tids())}))
+    llm.engine.shutdown()
+    """
+)
+
+
+def probe(model_dir: str, release: str) -> dict:
+    out = subprocess.run(
+        [sys.executable, "-c", PROBE, model_dir, release],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert out.returncode == 0, out.stderr[-2000:]
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def test_release_thread_pool_ends_the_calling_threads_workers() -> None:
+    script = textwrap.dedent(
+        """
+        import os, torch
+        from kvfence.engine.openmp import release_thread_pool
+        torch.set_num_threads(2)
+        before = set(os.listdir("/proc/self/task"))
+        torch.zeros(1 << 22).add_(1.0)
+        workers = set(os.listdir("/proc/self/task")) - before
+        released = release_thread_pool()
+        print(len(workers), released, len(workers - set(os.listdir("/proc/self/task"))))
+        """
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=120
+    )
+    assert out.returncode == 0, out.stderr[-2000:]
+    started, released, gone = out.stdout.split()
+    assert int(started) >= 1, "the parallel region started no worker: nothing was checked"
+    assert released == "True", "torch's libgomp (omp_pause_resource_all) was not found"
+    assert int(gone) >= 1
+
+
+def test_engine_start_gives_back_the_builders_openmp_workers(checkpoint_dir) -> None:
+    seen = probe(str(checkpoint_dir("llama")), "on")
+    assert seen["started"], "the parallel region started no worker: nothing was checked"
+    assert seen["gone"], f"the main thread's OpenMP workers outlived Engine.start: {seen}"
+
+
+def test_twin_without_the_release_the_workers_stay(checkpoint_dir) -> None:
+    seen = probe(str(checkpoint_dir("llama")), "off")
+    assert seen["started"] and seen["gone"] == []
