@@ -221,6 +221,15 @@ PREFILL_PACE = _engine(
     "(a moving average), so prefill keeps pace with arrivals in even chunks (smooth ITL); "
     "0: off",
 )
+WIDE_STEP_FACTOR = _engine(
+    "--wide-step-factor",
+    "wide_step_factor",
+    type=float,
+    metavar="FACTOR",
+    help="the auto time target (no --max-decode-step-ms) at 32 or more decode rows, as a "
+    "multiple of the decode-only step: 2x up to 8 rows, rising linearly to FACTOR at 32 "
+    "(higher: prompts behind a wide batch wait less, its streams' steps are longer)",
+)
 SKIP_TOKENIZER_INIT = _engine(
     "--skip-tokenizer-init",
     "skip_tokenizer_init",
@@ -263,8 +272,8 @@ ENGINE_OPTIONS: tuple[Option, ...] = (
     ATTENTION_BACKEND, LINEAR_BACKEND, MAX_RUNNING_REQUESTS, THREADS, SEED,
     UNSAFE_SKIP_PREFLIGHT, KV_POISON_ON_FREE, ENABLE_PREFIX_CACHING, SHARED_PREFIX_FILE,
     PREFIX_CACHE_TTL, SKIP_TOKENIZER_INIT, MAX_DECODE_STEP_MS, MIN_PREFILL_CHUNK,
-    PREFILL_BACKLOG_STEPS, PREFILL_PACE, MAX_RUNNING_REQUESTS_PER_TENANT, SPECIAL_TOKENS_IN_CHAT,
-    TP_SIZE, TP_TIMEOUT,
+    PREFILL_BACKLOG_STEPS, PREFILL_PACE, WIDE_STEP_FACTOR, MAX_RUNNING_REQUESTS_PER_TENANT,
+    SPECIAL_TOKENS_IN_CHAT, TP_SIZE, TP_TIMEOUT,
 )  # fmt: skip
 # What sizes a node's pool (kv/sizing.plan_for_engine reads these fields): `kvfence preflight`
 # takes exactly these, so it plans what `serve` would build.

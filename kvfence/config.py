@@ -59,6 +59,9 @@ class EngineConfig:
     prefill_backlog_steps: int = 16
     # ... and at least this times the prompt tokens arriving per step (0: no such floor).
     prefill_pace: float = 0.0
+    # The auto target's multiple of the decode-only step at WIDE_ROWS decode rows or more (2x at
+    # NARROW_ROWS or fewer, linear between): kvfence/engine/step_budget.py says why.
+    wide_step_factor: float = 2.0
     # vLLM's --skip-tokenizer-init: no tokenizer is loaded (the model dir may have none); only
     # token-id prompts are served and outputs carry token ids with empty text.
     skip_tokenizer_init: bool = False
@@ -121,6 +124,8 @@ class EngineConfig:
             raise ConfigError(f"--prefill-backlog-steps {self.prefill_backlog_steps}: must be >= 1")
         if not self.prefill_pace >= 0:
             raise ConfigError(f"--prefill-pace {self.prefill_pace}: must be >= 0")
+        if not self.wide_step_factor >= 1:
+            raise ConfigError(f"--wide-step-factor {self.wide_step_factor}: must be >= 1")
         if self.min_prefill_chunk < 1:
             raise ConfigError(f"--min-prefill-chunk {self.min_prefill_chunk}: must be >= 1")
         if self.max_running_requests < 1:

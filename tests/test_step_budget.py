@@ -10,10 +10,13 @@ import pytest
 from kvfence.engine.step_budget import (
     AUTO_STEP_FACTOR,
     MIN_SAMPLES,
+    NARROW_ROWS,
+    WIDE_ROWS,
     ArrivalPace,
     BudgetPolicy,
     StepBudget,
     StepCost,
+    auto_factor,
     fit_nonnegative,
     fit_robust,
     prefill_budget,
@@ -88,6 +91,22 @@ def test_budget_from_the_auto_target_scales_with_the_decode_step() -> None:
     # A machine twice as slow in every respect gets the same budget.
     slow = StepCost(COST.a * 2, COST.b * 2, COST.c * 2)
     assert prefill_budget(policy, slow, 8) == prefill_budget(policy, COST, 8)
+
+
+def test_the_auto_factor_rises_from_narrow_to_wide_batches() -> None:
+    wide = BudgetPolicy(max_chunk=4096, min_chunk=1, wide_factor=6.0)
+    assert [auto_factor(wide, r) for r in (0, 1, NARROW_ROWS)] == [AUTO_STEP_FACTOR] * 3
+    assert auto_factor(wide, WIDE_ROWS) == auto_factor(wide, 4 * WIDE_ROWS) == 6.0
+    mid = (NARROW_ROWS + WIDE_ROWS) // 2
+    assert auto_factor(wide, mid) == pytest.approx((AUTO_STEP_FACTOR + 6.0) / 2)
+    # The budget follows: (factor - 1) x the decode-only step, in prefill tokens.
+    decode_ms = COST.predict(0, WIDE_ROWS)
+    assert prefill_budget(wide, COST, WIDE_ROWS) == int(5.0 * decode_ms / COST.b)
+    # The default (2x at every width) and an absolute target ignore the factor.
+    plain = BudgetPolicy(max_chunk=4096, min_chunk=1)
+    assert prefill_budget(plain, COST, WIDE_ROWS) == int(decode_ms / COST.b)
+    fixed = BudgetPolicy(max_chunk=4096, min_chunk=1, max_decode_step_ms=300.0, wide_factor=6.0)
+    assert prefill_budget(fixed, COST, WIDE_ROWS) == int((300.0 - decode_ms) / COST.b)
 
 
 def test_budget_bounds_min_cap_and_chunk() -> None:

@@ -164,6 +164,7 @@ class Engine:
                     token_cap=cfg.decode_step_prefill_budget,
                     backlog_steps=cfg.prefill_backlog_steps,
                     pace=cfg.prefill_pace,
+                    wide_factor=cfg.wide_step_factor,
                 ),
                 cfg.max_running_requests_per_tenant,
             ),

@@ -43,6 +43,13 @@ from itertools import product
 # The default target: a step that decodes may take this many times the decode-only step of the
 # same rows (measured, benchmarks/RESULTS.md "Session 6": ITL p99 vs throughput and TTFT).
 AUTO_STEP_FACTOR = 2.0
+# ... up to NARROW_ROWS decode rows; from WIDE_ROWS rows on, BudgetPolicy.wide_factor (linear
+# between). A wide batch's decode-only step is already long and the prompts arriving behind it
+# need more prefill per step than 2x leaves room for: at 32 rows 2x gave ~105 prefill tokens
+# per 165 ms step, fewer than a closed loop's arrivals, so prompts queued for seconds
+# (benchmarks/RESULTS.md "Session 14").
+NARROW_ROWS = 8
+WIDE_ROWS = 32
 WINDOW = 64  # recent steps the fit reads
 MIN_SAMPLES = 8  # below this the model does not predict; mixed steps take the minimum chunk
 REFIT_EVERY = 4  # steps between fits (a fit is a few 3x3 solves; cheap, but not free)
@@ -64,7 +71,7 @@ class StepCost:
 
 @dataclass(frozen=True)
 class BudgetPolicy:
-    """The flags behind the budget. max_decode_step_ms: None = auto (AUTO_STEP_FACTOR x the
+    """The flags behind the budget. max_decode_step_ms: None = auto (`auto_factor` x the
     decode-only step), 0 = no time bound (the token cap alone, as before this policy)."""
 
     max_chunk: int  # --chunked-prefill-size: the most any step computes
@@ -73,6 +80,13 @@ class BudgetPolicy:
     token_cap: int | None = None  # --decode-step-prefill-budget: a hard cap in mixed steps
     backlog_steps: int | None = None  # --prefill-backlog-steps: drain the backlog in about this
     pace: float = 0.0  # --prefill-pace: take this times the arrival rate (0: no such floor)
+    wide_factor: float = AUTO_STEP_FACTOR  # --wide-step-factor: the auto factor at WIDE_ROWS
+
+
+def auto_factor(policy: BudgetPolicy, decode_rows: int) -> float:
+    """The auto target's multiple of the decode-only step for this many decode rows."""
+    share = min(1.0, max(0.0, (decode_rows - NARROW_ROWS) / (WIDE_ROWS - NARROW_ROWS)))
+    return AUTO_STEP_FACTOR + share * (policy.wide_factor - AUTO_STEP_FACTOR)
 
 
 def prefill_budget(
@@ -101,7 +115,7 @@ def prefill_budget(
         return floor  # nothing measured yet: the smallest step that still makes progress
     decode_ms = cost.predict(0, decode_rows)
     target = (
-        AUTO_STEP_FACTOR * decode_ms
+        auto_factor(policy, decode_rows) * decode_ms
         if policy.max_decode_step_ms is None
         else policy.max_decode_step_ms
     )
