@@ -228,7 +228,8 @@ WIDE_STEP_FACTOR = _engine(
     metavar="FACTOR",
     help="the auto time target (no --max-decode-step-ms) at 32 or more decode rows, as a "
     "multiple of the decode-only step: 2x up to 8 rows, rising linearly to FACTOR at 32 "
-    "(higher: prompts behind a wide batch wait less, its streams' steps are longer)",
+    "(default 6; higher: prompts behind a wide batch wait less, its streams' steps are longer; "
+    "2: the same 2x at every width)",
 )
 SKIP_TOKENIZER_INIT = _engine(
     "--skip-tokenizer-init",

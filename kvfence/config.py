@@ -60,8 +60,9 @@ class EngineConfig:
     # ... and at least this times the prompt tokens arriving per step (0: no such floor).
     prefill_pace: float = 0.0
     # The auto target's multiple of the decode-only step at WIDE_ROWS decode rows or more (2x at
-    # NARROW_ROWS or fewer, linear between): kvfence/engine/step_budget.py says why.
-    wide_step_factor: float = 2.0
+    # NARROW_ROWS or fewer, linear between): kvfence/engine/step_budget.py says why; 6 measured
+    # in benchmarks/RESULTS.md "Session 14" (C=32 TTFT p50 0.33-0.51x vLLM's, ITL p99 0.22-0.29x).
+    wide_step_factor: float = 6.0
     # vLLM's --skip-tokenizer-init: no tokenizer is loaded (the model dir may have none); only
     # token-id prompts are served and outputs carry token ids with empty text.
     skip_tokenizer_init: bool = False
