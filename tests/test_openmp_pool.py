@@ -5,7 +5,7 @@ the engine thread waited for a wake-up, a third of a batch-1 decode step on 2 co
 Checked by thread ids, not by time: in a fresh interpreter, the workers a parallel region on the
 main thread starts (one more than the model's load left) are new entries of /proc/self/task
 (torch may start an idle helper thread or two beside them); after `Engine.start` the workers
-must be gone. The twin starts the engine with the release turned off and sees none go.
+must be gone. A control run starts the engine with the release turned off and sees none go.
 """
 
 from __future__ import annotations
@@ -83,6 +83,6 @@ def test_engine_start_gives_back_the_builders_openmp_workers(checkpoint_dir) -> 
     assert seen["gone"], f"the main thread's OpenMP workers outlived Engine.start: {seen}"
 
 
-def test_twin_without_the_release_the_workers_stay(checkpoint_dir) -> None:
+def test_control_without_the_release_the_workers_stay(checkpoint_dir) -> None:
     seen = probe(str(checkpoint_dir("llama")), "off")
     assert seen["started"] and seen["gone"] == []
