@@ -23,14 +23,15 @@ MAPS = "/proc/self/maps"
 @functools.cache
 def _pause_all() -> Callable[[int], int] | None:
     """`omp_pause_resource_all` of the GNU OpenMP library this process loaded (torch's own copy
-    in its wheel), or None: not Linux, or no libgomp loaded. Only libgomp: its pause releases
-    the calling thread's pool alone; LLVM's runtime would stop every thread's."""
+    in its wheel first, should another copy be mapped too), or None: not Linux, or no libgomp
+    loaded. Only libgomp: its pause releases the calling thread's pool alone; LLVM's runtime
+    would stop every thread's."""
     try:
         with open(MAPS) as f:
             paths = {line.split()[-1] for line in f if "libgomp" in line}
     except OSError:
         return None
-    for path in sorted(paths):
+    for path in sorted(paths, key=lambda p: ("/torch/" not in p, p)):
         if not os.path.basename(path).startswith("libgomp"):
             continue
         try:
