@@ -28,12 +28,11 @@ def _pause_all() -> Callable[[int], int] | None:
     would stop every thread's."""
     try:
         with open(MAPS) as f:
-            paths = {line.split()[-1] for line in f if "libgomp" in line}
+            mapped = {line.split()[-1] for line in f if "libgomp" in line}
     except OSError:
         return None
+    paths = [p for p in mapped if os.path.basename(p).startswith("libgomp")]
     for path in sorted(paths, key=lambda p: ("/torch/" not in p, p)):
-        if not os.path.basename(path).startswith("libgomp"):
-            continue
         try:
             fn = ctypes.CDLL(path).omp_pause_resource_all
         except (OSError, AttributeError):
