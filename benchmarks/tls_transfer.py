@@ -184,16 +184,19 @@ def main(argv: list[str] | None = None) -> int:
         workers("after", ROOT, {"KVFENCE_TLS_DIR": str(cert_dir)}),
     ]
     tls_sink, raw_sink = Sink(cert_dir, tls=True), Sink(cert_dir, tls=False)
+    bare = [("tls_ceiling", tls_sink), ("raw_tcp", raw_sink)]
     rates: dict[str, list[float]] = {"before": [], "after": [], "tls_ceiling": [], "raw_tcp": []}
     try:
         for i, prompt in enumerate(prompts):
-            for w in sides:
+            # ABBA: the order flips every repeat, so whatever the first (or last) slot of a
+            # repeat gains or loses falls on each side equally.
+            for w in sides if i % 2 == 0 else sides[::-1]:
                 wall = w.transfer(prompt)
                 if i >= warmup:
                     rates[w.name].append(nbytes / wall)
             if i >= warmup:
-                rates["tls_ceiling"].append(tls_sink.rate(nbytes, frame))
-                rates["raw_tcp"].append(raw_sink.rate(nbytes, frame))
+                for name, sink in bare if i % 2 == 0 else bare[::-1]:
+                    rates[name].append(sink.rate(nbytes, frame))
     finally:
         for w in sides:
             w.close()

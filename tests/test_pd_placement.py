@@ -23,6 +23,12 @@ from kvfence.pd.transport.tcp import Connection, Listener, Placement
 HALF = 8 << 10
 
 
+async def _send_piece(conn: Connection, piece: memoryview) -> None:
+    """Part of a frame on the wire now (send() takes whole frames only)."""
+    conn._encrypt(piece)
+    await conn._flush()
+
+
 async def _exchange(stop_midway: bool) -> tuple[bytearray, Placement, wire.Frame]:
     accepted: asyncio.Queue[Connection] = asyncio.Queue()
     listener = await Listener.start("127.0.0.1", 0, accepted.put, tls("prefill"))
@@ -41,8 +47,8 @@ async def _exchange(stop_midway: bool) -> tuple[bytearray, Placement, wire.Frame
             wire.PageRun("r", 0, 1, (0,)), memoryview(b"\x01" * (2 * HALF))
         )
         received = asyncio.ensure_future(decode.recv(lambda _m, _n: placement))
-        await prefill._send_all(prefix)
-        await prefill._send_all(payload[:HALF])
+        await _send_piece(prefill, prefix)
+        await _send_piece(prefill, payload[:HALF])
         # The first half has landed (bounded wait on the bytes themselves, not on time).
         for _ in range(10_000):
             if dst[HALF - 1] == 1:
@@ -52,7 +58,7 @@ async def _exchange(stop_midway: bool) -> tuple[bytearray, Placement, wire.Frame
         assert not received.done()
         if stop_midway:
             allowed[0] = False  # e.g. the room was released while its run was arriving
-        await prefill._send_all(payload[HALF:])
+        await _send_piece(prefill, payload[HALF:])
         await prefill.send(wire.Heartbeat())
         frame, rest = await asyncio.wait_for(received, 10)
         assert isinstance(frame, wire.PageRun) and rest.nbytes == 0

@@ -94,7 +94,7 @@ class TlsConfig:
             ctx = self._contexts[(server, verify)] = _context(self.files, server, verify)
         return ctx
 
-    def check_peer(self, sock: ssl.SSLSocket, guards: Guards) -> None:
+    def check_peer(self, sock: ssl.SSLSocket | ssl.SSLObject, guards: Guards) -> None:
         """After the handshake: the peer's (verified) certificate must name the peer role."""
         if not guards.on("peer_verify"):
             return
@@ -104,7 +104,7 @@ class TlsConfig:
             raise PeerRejected(f"peer certificate names role {sorted(got) or 'none'}, not {want}")
 
 
-def peer_roles(sock: ssl.SSLSocket) -> set[str]:
+def peer_roles(sock: ssl.SSLSocket | ssl.SSLObject) -> set[str]:
     """The roles the peer's verified certificate names (empty when it was not verified)."""
     cert = sock.getpeercert()
     if not cert:

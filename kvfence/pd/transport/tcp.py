@@ -1,12 +1,15 @@
 """An ordered, framed, bidirectional connection over TLS 1.3 with mutual certificates (I8,
 pd/tls.py), driven on asyncio; and the bootstrap Listener that accepts them.
 
-The TLS socket is driven directly, non-blocking (recv_into / send raising SSLWant*), rather than
-through asyncio streams or memory BIOs: OpenSSL decrypts a payload straight into its destination
-(a reused buffer, or memory the receiver names for it: a Placement, e.g. decode's pool pages)
-and encrypts from the caller's memory, so the only copies are the cipher's own (streams
-copy a large frame three times on the way in; memory BIOs add one copy each way). The GIL is
-released inside SSL_read / SSL_write.
+TLS runs on memory BIOs (ssl.SSLObject) over a raw non-blocking socket, not on an SSLSocket:
+- receiving, one recv_into of up to _RX bytes per wake-up feeds the incoming BIO, and the
+  payload is then decrypted view by view (memory the receiver names: a Placement, e.g.
+  decode's pool pages) with no system call between records. An SSLSocket pays a recv system
+  call, and the kernel's TCP bookkeeping behind it, per 16 KiB record: on the KV transfer that
+  cost more than the BIO's extra copy (benchmarks/RESULTS.md, sessions 15-16);
+- sending, the frame is encrypted into the outgoing BIO and flushed with one send per _FLUSH
+  bytes.
+The GIL is released inside SSL_read / SSL_write.
 
 One writer lock keeps frames whole and in order, which the protocol relies on: an ABORT_ACK or
 DONE sent after a room's last page also arrives after it. Integrity, order, replay and secrecy
@@ -14,7 +17,8 @@ are TLS's; the frames themselves are strictly bounded and decoded (pd/wire.py).
 
 Before a peer has proved its certificate, the Listener bounds what it may hold: at most
 max_pending connections in their handshake at once (more are closed on accept), each for at most
-handshake_timeout seconds, and nothing allocated for it but OpenSSL's handshake buffers.
+handshake_timeout seconds, and nothing allocated for it but the handshake's read buffer
+(_HANDSHAKE_READ) and OpenSSL's own buffers.
 """
 
 from __future__ import annotations
@@ -29,24 +33,24 @@ from kvfence.faults import Faults
 from kvfence.pd import wire
 from kvfence.pd.tls import TlsConfig
 
-_STAGE = 64 << 10  # small reads (prefixes, headers) go through a staging buffer of this size
-# A read of at least one TLS record's plaintext goes straight into its destination (OpenSSL hands
-# out at most a record per call and never reads past what was asked).
-_RECORD = 16 << 10
+_RX = 256 << 10  # the most one recv_into takes from the socket for the incoming BIO
+_HANDSHAKE_READ = 16 << 10  # the same, before the peer has proved its certificate
+_SCRATCH = 64 << 10  # where a dropped payload is decrypted to
+_FLUSH = 256 << 10  # encrypted bytes gathered in the outgoing BIO per send system call
 # While a big payload is due, the socket reports readable only once this much of it is queued
 # (SO_RCVLOWAT): a frame of MiBs then costs a few loop wake-ups instead of one per segment burst.
 _LOWAT = 256 << 10
-# OpenSSL may already hold a partial record of what is due (at most one record's ciphertext):
-# the mark stays that far below the plaintext still owed, so it never waits for bytes that
-# will not come.
+# OpenSSL may already hold a partial record of what is due (at most one record's ciphertext,
+# in the BIO or its own buffer): the mark stays that far below the plaintext still owed, so it
+# never waits for bytes that will not come.
 _RECORD_SLACK = (16 << 10) + 256
 _SPARES = 4  # payload buffers a connection keeps for reuse
 # Pieces smaller than a TLS record are copied together before encryption: one small SSL_write
-# per piece would cost a record and a syscall each.
+# per piece would cost a record each.
 _COALESCE = 16 << 10
 _BATCH = 256 << 10
 
-_WANT = (ssl.SSLWantReadError, ssl.SSLWantWriteError, BlockingIOError, InterruptedError)
+_BLOCKED = (BlockingIOError, InterruptedError)
 
 PeerKey = tuple[str, int]  # a resolved address: (ip, port)
 
@@ -113,23 +117,32 @@ async def resolve(addr: str) -> PeerKey:
 class Connection:
     """A TLS connection whose handshake (and the peer's role check) has completed."""
 
-    def __init__(self, sock: socket.socket, client: bool, faults: Faults | None = None) -> None:
+    def __init__(
+        self,
+        sock: socket.socket,
+        tls: ssl.SSLObject,
+        incoming: ssl.MemoryBIO,
+        outgoing: ssl.MemoryBIO,
+        client: bool,
+        faults: Faults | None = None,
+    ) -> None:
         sock.setblocking(False)
-        self.sock = sock
+        self.sock = sock  # the raw socket: TLS is self._tls over the two BIOs
         self._fd = sock.fileno()
+        self._tls, self._in, self._out = tls, incoming, outgoing
         self._loop = asyncio.get_running_loop()
         self._lock = asyncio.Lock()
         self.closed = False
         self.client = client  # decode dials, prefill accepts
         self._faults = faults if faults is not None else Faults()
         self._hello = True  # until the first frame (the hello) is in: its size is capped
-        self._stage = bytearray(_STAGE)
+        self._rx = bytearray(_RX)
+        self._scratch = bytearray(_SCRATCH)
         self._batch = bytearray(_BATCH)
-        self._lo = self._hi = 0
+        self._tx = memoryview(b"")  # ciphertext taken from the outgoing BIO, not yet sent
         self._spares: list[bytearray] = []  # payload buffers, reused once handed back
         self._lent: bytearray | None = None
         self._lowat = 1
-        self._want_write = False
         self._waiters: set[asyncio.Future] = set()
         try:
             self.peer = sock.getpeername()
@@ -165,24 +178,39 @@ class Connection:
             raise ConnectionError("connection closed")
         async with self._lock:
             for chunk in _batches(wire.encode(msg, payload), self._batch):
-                await self._send_all(chunk)
+                for at in range(0, chunk.nbytes, _FLUSH):
+                    self._encrypt(chunk[at : at + _FLUSH])
+                    if self._out.pending >= _FLUSH:
+                        await self._flush()
+            await self._flush()
 
-    async def _send_all(self, view: memoryview) -> None:
+    def _encrypt(self, view: memoryview) -> None:
+        """Encrypt view into the outgoing BIO (which takes all of it: it never blocks)."""
         while view.nbytes:
             if self.closed:
                 raise ConnectionError("connection closed")
             try:
-                # A write that wants to wait is retried with the same bytes (OpenSSL's rule).
-                sent = self.sock.send(view)
-            except ssl.SSLWantReadError:
-                await self._ready(self._loop.add_reader, self._loop.remove_reader)
-                continue
-            except _WANT:
+                view = view[self._tls.write(view) :]
+            except ssl.SSLError as e:
+                raise ConnectionError(f"send failed: {e}") from e
+
+    async def _flush(self) -> None:
+        """Send everything the outgoing BIO holds (with what an earlier flush left)."""
+        while True:
+            if not self._tx.nbytes:
+                if not self._out.pending:
+                    return
+                self._tx = memoryview(self._out.read())
+            if self.closed:
+                raise ConnectionError("connection closed")
+            try:
+                sent = self.sock.send(self._tx)
+            except _BLOCKED:
                 await self._ready(self._loop.add_writer, self._loop.remove_writer)
                 continue
             except OSError as e:
                 raise ConnectionError(f"send failed: {e}") from e
-            view = view[sent:]
+            self._tx = self._tx[sent:]
 
     # ---- receiving ----------------------------------------------------------------------------
 
@@ -248,76 +276,57 @@ class Connection:
         if len(self._spares) < _SPARES:
             self._spares.append(buf)
 
-    async def _read_into(
-        self, dst: memoryview, more: int = 0, placement: Placement | None = None
-    ) -> None:
-        """Fill dst; `more`: what the frame still owes after it (how long to let the socket
-        fill before waking). Into a placement's view only while it is writable: else into the
-        staging buffer, dropped."""
-        got = self._fill(dst, 0, placement is None or placement.writable())
+    async def _read_into(self, dst: memoryview) -> None:
+        got = self._fill(dst, 0, True)
         while got < dst.nbytes:
-            await self._wait_readable(dst.nbytes - got + more)
-            got = self._fill(dst, got, placement is None or placement.writable())
+            await self._wait_readable(dst.nbytes - got)
+            got = self._fill(dst, got, True)
 
     def _fill(self, dst: memoryview, got: int, write: bool) -> int:
-        """Fill dst from byte `got` on with what can be read without waiting (staged bytes
-        first); how far it is filled now. write False: the bytes are read and dropped."""
-        take = min(self._hi - self._lo, dst.nbytes - got)
-        if take:
-            if write:
-                dst[got : got + take] = self._stage[self._lo : self._lo + take]
-            self._lo += take
-            got += take
+        """Fill dst from byte `got` on with what can be decrypted without waiting; how far it
+        is filled now. write False: the bytes are decrypted and dropped."""
+        read = self._tls.read
+        scratch = memoryview(self._scratch)
         while got < dst.nbytes:
-            # A record at most per call: read synchronously while records are there, and go
-            # back to the loop only when OpenSSL wants more bytes from the socket.
-            if not write:
-                n = self._try_recv(memoryview(self._stage)[: dst.nbytes - got])
-                if n is None:
+            want = dst.nbytes - got
+            try:
+                # A record at most per call, from the BIO; the socket only when it runs dry.
+                if write:
+                    n = read(want, dst[got:])
+                else:
+                    n = read(min(want, _SCRATCH), scratch)
+            except ssl.SSLWantReadError:
+                if not self._refill():
                     return got
-                got += n
                 continue
-            big = dst.nbytes - got >= _RECORD  # big: decrypted straight into its destination
-            n = self._try_recv(dst[got:] if big else memoryview(self._stage))
-            if n is None:
-                return got
-            if big:
-                got += n
-                continue
-            take = min(n, dst.nbytes - got)
-            dst[got : got + take] = self._stage[:take]
-            self._lo, self._hi = take, n
-            got += take
+            except (ssl.SSLZeroReturnError, ssl.SSLEOFError) as e:
+                raise ConnectionError("peer closed the connection") from e
+            except ssl.SSLError as e:
+                raise RecordError(f"bad TLS record: {e}") from e
+            if n == 0:
+                raise ConnectionError("peer closed the connection")
+            got += n
         return got
 
-    def _try_recv(self, buf: memoryview) -> int | None:
-        """Bytes read into buf, or None when none can be read without waiting."""
+    def _refill(self) -> bool:
+        """Move what the socket holds (up to _RX bytes) into the incoming BIO; False when it
+        holds nothing yet."""
         if self.closed:
             raise ConnectionError("connection closed")
         try:
-            n = self.sock.recv_into(buf)
-        except ssl.SSLWantWriteError:
-            self._want_write = True
-            return None
-        except _WANT:
-            return None
-        except ssl.SSLError as e:
-            if isinstance(e, ssl.SSLEOFError):
-                raise ConnectionError("peer closed the connection") from e
-            raise RecordError(f"bad TLS record: {e}") from e
+            n = self.sock.recv_into(self._rx)
+        except _BLOCKED:
+            return False
         except OSError as e:
             raise ConnectionError(f"receive failed: {e}") from e
         if n == 0:
             raise ConnectionError("peer closed the connection")
-        return n
+        self._in.write(memoryview(self._rx)[:n])
+        return True
 
     async def _wait_readable(self, need: int) -> None:
         """Until the socket has bytes; `need` (what the frame being read still owes) is how
         many to wait for before the loop wakes this reader again."""
-        if self._want_write:  # OpenSSL must write before it can read (not in TLS 1.3 data)
-            self._want_write = False
-            await self._ready(self._loop.add_writer, self._loop.remove_writer)
-            return
         self._set_lowat(min(need, _LOWAT) - _RECORD_SLACK)
         await self._ready(self._loop.add_reader, self._loop.remove_reader)
 
@@ -389,6 +398,16 @@ async def _wait_fd(fd: int, write: bool) -> None:
         remove(fd)
 
 
+async def _send_out(raw: socket.socket, out: ssl.MemoryBIO) -> None:
+    """Send all the outgoing BIO holds (handshake messages, an alert)."""
+    data = memoryview(out.read())
+    while data.nbytes:
+        try:
+            data = data[raw.send(data) :]
+        except _BLOCKED:
+            await _wait_fd(raw.fileno(), write=True)
+
+
 async def _secure(
     raw: socket.socket, tls: TlsConfig, faults: Faults, client: bool
 ) -> Connection:
@@ -398,29 +417,45 @@ async def _secure(
     if raw.family in (socket.AF_INET, socket.AF_INET6):
         raw.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         raw.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
+    raw.setblocking(False)
     ctx = tls.context(server=not client, verify=guards.on("peer_verify"))
-    sock = ctx.wrap_socket(raw, server_side=not client, do_handshake_on_connect=False)
-    sock.setblocking(False)
+    incoming, outgoing = ssl.MemoryBIO(), ssl.MemoryBIO()
+    obj = ctx.wrap_bio(incoming, outgoing, server_side=not client)
+    buf = bytearray(_HANDSHAKE_READ)
     try:
         while True:
             try:
-                sock.do_handshake()
+                obj.do_handshake()
                 break
             except ssl.SSLWantReadError:
-                await _wait_fd(sock.fileno(), write=False)
-            except ssl.SSLWantWriteError:
-                await _wait_fd(sock.fileno(), write=True)
-        tls.check_peer(sock, guards)
-    except ConnectionError:
-        sock.close()
+                await _send_out(raw, outgoing)
+            # Bounded: OpenSSL asks for more only once the BIO holds less than a record.
+            await _wait_fd(raw.fileno(), write=False)
+            try:
+                n = raw.recv_into(buf)
+            except _BLOCKED:
+                continue
+            if n == 0:
+                raise ConnectionError("peer closed the connection during the TLS handshake")
+            incoming.write(memoryview(buf)[:n])
+        await _send_out(raw, outgoing)  # the client's Finished; the server's tickets
+        tls.check_peer(obj, guards)
+    except ConnectionError:  # PeerRejected, or the peer hung up
         raise
-    except OSError as e:  # ssl.SSLError: an unverifiable certificate, a bad record
-        sock.close()
+    except ssl.SSLError as e:  # an unverifiable certificate, a bad record
+        _send_alert(raw, outgoing)
         raise ConnectionError(f"TLS handshake failed: {e}") from e
-    except BaseException:
-        sock.close()
-        raise
-    return Connection(sock, client, faults)
+    except OSError as e:
+        raise ConnectionError(f"TLS handshake failed: {e}") from e
+    return Connection(raw, obj, incoming, outgoing, client, faults)
+
+
+def _send_alert(raw: socket.socket, out: ssl.MemoryBIO) -> None:
+    """Best effort: the alert OpenSSL wrote for a failed handshake reaches the peer."""
+    try:
+        raw.send(out.read())
+    except OSError:
+        pass
 
 
 class Listener:
