@@ -8,7 +8,7 @@ TLS runs on memory BIOs (ssl.SSLObject) over a raw non-blocking socket, not on a
   call, and the kernel's TCP bookkeeping behind it, per 16 KiB record: on the KV transfer that
   cost more than the BIO's extra copy (benchmarks/RESULTS.md, sessions 15-16);
 - sending, the frame is encrypted into the outgoing BIO and flushed with one send per _FLUSH
-  bytes.
+  bytes (a few records).
 The GIL is released inside SSL_read / SSL_write.
 
 One writer lock keeps frames whole and in order, which the protocol relies on: an ABORT_ACK or
@@ -36,7 +36,10 @@ from kvfence.pd.tls import TlsConfig
 _RX = 256 << 10  # the most one recv_into takes from the socket for the incoming BIO
 _HANDSHAKE_READ = 16 << 10  # the same, before the peer has proved its certificate
 _SCRATCH = 64 << 10  # where a dropped payload is decrypted to
-_FLUSH = 256 << 10  # encrypted bytes gathered in the outgoing BIO per send system call
+# Encrypted bytes gathered in the outgoing BIO per send system call: small enough that the
+# receiver starts decrypting while the rest is encrypted (benchmarks/tls_connection.py, 10
+# repeats each, after/before SSLSocket: 16 KiB 1.10, 32 KiB 1.22, 64 KiB 1.18, 256 KiB 0.95).
+_FLUSH = 32 << 10
 # While a big payload is due, the socket reports readable only once this much of it is queued
 # (SO_RCVLOWAT): a frame of MiBs then costs a few loop wake-ups instead of one per segment burst.
 _LOWAT = 256 << 10

@@ -1,0 +1,290 @@
+"""The tcp transport's own cost, without the workers around it: kvfence's Connection
+(pd/transport/tcp.py) on both ends, in two processes, moving what one 2,048-token kvfence-tiny
+prompt's KV is (8 MiB as eight 1 MiB PageRun frames), against the bare TLS channel of
+tls_transfer.py (two processes, Python ssl, nothing of kvfence) in the same run; with
+--before-ref, another tree's Connection beside it. The order of the sides flips every repeat
+(ABBA).
+
+Each kvfence transfer does what the PD workers do to the bytes and nothing more:
+- sender (prefill): per 1 MiB run, one xxh3 per 64 KiB page over its four 16 KiB blocks, then the
+  run sent from four 256 KiB views of a pool-shaped buffer (the merged pool_blocks);
+- receiver (decode): each run decrypted into 64 views of 16 KiB (the unmerged placement), each
+  hashed into its page's xxh3 as it lands, the digests compared with the run's; after the last
+  run, one read-back xxh3 per page (I3's), compared too; then an empty frame back.
+A transfer's time is the sender's, from run 0's hash to that frame's arrival. --no-hash drops
+every hash (the transport alone). A digest that does not match stops the benchmark.
+
+    .venv/bin/python benchmarks/tls_connection.py --before-ref REF --repeats 40
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+MiB = 1 << 20
+BLOCK = 16 << 10  # one layer's K or V of a 16-token page of kvfence-tiny
+BLOCKS = 4  # K and V of its 2 layers: a page is 64 KiB
+PAGES = 16  # per run: 1 MiB
+RUNS = 8  # per transfer: 8 MiB
+POOL_PAGES = 4 * RUNS * PAGES  # transfers rotate over a 32 MiB pool, as decode's pages do
+ROOM = "r" * 32
+
+
+def _pool(fill: bool) -> list[memoryview]:
+    """A pool's layout: per block, the pages one after another (kvio's layer bases)."""
+    size = POOL_PAGES * BLOCK
+    data = bytearray(os.urandom(BLOCKS * size) if fill else BLOCKS * size)
+    return [memoryview(data)[b * size : (b + 1) * size] for b in range(BLOCKS)]
+
+
+def _page_sums(pool: list[memoryview], first: int, n: int) -> list[int]:
+    import xxhash
+
+    sums = []
+    for page in range(first, first + n):
+        h = xxhash.xxh3_64()
+        for base in pool:
+            h.update(base[page * BLOCK : (page + 1) * BLOCK])
+        sums.append(h.intdigest())
+    return sums
+
+
+def _tls(role: str):  # noqa: ANN202  (the tree's own TlsConfig)
+    from kvfence.pd.tls import TlsConfig, load_files
+
+    return TlsConfig(role, load_files(role, None, None, None))
+
+
+def _exit_with_parent() -> None:
+    """The role processes end when the benchmark does (its end of stdin closes)."""
+
+    def watch() -> None:
+        sys.stdin.read()
+        os._exit(0)
+
+    threading.Thread(target=watch, daemon=True).start()
+
+
+async def _receiver(hashing: bool) -> None:
+    import xxhash
+
+    from kvfence.pd import wire
+    from kvfence.pd.transport.tcp import Listener, Placement
+
+    pool = _pool(fill=False)
+
+    async def serve(conn) -> None:  # noqa: ANN001  (the tree's own Connection)
+        landing: list[list] = []  # the run being placed: its pages' hashes
+        sent: dict[int, tuple[int, ...]] = {}  # first page of each run in: the sender's sums
+
+        def place(msg: wire.Frame, nbytes: int) -> Placement | None:
+            if not isinstance(msg, wire.PageRun):
+                return None
+            first = msg.first
+            views = [
+                b[(first + p) * BLOCK : (first + p + 1) * BLOCK] for b in pool for p in range(PAGES)
+            ]
+            hashes = [xxhash.xxh3_64() for _ in range(PAGES)]
+            landing[:] = [hashes]
+            feeds = [hashes[i % PAGES].update for i in range(len(views))] if hashing else None
+            return Placement(views, lambda: True, feeds)
+
+        while True:
+            try:
+                msg, _ = await conn.recv(place)
+            except ConnectionError:
+                return
+            if isinstance(msg, wire.PageRun):
+                if hashing and [h.intdigest() for h in landing[0]] != list(msg.checksums):
+                    sys.exit(f"run at page {msg.first}: landing digests differ from the sender's")
+                sent[msg.first] = msg.checksums
+                continue
+            if hashing:  # I3's read-back: every page hashed again from the pool
+                for first, sums in sent.items():
+                    if _page_sums(pool, first, PAGES) != list(sums):
+                        sys.exit(f"run at page {first}: read-back differs from the sender's")
+            sent.clear()
+            await conn.send(wire.Heartbeat())
+
+    listener = await Listener.start("127.0.0.1", 0, serve, _tls("prefill"))
+    print(listener.port, flush=True)
+    await asyncio.Event().wait()
+
+
+async def _sender(port: int, hashing: bool) -> None:
+    from kvfence.pd import wire
+    from kvfence.pd.transport.tcp import Connection
+
+    pool = _pool(fill=True)
+    conn = await Connection.open("127.0.0.1", port, 10, _tls("decode"))
+    await conn.send(wire.Heartbeat())  # each side's first frame is the capped hello slot
+    await conn.recv()
+    print("ready", flush=True)
+    transfer = 0
+    loop = asyncio.get_running_loop()
+    while (line := await loop.run_in_executor(None, sys.stdin.readline)).strip() == "go":
+        base = (transfer % (POOL_PAGES // (RUNS * PAGES))) * RUNS * PAGES
+        transfer += 1
+        start = time.perf_counter()
+        for run in range(RUNS):
+            first = base + run * PAGES
+            sums = _page_sums(pool, first, PAGES) if hashing else [0] * PAGES
+            views = [b[first * BLOCK : (first + PAGES) * BLOCK] for b in pool]
+            await conn.send(wire.PageRun(ROOM, first, BLOCK // 1024, tuple(sums)), views)
+        await conn.send(wire.Heartbeat())
+        await conn.recv()
+        print(time.perf_counter() - start, flush=True)
+    conn.close()
+
+
+class Side:
+    """One tree's Connection pair: a receiver and a sender process, the sender driven a
+    transfer at a time over its stdin."""
+
+    def __init__(self, name: str, tree: Path, certs: Path, hashing: bool) -> None:
+        self.name = name
+        env = {**os.environ, "PYTHONPATH": str(tree), "KVFENCE_TLS_DIR": str(certs)}
+        flag = [] if hashing else ["--no-hash"]
+        me = str(Path(__file__).resolve())
+        self.procs: list[subprocess.Popen] = []
+        self.receiver = self._start([me, "--role", "receiver", *flag], env, tree)
+        port = self._line(self.receiver)
+        self.sender = self._start([me, "--role", "sender", "--port", port, *flag], env, tree)
+        assert self._line(self.sender) == "ready", f"{name}: the sender did not connect"
+
+    def _start(self, args: list[str], env: dict[str, str], tree: Path) -> subprocess.Popen:
+        p = subprocess.Popen(
+            [sys.executable, *args], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+            env=env, cwd=tree,
+        )  # fmt: skip
+        self.procs.append(p)
+        return p
+
+    def _line(self, p: subprocess.Popen) -> str:
+        assert p.stdout is not None
+        line = p.stdout.readline().strip()
+        if not line:
+            codes = [q.poll() for q in self.procs]
+            raise RuntimeError(f"{self.name}: a role process ended (exit statuses {codes})")
+        return line
+
+    def transfer(self) -> float:
+        """Seconds of one 8 MiB transfer."""
+        assert self.sender.stdin is not None
+        self.sender.stdin.write("go\n")
+        self.sender.stdin.flush()
+        return float(self._line(self.sender))
+
+    def close(self) -> None:
+        for p in self.procs:
+            if p.stdin is not None:
+                p.stdin.close()  # the sender stops at EOF; the receiver's watcher exits
+        for p in self.procs:
+            try:
+                p.wait(10)
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait()
+
+
+def _q(xs: list[float], f: float) -> float:
+    xs = sorted(xs)
+    return xs[round(f * (len(xs) - 1))]
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--repeats", type=int, default=30)
+    p.add_argument("--warmup", type=int, default=4)
+    p.add_argument("--before-ref", default=None, help="git ref of another tree to compare")
+    p.add_argument("--no-hash", action="store_true", help="no xxh3 on either end")
+    p.add_argument("--out", default=str(ROOT / "benchmarks" / "results"))
+    p.add_argument("--name", default="tls_connection")
+    p.add_argument("--role", choices=("receiver", "sender"), help=argparse.SUPPRESS)
+    p.add_argument("--port", type=int, help=argparse.SUPPRESS)
+    a = p.parse_args(argv)
+    hashing = not a.no_hash
+    if a.role == "receiver":
+        _exit_with_parent()
+        asyncio.run(_receiver(hashing))
+        return 0
+    if a.role == "sender":
+        asyncio.run(_sender(a.port, hashing))
+        return 0
+
+    sys.path.insert(0, str(ROOT))
+    from benchmarks.common import machine, this_command, write_json
+    from benchmarks.tls_transfer import Sink, export_tree
+    from kvfence.pd import certs
+
+    tmp = Path(tempfile.mkdtemp(prefix="kvfence-tls-connection-"))
+    cert_dir = certs.cluster(tmp / "certs")
+    trees = [("after", ROOT)]
+    if a.before_ref:
+        trees.insert(0, ("before", export_tree(a.before_ref, tmp / "before")))
+    nbytes = RUNS * PAGES * BLOCKS * BLOCK
+    times: dict[str, list[float]] = {name: [] for name, _ in trees} | {"tls_ceiling": []}
+    sides: list[Side] = []
+    sink = None
+    try:
+        for name, tree in trees:
+            sides.append(Side(name, tree, cert_dir, hashing))
+        sink = Sink(cert_dir, tls=True)
+        bare = sink
+        runs: list[tuple[str, object]] = [(s.name, s) for s in sides] + [("tls_ceiling", bare)]
+        for i in range(a.warmup + a.repeats):
+            for name, side in runs if i % 2 == 0 else runs[::-1]:
+                if isinstance(side, Side):
+                    t = side.transfer()
+                else:
+                    t = nbytes / bare.rate(nbytes, MiB)
+                if i >= a.warmup:
+                    times[name].append(t)
+    finally:
+        for s in sides:
+            s.close()
+        if sink is not None:
+            sink.close()
+    summary: dict[str, float] = {}
+    for name, ts in times.items():
+        summary[f"{name}_median_ms"] = _q(ts, 0.5) * 1e3
+        summary[f"{name}_iqr_ms"] = (_q(ts, 0.25) * 1e3, _q(ts, 0.75) * 1e3)  # type: ignore[assignment]
+    pairs = [(s.name, "tls_ceiling") for s in sides] + ([("after", "before")] if a.before_ref else [])
+    for x, y in pairs:
+        # A throughput ratio: y's time over x's, repeat by repeat (back to back in one repeat).
+        r = [ty / tx for tx, ty in zip(times[x], times[y], strict=True)]
+        summary[f"{x}_over_{y}_paired_median"] = _q(r, 0.5)
+        summary[f"{x}_over_{y}_paired_iqr"] = (_q(r, 0.25), _q(r, 0.75))  # type: ignore[assignment]
+    for k, v in summary.items():
+        print(f"{k}: " + (f"{v[0]:.2f}-{v[1]:.2f}" if isinstance(v, tuple) else f"{v:.2f}"))
+    out = Path(a.out)
+    out.mkdir(parents=True, exist_ok=True)
+    write_json(
+        out / f"{a.name}.json",
+        {
+            "command": this_command(),
+            "machine": machine(),
+            "before_ref": a.before_ref,
+            "hashing": hashing,
+            "bytes": nbytes,
+            "times_s": times,
+            # for a profiler's eye: which process was which (perf record -a, then per pid)
+            "pids": {s.name: {"receiver": s.receiver.pid, "sender": s.sender.pid} for s in sides},
+            "summary": summary,
+        },
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
