@@ -132,7 +132,7 @@ async def _sender(port: int, hashing: bool) -> None:
     print("ready", flush=True)
     transfer = 0
     loop = asyncio.get_running_loop()
-    while (line := await loop.run_in_executor(None, sys.stdin.readline)).strip() == "go":
+    while (await loop.run_in_executor(None, sys.stdin.readline)).strip() == "go":
         base = (transfer % (POOL_PAGES // (RUNS * PAGES))) * RUNS * PAGES
         transfer += 1
         start = time.perf_counter()
@@ -197,9 +197,11 @@ class Side:
                 p.wait()
 
 
-def _q(xs: list[float], f: float) -> float:
+def _spread(xs: list[float]) -> dict[str, float]:
+    """Median and quartiles (nearest rank)."""
     xs = sorted(xs)
-    return xs[round(f * (len(xs) - 1))]
+    at = lambda f: xs[round(f * (len(xs) - 1))]  # noqa: E731
+    return {"median": at(0.5), "q1": at(0.25), "q3": at(0.75), "min": xs[0], "max": xs[-1]}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -255,18 +257,19 @@ def main(argv: list[str] | None = None) -> int:
             s.close()
         if sink is not None:
             sink.close()
-    summary: dict[str, float] = {}
+    summary: dict[str, object] = {}
     for name, ts in times.items():
-        summary[f"{name}_median_ms"] = _q(ts, 0.5) * 1e3
-        summary[f"{name}_iqr_ms"] = (_q(ts, 0.25) * 1e3, _q(ts, 0.75) * 1e3)  # type: ignore[assignment]
-    pairs = [(s.name, "tls_ceiling") for s in sides] + ([("after", "before")] if a.before_ref else [])
+        summary[f"{name}_ms"] = _spread([t * 1e3 for t in ts])
+    pairs = [(s.name, "tls_ceiling") for s in sides]
+    if a.before_ref:
+        pairs.append(("after", "before"))
     for x, y in pairs:
         # A throughput ratio: y's time over x's, repeat by repeat (back to back in one repeat).
-        r = [ty / tx for tx, ty in zip(times[x], times[y], strict=True)]
-        summary[f"{x}_over_{y}_paired_median"] = _q(r, 0.5)
-        summary[f"{x}_over_{y}_paired_iqr"] = (_q(r, 0.25), _q(r, 0.75))  # type: ignore[assignment]
+        summary[f"{x}_over_{y}_paired"] = _spread(
+            [ty / tx for tx, ty in zip(times[x], times[y], strict=True)]
+        )
     for k, v in summary.items():
-        print(f"{k}: " + (f"{v[0]:.2f}-{v[1]:.2f}" if isinstance(v, tuple) else f"{v:.2f}"))
+        print(f"{k}: median {v['median']:.2f}, IQR {v['q1']:.2f}-{v['q3']:.2f}")
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
     write_json(
