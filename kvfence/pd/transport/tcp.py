@@ -140,7 +140,7 @@ class Connection:
         self._faults = faults if faults is not None else Faults()
         self._hello = True  # until the first frame (the hello) is in: its size is capped
         self._rx = bytearray(_RX)
-        self._scratch = bytearray(_SCRATCH)
+        self._scratch = memoryview(bytearray(_SCRATCH))
         self._batch = bytearray(_BATCH)
         self._tx = memoryview(b"")  # ciphertext taken from the outgoing BIO, not yet sent
         self._spares: list[bytearray] = []  # payload buffers, reused once handed back
@@ -288,8 +288,7 @@ class Connection:
     def _fill(self, dst: memoryview, got: int, write: bool) -> int:
         """Fill dst from byte `got` on with what can be decrypted without waiting; how far it
         is filled now. write False: the bytes are decrypted and dropped."""
-        read = self._tls.read
-        scratch = memoryview(self._scratch)
+        read, scratch = self._tls.read, self._scratch
         while got < dst.nbytes:
             want = dst.nbytes - got
             try:
