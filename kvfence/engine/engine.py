@@ -325,6 +325,7 @@ class Engine:
         while not self._stopping.is_set():
             self.after_step()  # what the last step emitted leaves before the loop waits or steps
             if not self.has_work():
+                self._go_idle()
                 self._wake.wait(timeout=0.5)
                 self._wake.clear()
             if self._failed is not None:
@@ -464,7 +465,30 @@ class Engine:
             assert self.hooks is not None, "DECODE_ONLY needs a PD receiver"
             self.hooks.on_reserved(seq)
 
+    def _go_idle(self) -> None:
+        """Nothing left to step: give back this thread's OpenMP workers. Left alone, they spin
+        on for milliseconds after the last parallel region (GOMP_SPINCOUNT) on a core that the
+        server's other threads need, a PD transfer of this step's KV above all (2 cores: 2.4 ms
+        of CPU in a 13 ms transfer window, benchmarks/RESULTS.md "Session 17"). The next step
+        starts them again (tens of microseconds, once per busy spell)."""
+        release_thread_pool()
+
     def _postprocess(self, chunks: list[ScheduledChunk], result: StepResult) -> None:
+        prefilled: list[Sequence] = []  # held for a PD transfer: handed off whatever happens
+        try:
+            self._apply(chunks, result, prefilled)
+        finally:
+            if prefilled and not self.has_work():
+                # Before the transfers start: the workers exit at once on a core nobody
+                # else wants yet (with a transfer running, the exit itself waited for a core).
+                self._go_idle()
+            for seq in prefilled:
+                assert self.hooks is not None, "PREFILL_ONLY needs a PD sender"
+                self.hooks.on_prefilled(seq)
+
+    def _apply(
+        self, chunks: list[ScheduledChunk], result: StepResult, prefilled: list[Sequence]
+    ) -> None:
         for chunk in chunks:
             chunk.seq.num_computed = chunk.start + chunk.length
         for chunk in result.rejected:
@@ -489,8 +513,7 @@ class Engine:
                 seq.pending_logprobs.append(logprob_entry(s, i, tok, k))
             if seq.mode is SeqMode.PREFILL_ONLY and seq.num_output == 1:
                 self.scheduler.hold(seq)
-                assert self.hooks is not None, "PREFILL_ONLY needs a PD sender"
-                self.hooks.on_prefilled(seq)
+                prefilled.append(seq)
                 continue
             self._after_token(seq, tok)
 
