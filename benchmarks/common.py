@@ -99,6 +99,33 @@ def random_prompts(n: int, length: int, vocab: int, seed: int) -> list[list[int]
     return [[rng.randrange(2, vocab) for _ in range(length)] for _ in range(n)]
 
 
+# --pin: on a host of few cores, two processes streaming to each other over loopback tend to
+# end up on one core taking turns while the other core idles (the receiver's wake-up is a sync
+# one, placed on the sender's core), now and then for a whole transfer (benchmarks/RESULTS.md
+# "Session 17": perf showed it in every slow window). Across hosts, as PD runs, each side has
+# cores of its own: pinned, each side of a pair gets one here too.
+PIN_HELP = (
+    "keep each sending side (and this process) on one core and each receiving side on another, "
+    "as on two hosts: no turn-taking on one core while the other idles"
+)
+
+
+def pin_cores() -> tuple[int, int]:
+    """The cores --pin uses: (sending side, receiving side)."""
+    cores = sorted(os.sched_getaffinity(0))
+    if len(cores) < 2:
+        raise SystemExit("--pin needs two cores")
+    return cores[0], cores[1]
+
+
+def on_core(core: int | None) -> Callable[[], None] | None:
+    """A Popen preexec_fn keeping the child, and every thread it starts, on one core (or None:
+    anywhere)."""
+    if core is None:
+        return None
+    return lambda: os.sched_setaffinity(0, {core})
+
+
 def machine() -> dict[str, object]:
     def sh(cmd: str) -> str:
         try:

@@ -11,14 +11,14 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
-from benchmarks.common import ROOT
+from benchmarks.common import ROOT, on_core
 
 
 class PDWorkers:
     """`kvfence serve --disaggregation-mode prefill|decode` of `tree` as two OS processes, with
     `env` added and `args` appended to both command lines; their output goes to
-    `{logs}-{role}.log`. The request goes straight to decode naming its prefill, signed as the
-    router signs it."""
+    `{logs}-{role}.log`; with `cores` (prefill's, decode's) each process stays on its core. The
+    request goes straight to decode naming its prefill, signed as the router signs it."""
 
     def __init__(
         self,
@@ -30,6 +30,7 @@ class PDWorkers:
         env: dict[str, str],
         tree: Path = ROOT,
         args: Sequence[str] = (),
+        cores: tuple[int, int] | None = None,
     ) -> None:
         import httpx
 
@@ -51,7 +52,7 @@ class PDWorkers:
         self.urls: dict[str, str] = {}
         self.commands: list[list[str]] = []
         self.logs: list[Path] = []
-        for role in ("prefill", "decode"):
+        for i, role in enumerate(("prefill", "decode")):
             port = free_port()
             cmd = [
                 sys.executable, "-m", "kvfence.cli", "serve", "--model", model,
@@ -64,7 +65,14 @@ class PDWorkers:
             self.logs.append(Path(f"{logs}-{role}.log"))
             log = self.logs[-1].open("wb")
             self.procs.append(
-                subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=full, cwd=tree)
+                subprocess.Popen(
+                    cmd,
+                    stdout=log,
+                    stderr=subprocess.STDOUT,
+                    env=full,
+                    cwd=tree,
+                    preexec_fn=on_core(None if cores is None else cores[i]),
+                )
             )
             self.commands.append(cmd)
             self.urls[role] = f"http://127.0.0.1:{port}"

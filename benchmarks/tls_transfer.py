@@ -33,7 +33,16 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from benchmarks.common import RESULTS, machine, random_prompts, this_command, write_json  # noqa: E402
+from benchmarks.common import (  # noqa: E402
+    PIN_HELP,
+    RESULTS,
+    machine,
+    on_core,
+    pin_cores,
+    random_prompts,
+    this_command,
+    write_json,
+)
 from benchmarks.pd_workers import PDWorkers  # noqa: E402
 
 # The TLS sink: per connection (TLS, client certificate required), an 8-byte length, then that
@@ -88,12 +97,13 @@ while True:
 class Sink:
     """The bare receiving process; rate() is the sending side, in this process."""
 
-    def __init__(self, certs: Path, tls: bool) -> None:
+    def __init__(self, certs: Path, tls: bool, core: int | None = None) -> None:
         self.tls = tls
         self.p = subprocess.Popen(
             [sys.executable, "-c", _SINK, str(ROOT), str(certs), "tls" if tls else "raw"],
             stdout=subprocess.PIPE,
             text=True,
+            preexec_fn=on_core(core),
         )
         assert self.p.stdout is not None
         self.port = int(self.p.stdout.readline())
@@ -150,7 +160,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--before-ref", default="main", help="git ref of the GMAC tree")
     p.add_argument("--out", default=str(RESULTS))
     p.add_argument("--name", default="tls_transfer")
+    p.add_argument("--pin", action="store_true", help=PIN_HELP)
     a = p.parse_args(argv)
+    send_core, recv_core = pin_cores() if a.pin else (None, None)
+    if send_core is not None:
+        os.sched_setaffinity(0, {send_core})  # this process is the bare pairs' sender
     a.ctx = max(4096, a.prompt_len + 16)
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -175,15 +189,19 @@ def main(argv: list[str] | None = None) -> int:
 
     def workers(name: str, tree: Path, env: dict[str, str]) -> PDWorkers:
         logs = out / f"tls_transfer-{name}"
-        return PDWorkers(name, a.model, a.ctx, 2 * a.ctx, logs, env, tree, torch_kernels)
+        cores = None if send_core is None else (send_core, recv_core)
+        return PDWorkers(name, a.model, a.ctx, 2 * a.ctx, logs, env, tree, torch_kernels, cores)
 
     sides = [
         # A GMAC tree reads the secret, a TLS one (the smoke test's HEAD) the certificates.
-        workers("before", before_tree, {"KVFENCE_CLUSTER_SECRET": "bench-" + "0" * 40,
-                                        "KVFENCE_TLS_DIR": str(cert_dir)}),  # fmt: skip
+        workers(
+            "before",
+            before_tree,
+            {"KVFENCE_CLUSTER_SECRET": "bench-" + "0" * 40, "KVFENCE_TLS_DIR": str(cert_dir)},
+        ),  # fmt: skip
         workers("after", ROOT, {"KVFENCE_TLS_DIR": str(cert_dir)}),
     ]
-    tls_sink, raw_sink = Sink(cert_dir, tls=True), Sink(cert_dir, tls=False)
+    tls_sink, raw_sink = Sink(cert_dir, True, recv_core), Sink(cert_dir, False, recv_core)
     bare = [("tls_ceiling", tls_sink), ("raw_tcp", raw_sink)]
     rates: dict[str, list[float]] = {"before": [], "after": [], "tls_ceiling": [], "raw_tcp": []}
     try:
@@ -227,6 +245,7 @@ def main(argv: list[str] | None = None) -> int:
             "command": this_command(),
             "machine": machine(),
             "before_ref": a.before_ref,
+            "pinned": None if send_core is None else {"sending": send_core, "receiving": recv_core},
             "prompt_len": a.prompt_len,
             "kv_bytes": nbytes,
             "send_bytes": frame,
