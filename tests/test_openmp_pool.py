@@ -135,7 +135,8 @@ IDLE_PROBE = textwrap.dedent(
     engine.runner.run = watched_run
     engine.start()
     before = tids()
-    req = GenerateRequest("r1", "t", tuple(i % 250 + 1 for i in range(300)), SamplingParams(max_tokens=1))
+    prompt = tuple(i % 250 + 1 for i in range(300))
+    req = GenerateRequest("r1", "t", prompt, SamplingParams(max_tokens=1))
     outs = []
     verdict = engine.submit(req, outs.append, SeqMode.PREFILL_ONLY)
     if not idle_after_handoff.wait(120):
@@ -149,7 +150,8 @@ IDLE_PROBE = textwrap.dedent(
         idle_after_handoff.wait(0.01)
         left = sorted(set(started) & tids())
     step = calls.index("step")
-    print(json.dumps({"calls": calls[step : step + 3], "started": started, "at_idle": at_idle, "left": left}))
+    seen = {"calls": calls[step : step + 3], "started": started, "at_idle": at_idle}
+    print(json.dumps({**seen, "left": left}))
     engine.shutdown()
     """
 )
