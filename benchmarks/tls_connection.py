@@ -151,21 +151,29 @@ class Side:
     """One tree's Connection pair: a receiver and a sender process, the sender driven a
     transfer at a time over its stdin."""
 
-    def __init__(self, name: str, tree: Path, certs: Path, hashing: bool) -> None:
+    def __init__(
+        self, name: str, tree: Path, certs: Path, hashing: bool, cores: tuple[int, int] | None
+    ) -> None:
         self.name = name
         env = {**os.environ, "PYTHONPATH": str(tree), "KVFENCE_TLS_DIR": str(certs)}
         flag = [] if hashing else ["--no-hash"]
         me = str(Path(__file__).resolve())
         self.procs: list[subprocess.Popen] = []
-        self.receiver = self._start([me, "--role", "receiver", *flag], env, tree)
+        send_core, recv_core = cores or (None, None)
+        self.receiver = self._start([me, "--role", "receiver", *flag], env, tree, recv_core)
         port = self._line(self.receiver)
-        self.sender = self._start([me, "--role", "sender", "--port", port, *flag], env, tree)
+        args = [me, "--role", "sender", "--port", port, *flag]
+        self.sender = self._start(args, env, tree, send_core)
         assert self._line(self.sender) == "ready", f"{name}: the sender did not connect"
 
-    def _start(self, args: list[str], env: dict[str, str], tree: Path) -> subprocess.Popen:
+    def _start(
+        self, args: list[str], env: dict[str, str], tree: Path, core: int | None
+    ) -> subprocess.Popen:
+        from benchmarks.common import on_core
+
         p = subprocess.Popen(
             [sys.executable, *args], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
-            env=env, cwd=tree,
+            env=env, cwd=tree, preexec_fn=on_core(core),
         )  # fmt: skip
         self.procs.append(p)
         return p
@@ -212,6 +220,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--no-hash", action="store_true", help="no xxh3 on either end")
     p.add_argument("--out", default=str(ROOT / "benchmarks" / "results"))
     p.add_argument("--name", default="tls_connection")
+    p.add_argument("--pin", action="store_true", help="each side on a core of its own (common.py)")
     p.add_argument("--role", choices=("receiver", "sender"), help=argparse.SUPPRESS)
     p.add_argument("--port", type=int, help=argparse.SUPPRESS)
     a = p.parse_args(argv)
@@ -225,10 +234,13 @@ def main(argv: list[str] | None = None) -> int:
         return 0
 
     sys.path.insert(0, str(ROOT))
-    from benchmarks.common import machine, this_command, write_json
+    from benchmarks.common import machine, pin_cores, this_command, write_json
     from benchmarks.tls_transfer import Sink, export_tree
     from kvfence.pd import certs
 
+    cores = pin_cores() if a.pin else None
+    if cores is not None:
+        os.sched_setaffinity(0, {cores[0]})  # this process is the bare pair's sender
     tmp = Path(tempfile.mkdtemp(prefix="kvfence-tls-connection-"))
     cert_dir = certs.cluster(tmp / "certs")
     trees = [("after", ROOT)]
@@ -240,8 +252,8 @@ def main(argv: list[str] | None = None) -> int:
     sink = None
     try:
         for name, tree in trees:
-            sides.append(Side(name, tree, cert_dir, hashing))
-        sink = Sink(cert_dir, tls=True)
+            sides.append(Side(name, tree, cert_dir, hashing, cores))
+        sink = Sink(cert_dir, True, None if cores is None else cores[1])
         bare = sink
         runs: list[tuple[str, object]] = [(s.name, s) for s in sides] + [("tls_ceiling", bare)]
         for i in range(a.warmup + a.repeats):
@@ -279,6 +291,7 @@ def main(argv: list[str] | None = None) -> int:
             "machine": machine(),
             "before_ref": a.before_ref,
             "hashing": hashing,
+            "pinned": None if cores is None else {"sending": cores[0], "receiving": cores[1]},
             "bytes": nbytes,
             "times_s": times,
             # for a profiler's eye: which process was which (perf record -a, then per pid)
