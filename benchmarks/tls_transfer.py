@@ -161,7 +161,17 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", default=str(RESULTS))
     p.add_argument("--name", default="tls_transfer")
     p.add_argument("--pin", action="store_true", help=PIN_HELP)
+    p.add_argument(
+        "--pairs",
+        type=int,
+        default=1,
+        help="fresh processes for every side this many times, the repeats split among them: "
+        "two identical worker pairs differ by up to 10%% (RESULTS.md session 17), so a window "
+        "A/B needs several pairs per side",
+    )
     a = p.parse_args(argv)
+    if not 1 <= a.pairs <= a.repeats:
+        p.error("--pairs must be between 1 and --repeats")
     send_core, recv_core = pin_cores() if a.pin else (None, None)
     if send_core is not None:
         os.sched_setaffinity(0, {send_core})  # this process is the bare pairs' sender
@@ -179,7 +189,8 @@ def main(argv: list[str] | None = None) -> int:
     # Enough transfers for decode's pool to hand out every page once (first-touch page faults).
     warmup = max(1, -(-pool.num_pages // -(-a.prompt_len // pool.page_size)))
     del pool
-    prompts = random_prompts(a.repeats + warmup, a.prompt_len, int(cfg["vocab_size"]), seed=7)
+    n_prompts = a.repeats + a.pairs * warmup
+    prompts = random_prompts(n_prompts, a.prompt_len, int(cfg["vocab_size"]), seed=7)
     frame = min(kvio.RUN_BYTES, nbytes)
 
     tmp = Path(tempfile.mkdtemp(prefix="kvfence-tls-bench-"))
@@ -192,34 +203,42 @@ def main(argv: list[str] | None = None) -> int:
         cores = None if send_core is None else (send_core, recv_core)
         return PDWorkers(name, a.model, a.ctx, 2 * a.ctx, logs, env, tree, torch_kernels, cores)
 
-    sides = [
+    envs = {
         # A GMAC tree reads the secret, a TLS one (the smoke test's HEAD) the certificates.
-        workers(
-            "before",
-            before_tree,
-            {"KVFENCE_CLUSTER_SECRET": "bench-" + "0" * 40, "KVFENCE_TLS_DIR": str(cert_dir)},
-        ),  # fmt: skip
-        workers("after", ROOT, {"KVFENCE_TLS_DIR": str(cert_dir)}),
-    ]
-    tls_sink, raw_sink = Sink(cert_dir, True, recv_core), Sink(cert_dir, False, recv_core)
-    bare = [("tls_ceiling", tls_sink), ("raw_tcp", raw_sink)]
+        "before": {"KVFENCE_CLUSTER_SECRET": "bench-" + "0" * 40, "KVFENCE_TLS_DIR": str(cert_dir)},
+        "after": {"KVFENCE_TLS_DIR": str(cert_dir)},
+    }
+    trees = {"before": before_tree, "after": ROOT}
     rates: dict[str, list[float]] = {"before": [], "after": [], "tls_ceiling": [], "raw_tcp": []}
-    try:
-        for i, prompt in enumerate(prompts):
-            # ABBA: the order flips every repeat, so whatever the first (or last) slot of a
-            # repeat gains or loses falls on each side equally.
-            for w in sides if i % 2 == 0 else sides[::-1]:
-                wall = w.transfer(prompt)
+    pair_of: list[int] = []  # per repeat, which set of processes ran it
+    todo = iter(prompts)
+    for pair in range(a.pairs):
+        # The sides start in turns, so neither always starts first.
+        names = ["before", "after"] if pair % 2 == 0 else ["after", "before"]
+        sides: list[PDWorkers] = []
+        bare: list[tuple[str, Sink]] = []
+        try:
+            sides += [workers(n, trees[n], envs[n]) for n in names]
+            bare += [("tls_ceiling", Sink(cert_dir, True, recv_core))]
+            bare += [("raw_tcp", Sink(cert_dir, False, recv_core))]
+            share = a.repeats // a.pairs + (pair < a.repeats % a.pairs)
+            for i in range(warmup + share):
+                prompt = next(todo)
+                # ABBA: the order flips every repeat, so whatever the first (or last) slot of a
+                # repeat gains or loses falls on each side equally.
+                for w in sides if i % 2 == 0 else sides[::-1]:
+                    wall = w.transfer(prompt)
+                    if i >= warmup:
+                        rates[w.name].append(nbytes / wall)
                 if i >= warmup:
-                    rates[w.name].append(nbytes / wall)
-            if i >= warmup:
-                for name, sink in bare if i % 2 == 0 else bare[::-1]:
-                    rates[name].append(sink.rate(nbytes, frame))
-    finally:
-        for w in sides:
-            w.close()
-        tls_sink.close()
-        raw_sink.close()
+                    for name, sink in bare if i % 2 == 0 else bare[::-1]:
+                        rates[name].append(sink.rate(nbytes, frame))
+                    pair_of.append(pair)
+        finally:
+            for w in sides:
+                w.close()
+            for _, sink in bare:
+                sink.close()
     med = {k: _median(v) / 1e6 for k, v in rates.items()}
     # Repeat by repeat (each pair ran back to back, so under a shared machine's load swings the
     # paired ratio is steadier than a ratio of medians).
@@ -227,6 +246,14 @@ def main(argv: list[str] | None = None) -> int:
         f"{x}_over_{y}_paired_median": _median(
             [p / q for p, q in zip(rates[x], rates[y], strict=True)]
         )
+        for x, y in (("after", "tls_ceiling"), ("after", "before"))
+    }
+    # The same per set of processes: how far pairs of identical code drift apart.
+    per_pair = {
+        f"{x}_over_{y}_paired_median_per_pair": [
+            _median([rates[x][i] / rates[y][i] for i in range(len(pair_of)) if pair_of[i] == k])
+            for k in range(a.pairs)
+        ]
         for x, y in (("after", "tls_ceiling"), ("after", "before"))
     }
     summary = {
@@ -239,6 +266,8 @@ def main(argv: list[str] | None = None) -> int:
     }
     for k, v in summary.items():
         print(f"{k}: {v:.2f}")
+    for k, vs in per_pair.items():
+        print(f"{k}: {' '.join(f'{v:.2f}' for v in vs)}")
     write_json(
         out / f"{a.name}.json",
         {
@@ -252,7 +281,9 @@ def main(argv: list[str] | None = None) -> int:
             "warmup": warmup,
             "worker_commands": [c for w in sides for c in w.commands],
             "rates_Bps": rates,
-            "summary": summary,
+            "pairs": a.pairs,
+            "pair_of_repeat": pair_of,
+            "summary": {**summary, **per_pair},
         },
     )
     return 0
