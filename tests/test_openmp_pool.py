@@ -43,9 +43,10 @@ PROBE = textwrap.dedent(
 )
 
 
-def probe(model_dir: str, release: str) -> dict:
+def probe(model_dir: str, release: str, script: str = PROBE) -> dict:
+    """Run a probe script in a fresh interpreter; its last line of output, as JSON."""
     out = subprocess.run(
-        [sys.executable, "-c", PROBE, model_dir, release],
+        [sys.executable, "-c", script, model_dir, release],
         capture_output=True,
         text=True,
         timeout=300,
@@ -157,19 +158,8 @@ IDLE_PROBE = textwrap.dedent(
 )
 
 
-def idle_probe(model_dir: str, release: str) -> dict:
-    out = subprocess.run(
-        [sys.executable, "-c", IDLE_PROBE, model_dir, release],
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert out.returncode == 0, out.stderr[-2000:]
-    return json.loads(out.stdout.strip().splitlines()[-1])
-
-
 def test_an_idle_engine_gives_back_its_steps_openmp_workers(checkpoint_dir) -> None:
-    seen = idle_probe(str(checkpoint_dir("llama")), "on")
+    seen = probe(str(checkpoint_dir("llama")), "on", IDLE_PROBE)
     assert seen["started"], "the step started no OpenMP worker: nothing was checked"
     # A prefill step's release comes before its hand-off, not after the transfer started.
     assert seen["calls"] == ["step", "idle", "handoff"], seen
@@ -177,6 +167,6 @@ def test_an_idle_engine_gives_back_its_steps_openmp_workers(checkpoint_dir) -> N
 
 
 def test_control_an_idle_engine_without_the_release_keeps_them_spinning(checkpoint_dir) -> None:
-    seen = idle_probe(str(checkpoint_dir("llama")), "off")
+    seen = probe(str(checkpoint_dir("llama")), "off", IDLE_PROBE)
     assert seen["started"], "the step started no OpenMP worker: nothing was checked"
     assert seen["at_idle"] == seen["started"], seen
