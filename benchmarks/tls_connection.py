@@ -12,7 +12,9 @@ Each kvfence transfer does what the PD workers do to the bytes and nothing more:
   hashed into its page's xxh3 as it lands, the digests compared with the run's; after the last
   run, one read-back xxh3 per page (I3's), compared too; then an empty frame back.
 A transfer's time is the sender's, from run 0's hash to that frame's arrival. --no-hash drops
-every hash (the transport alone). A digest that does not match stops the benchmark.
+every hash (the transport alone). A digest that does not match stops the benchmark. With the
+hashes, tls_transfer.py's I3 floor runs beside them: the bare TLS pair with real source and
+destination memory and I3's two hash passes (the sender's, the read-back), nothing else.
 
     .venv/bin/python benchmarks/tls_connection.py --before-ref REF --repeats 40
 """
@@ -247,32 +249,34 @@ def main(argv: list[str] | None = None) -> int:
     if a.before_ref:
         trees.insert(0, ("before", export_tree(a.before_ref, tmp / "before")))
     nbytes = RUNS * PAGES * BLOCKS * BLOCK
-    times: dict[str, list[float]] = {name: [] for name, _ in trees} | {"tls_ceiling": []}
+    bare_names = ["tls_ceiling"] + (["tls_i3_floor"] if hashing else [])
+    times: dict[str, list[float]] = {name: [] for name, _ in trees} | {n: [] for n in bare_names}
     sides: list[Side] = []
-    sink = None
+    sinks: dict[str, Sink] = {}
+    recv_core = None if cores is None else cores[1]
     try:
         for name, tree in trees:
             sides.append(Side(name, tree, cert_dir, hashing, cores))
-        sink = Sink(cert_dir, True, None if cores is None else cores[1])
-        bare = sink
-        runs: list[tuple[str, object]] = [(s.name, s) for s in sides] + [("tls_ceiling", bare)]
+        for name in bare_names:
+            sinks[name] = Sink(cert_dir, True, recv_core, checked=name == "tls_i3_floor")
+        runs: list[tuple[str, Side | Sink]] = [(s.name, s) for s in sides] + list(sinks.items())
         for i in range(a.warmup + a.repeats):
             for name, side in runs if i % 2 == 0 else runs[::-1]:
                 if isinstance(side, Side):
                     t = side.transfer()
                 else:
-                    t = nbytes / bare.rate(nbytes, MiB)
+                    t = nbytes / side.rate(nbytes, MiB)
                 if i >= a.warmup:
                     times[name].append(t)
     finally:
         for s in sides:
             s.close()
-        if sink is not None:
+        for sink in sinks.values():
             sink.close()
     summary: dict[str, object] = {}
     for name, ts in times.items():
         summary[f"{name}_ms"] = _spread([t * 1e3 for t in ts])
-    pairs = [(s.name, "tls_ceiling") for s in sides]
+    pairs = [(x, y) for x in [s.name for s in sides] + bare_names[1:] for y in bare_names if x != y]
     if a.before_ref:
         pairs.append(("after", "before"))
     for x, y in pairs:

@@ -6,6 +6,12 @@
 - the ceiling: two bare processes (this one sending, a sink process receiving) moving the same
   bytes over the same kind of TLS channel (Python ssl, TLS 1.3, the same EC certificates, the
   sender's 8 MiB SSL_writes, the sink's recv_into a reused buffer) with nothing of kvfence;
+- the I3 floor: the same bare TLS pair doing what I3 asks of any transfer and nothing else of
+  kvfence: the sender reads a source four transfers long (transfers rotate over it, as pool
+  pages do) and hashes each 64 KiB page (xxh3) before sending it, in 1 MiB pieces as kvfence's
+  tcp runs; the sink lands the bytes in a destination four transfers long and reads every page
+  back against the sender's digests. No implementation that keeps the KV and checks it can beat
+  it: its ratio to the ceiling is what the hot buffers and the checks cost;
 - raw loopback TCP between the same two processes, for scale.
 
 kvfence's figure is a transfer window (prefill's send_start to decode's done_handled, the
@@ -47,10 +53,19 @@ from benchmarks.pd_workers import PDWorkers  # noqa: E402
 
 # The TLS sink: per connection (TLS, client certificate required), an 8-byte length, then that
 # many bytes read into a reused 1 MiB buffer, then a 1-byte ack; length 0 ends it. argv: ROOT,
-# the certificate directory, "tls" or "raw".
+# the certificate directory, "tls", "raw" or "checked". "checked" is the TLS sink doing what I3
+# asks of any receiver and nothing else: the bytes land in a destination four transfers long
+# (transfers rotate over it, as decode's pool pages do, so it is not a cache-hot buffer), then
+# every CHECK_PAGE bytes are read back with xxh3 and compared with the digests the sender sends
+# after the data (8 bytes each); the ack is b"x" when one differs.
 _SINK = r"""
 import socket, ssl, sys
-tls = sys.argv[3] == "tls"
+mode = sys.argv[3]
+tls = mode != "raw"
+checked = mode == "checked"
+if checked:
+    import xxhash
+    PAGE = int(sys.argv[4])
 if tls:
     ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
     ctx.minimum_version = ssl.TLSVersion.TLSv1_3
@@ -61,6 +76,16 @@ if tls:
 srv = socket.create_server(("127.0.0.1", 0))
 print(srv.getsockname()[1], flush=True)
 buf = memoryview(bytearray(1 << 20))
+dst = None
+transfer = 0
+def read_into(conn, view):
+    got = 0
+    while got < view.nbytes:
+        n = conn.recv_into(view[got:])
+        if not n:
+            return False
+        got += n
+    return True
 while True:
     raw, _ = srv.accept()
     raw.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
@@ -68,12 +93,9 @@ while True:
     # fails the handshake or sends no sane length: dropped, the sink keeps serving.
     try:
         conn = ctx.wrap_socket(raw, server_side=True) if tls else raw
-        head = b""
-        while len(head) < 8:
-            part = conn.recv(8 - len(head))
-            if not part:
-                raise OSError("closed before the length")
-            head += part
+        head = bytearray(8)
+        if not read_into(conn, memoryview(head)):
+            raise OSError("closed before the length")
     except (ssl.SSLError, OSError):
         raw.close()
         continue
@@ -83,24 +105,49 @@ while True:
         continue
     if not total:
         break
-    got = 0
-    while got < total:
-        n = conn.recv_into(buf)
-        if not n:
-            break
-        got += n
-    conn.sendall(b"k")
+    if not checked:
+        got = 0
+        while got < total:
+            n = conn.recv_into(buf)
+            if not n:
+                break
+            got += n
+        conn.sendall(b"k")
+        conn.close()
+        continue
+    if dst is None or len(dst) < 4 * total:
+        dst = memoryview(bytearray(4 * total))
+    at = (transfer % 4) * total
+    transfer += 1
+    land = dst[at : at + total]
+    pages = -(-total // PAGE)
+    sums = bytearray(8 * pages)
+    ok = read_into(conn, land) and read_into(conn, memoryview(sums))
+    back = b"".join(
+        xxhash.xxh3_64_intdigest(land[p * PAGE : (p + 1) * PAGE]).to_bytes(8, "big")
+        for p in range(pages)
+    )
+    conn.sendall(b"k" if ok and back == sums else b"x")
     conn.close()
 """
+CHECK_PAGE = 64 << 10  # "checked": a page of kvfence-tiny (16 tokens, K and V of 2 layers)
 
 
 class Sink:
-    """The bare receiving process; rate() is the sending side, in this process."""
+    """The bare receiving process; rate() is the sending side, in this process. checked: the
+    TLS pair doing I3's checks and nothing else of kvfence (see _SINK): the sender hashes every
+    CHECK_PAGE of a frame before it sends the frame, from a source four transfers long that
+    transfers rotate over, and sends the digests after the data; the sink reads every page
+    back from where it landed and compares."""
 
-    def __init__(self, certs: Path, tls: bool, core: int | None = None) -> None:
-        self.tls = tls
+    def __init__(
+        self, certs: Path, tls: bool, core: int | None = None, checked: bool = False
+    ) -> None:
+        self.tls = tls or checked
+        self.checked = checked
+        mode = "checked" if checked else "tls" if tls else "raw"
         self.p = subprocess.Popen(
-            [sys.executable, "-c", _SINK, str(ROOT), str(certs), "tls" if tls else "raw"],
+            [sys.executable, "-c", _SINK, str(ROOT), str(certs), mode, str(CHECK_PAGE)],
             stdout=subprocess.PIPE,
             text=True,
             preexec_fn=on_core(core),
@@ -113,6 +160,8 @@ class Sink:
         ctx.load_verify_locations(str(certs / "ca.crt"))
         ctx.check_hostname = False
         self.ctx = ctx
+        self._source: memoryview | None = None
+        self._transfers = 0
 
     def _connect(self) -> socket.socket:
         raw = socket.create_connection(("127.0.0.1", self.port))
@@ -120,6 +169,8 @@ class Sink:
         return self.ctx.wrap_socket(raw) if self.tls else raw
 
     def rate(self, total: int, frame: int) -> float:
+        if self.checked:
+            return self._checked_rate(total, frame)
         payload = memoryview(bytearray(os.urandom(frame)))
         with self._connect() as c:
             start = time.perf_counter()  # after the handshake, as kvfence's window is
@@ -131,6 +182,33 @@ class Sink:
                 sent += part.nbytes
             assert c.recv(1) == b"k"
             return total / (time.perf_counter() - start)
+
+    def _checked_rate(self, total: int, frame: int) -> float:
+        import xxhash
+
+        if frame % CHECK_PAGE:
+            raise ValueError(f"checked frames must be whole pages of {CHECK_PAGE} bytes")
+        if self._source is None or self._source.nbytes < 4 * total:
+            self._source = memoryview(bytearray(os.urandom(4 * total)))
+        at = (self._transfers % 4) * total
+        self._transfers += 1
+        data = self._source[at : at + total]
+        digests = bytearray()
+        with self._connect() as c:
+            start = time.perf_counter()
+            c.sendall(total.to_bytes(8, "big"))
+            for first in range(0, total, frame):
+                part = data[first : first + frame]
+                for p in range(0, part.nbytes, CHECK_PAGE):
+                    h = xxhash.xxh3_64_intdigest(part[p : p + CHECK_PAGE])
+                    digests += h.to_bytes(8, "big")
+                c.sendall(part)
+            c.sendall(digests)
+            ack = c.recv(1)
+            elapsed = time.perf_counter() - start
+        if ack != b"k":
+            raise RuntimeError(f"the checked sink's read-back did not match ({ack!r})")
+        return total / elapsed
 
     def close(self) -> None:
         with self._connect() as c:
@@ -146,6 +224,15 @@ def export_tree(ref: str, into: Path) -> Path:
     with tarfile.open(fileobj=io.BytesIO(data)) as tar:
         tar.extractall(into, filter="data")
     return into
+
+
+# Paired ratios reported (throughput of x over y, repeat by repeat).
+RATIOS = (
+    ("after", "tls_ceiling"),
+    ("after", "tls_i3_floor"),
+    ("tls_i3_floor", "tls_ceiling"),
+    ("after", "before"),
+)
 
 
 def _median(xs: list[float]) -> float:
@@ -182,6 +269,7 @@ def main(argv: list[str] | None = None) -> int:
     from kvfence.config import EngineConfig
     from kvfence.engine.engine import Engine
     from kvfence.pd import certs, kvio
+    from kvfence.pd.transport.tcp_link import TcpSender
 
     cfg = json.loads((Path(a.model) / "config.json").read_text())
     pool = Engine(EngineConfig(model=a.model, context_length=a.ctx, kv_pool_tokens=2 * a.ctx)).pool
@@ -209,7 +297,8 @@ def main(argv: list[str] | None = None) -> int:
         "after": {"KVFENCE_TLS_DIR": str(cert_dir)},
     }
     trees = {"before": before_tree, "after": ROOT}
-    rates: dict[str, list[float]] = {"before": [], "after": [], "tls_ceiling": [], "raw_tcp": []}
+    bare_names = ("tls_ceiling", "tls_i3_floor", "raw_tcp")
+    rates: dict[str, list[float]] = {n: [] for n in ("before", "after", *bare_names)}
     pair_of: list[int] = []  # per repeat, which set of processes ran it
     todo = iter(prompts)
     for pair in range(a.pairs):
@@ -220,6 +309,7 @@ def main(argv: list[str] | None = None) -> int:
         try:
             sides += [workers(n, trees[n], envs[n]) for n in names]
             bare += [("tls_ceiling", Sink(cert_dir, True, recv_core))]
+            bare += [("tls_i3_floor", Sink(cert_dir, True, recv_core, checked=True))]
             bare += [("raw_tcp", Sink(cert_dir, False, recv_core))]
             share = a.repeats // a.pairs + (pair < a.repeats % a.pairs)
             for i in range(warmup + share):
@@ -232,7 +322,10 @@ def main(argv: list[str] | None = None) -> int:
                         rates[w.name].append(nbytes / wall)
                 if i >= warmup:
                     for name, sink in bare if i % 2 == 0 else bare[::-1]:
-                        rates[name].append(sink.rate(nbytes, frame))
+                        # The floor hashes and sends in kvfence's tcp runs (1 MiB), so its
+                        # hashing overlaps the receiver's work as the workers' does.
+                        size = TcpSender.run_bytes if sink.checked else frame
+                        rates[name].append(sink.rate(nbytes, size))
                     pair_of.append(pair)
         finally:
             for w in sides:
@@ -246,7 +339,7 @@ def main(argv: list[str] | None = None) -> int:
         f"{x}_over_{y}_paired_median": _median(
             [p / q for p, q in zip(rates[x], rates[y], strict=True)]
         )
-        for x, y in (("after", "tls_ceiling"), ("after", "before"))
+        for x, y in RATIOS
     }
     # The same per set of processes: how far pairs of identical code drift apart.
     per_pair = {
@@ -254,7 +347,7 @@ def main(argv: list[str] | None = None) -> int:
             _median([rates[x][i] / rates[y][i] for i in range(len(pair_of)) if pair_of[i] == k])
             for k in range(a.pairs)
         ]
-        for x, y in (("after", "tls_ceiling"), ("after", "before"))
+        for x, y in RATIOS
     }
     summary = {
         **{f"{k}_median_MBps": v for k, v in med.items()},
