@@ -10,8 +10,8 @@
   kvfence: the sender reads a source four transfers long (transfers rotate over it, as pool
   pages do) and hashes each 64 KiB page (xxh3) before sending it, in 1 MiB pieces as kvfence's
   tcp runs; the sink lands the bytes in a destination four transfers long and reads every page
-  back against the sender's digests. No implementation that keeps the KV and checks it can beat
-  it: its ratio to the ceiling is what the hot buffers and the checks cost;
+  back against the sender's digests. Its ratio to the ceiling is what keeping the bytes (no
+  hot buffers) and checking them as I3 asks cost the bare pair itself, on the same channel;
 - raw loopback TCP between the same two processes, for scale.
 
 kvfence's figure is a transfer window (prefill's send_start to decode's done_handled, the
