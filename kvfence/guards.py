@@ -1,5 +1,5 @@
 """Guards: which safety guards are on. Every guard is on in production; a test's twin (through a
-fault point, kvfence/faults.py) or the model checker's mutation twin turns one off."""
+fault point, kvfence/faults/) or the model checker's mutation twin turns one off."""
 
 from __future__ import annotations
 

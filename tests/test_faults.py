@@ -16,7 +16,15 @@ from fake_engine import FakeEngine
 from fastapi.testclient import TestClient
 
 from kvfence import env
-from kvfence.faults import GUARD_POINTS, POINTS, Faults, FaultsDisabled
+from kvfence.faults import (
+    ACTION_POINTS,
+    GUARD_POINTS,
+    POINTS,
+    Faults,
+    FaultsDisabled,
+    SimulatedCrash,
+)
+from kvfence.faults.effects import EFFECTS
 from kvfence.server.api import build_app
 
 KEYS = {"key-a": "tenant-a"}
@@ -114,7 +122,7 @@ def test_only_the_faults_module_arms_fault_points() -> None:
         for path in (REPO / "kvfence").rglob("*.py")
         if ".arm(" in path.read_text() or "injected(" in path.read_text()
     ]
-    assert [str(p) for p in arming] == ["kvfence/faults.py"], arming
+    assert [str(p) for p in arming] == ["kvfence/faults/__init__.py"], arming
     assert set(GUARD_POINTS) <= POINTS
 
 
@@ -142,3 +150,41 @@ def test_kill_point_calls_the_harness_crash_action_and_the_room_fails_closed(
         assert pair.wait_idle(), pair.pages_used()
     finally:
         pair.close()
+
+
+def test_every_action_point_has_one_effect_and_an_unarmed_hook_is_the_identity(
+    monkeypatch,
+) -> None:
+    """The seam: production passes a value through hook(); only an armed point changes it, and
+    what it changes it to lives in effects.py (one effect per action point)."""
+    assert set(EFFECTS) == ACTION_POINTS and not set(EFFECTS) & set(GUARD_POINTS)
+    monkeypatch.setenv(env.FAULT_INJECTION, "1")
+    faults = Faults()
+    pages = [7, 8, 9]
+    assert faults.hook("write_sealed_page", pages, n_hit=2) is pages
+    assert faults.hook("tp_leader_decides_alone", False) is False
+    faults.hook("kill_decode")  # unarmed: nothing happens
+    # Twin: armed, the same hooks return the faulty value (and a kill point crashes).
+    with faults.injected("write_sealed_page", "tp_leader_decides_alone", "kill_decode"):
+        assert faults.hook("write_sealed_page", pages, n_hit=2) == [7, 8, 8]
+        assert faults.hook("write_sealed_page", pages, n_hit=0) == pages  # nothing sealed
+        assert faults.hook("tp_leader_decides_alone", False) is True
+        with pytest.raises(SimulatedCrash):
+            faults.hook("kill_decode")
+    assert pages == [7, 8, 9]  # the effect rewrote a copy, not the caller's list
+
+
+# Files whose action points still branch on active(); they move to hook() as they are rebuilt.
+_NOT_YET_HOOKED = {"kvfence/pd/decode.py", "kvfence/pd/prefill.py"}
+
+
+def test_production_code_names_action_points_only_through_hooks() -> None:
+    """No file outside kvfence/faults branches on an action point or crashes by hand: a reader
+    of production code sees real behaviour and one hook line per point."""
+    branching = sorted(
+        str(path.relative_to(REPO))
+        for path in (REPO / "kvfence").rglob("*.py")
+        if "faults" not in path.relative_to(REPO).parts[1:2]
+        and ("faults.active(" in path.read_text() or "faults.crash(" in path.read_text())
+    )
+    assert set(branching) <= _NOT_YET_HOOKED, branching

@@ -203,11 +203,8 @@ class Scheduler:
             assert len(shared) == n_hit, "the cache changed between lookup and match"
         elif seq.chain is not None and self.pool.prefix is not None:
             self.pool.prefix.queried(len(seq.token_ids))  # a miss counts as a query too
-        seq.pages = shared + self.pool.allocate(seq.grant, n_new)
-        if shared and n_new and self.faults.active("write_sealed_page"):
-            # The bug this point stands for: the new tokens' page table entry names the last
-            # sealed page, so the forward would overwrite KV that other requests read.
-            seq.pages[n_hit] = shared[-1]
+        pages = shared + self.pool.allocate(seq.grant, n_new)
+        seq.pages = self.faults.hook("write_sealed_page", pages, n_hit=n_hit)
         seq.num_sealed = n_hit
         seq.may_seal = True
         if seq.chain is not None and not _by_transfer(seq):

@@ -102,7 +102,7 @@ class LeaderRunner(ModelRunner):
     def ownership_flags(self, chunks: list[ScheduledChunk]) -> torch.Tensor:
         inputs = self.ownership_inputs(chunks)
         self._enforce = super().enforce_tag_check()
-        alone = self.faults.active("tp_leader_decides_alone")
+        alone = self.faults.hook("tp_leader_decides_alone", False)
         pages, rows = self.mirror.delta()
         self.send(
             StepPlan(
@@ -127,8 +127,7 @@ class LeaderRunner(ModelRunner):
             )
         )
         local = self.pool.check_owned(*inputs)
-        if self.faults.active("tp_rank_skips_tag_check"):
-            local = torch.zeros_like(local)
+        local = self.faults.hook("tp_rank_skips_tag_check", local)
         return agree(self.group, local, alone)
 
     def enforce_tag_check(self) -> bool:
@@ -188,8 +187,7 @@ class FollowerRunner(ModelRunner):
     def ownership_flags(self, chunks: list[ScheduledChunk]) -> torch.Tensor:
         assert self.plan is not None
         local = self.pool.check_owned(*self.ownership_inputs(chunks))
-        if self.faults.active("tp_rank_skips_tag_check"):
-            local = torch.zeros_like(local)
+        local = self.faults.hook("tp_rank_skips_tag_check", local)
         return agree(self.group, local, self.plan.leader_alone)
 
     def enforce_tag_check(self) -> bool:

@@ -1,21 +1,7 @@
-"""Named fault points that switch a guard off or misbehave on purpose, for the tests that prove
-each guard matters.
-
-A `Faults` object is made once per process (or per engine in a test) and handed to the code that
-has fault points; nothing here is global. A point can be armed only while the process runs with
-KVFENCE_FAULT_INJECTION=1, by a harness in-process or by a child's entry from KVFENCE_FAULTS;
-nothing an HTTP request carries reaches `arm`.
-"""
+"""The named fault points: those that switch one guard off and those that make a component
+misbehave. Names only; what an action point does lives in effects.py."""
 
 from __future__ import annotations
-
-import random
-import secrets
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
-
-from kvfence import env
-from kvfence.guards import ALL_ON, Guards
 
 # Points that switch one guard off (the twins), and that guard.
 GUARD_POINTS = {
@@ -72,87 +58,3 @@ ACTION_POINTS = frozenset(
     }
 )
 POINTS = frozenset(GUARD_POINTS) | ACTION_POINTS
-
-
-class FaultsDisabled(RuntimeError):
-    """Arming was attempted in a process not started with KVFENCE_FAULT_INJECTION=1."""
-
-
-class SimulatedCrash(RuntimeError):
-    """A kill_* point fired in a process whose entry set no crash action."""
-
-
-class Faults:
-    """The fault points armed in this process, with the rate and seeded draw they fire at.
-
-    `crash` is what a kill_* point does: only a child process's entry (the CLI) passes one that
-    ends the process; by default the point raises SimulatedCrash."""
-
-    def __init__(
-        self,
-        rate: float = 1.0,
-        seed: int | None = None,
-        stall_s: float = 3.0,
-        crash: Callable[[str], None] | None = None,
-    ) -> None:
-        self.rate = rate
-        self.seed = secrets.randbits(32) if seed is None else seed
-        self.stall_s = stall_s
-        self._random = random.Random(self.seed)
-        self._crash = crash
-        self._armed: set[str] = set()
-
-    @classmethod
-    def from_env(cls, crash: Callable[[str], None] | None = None) -> Faults:
-        """A child process's faults: KVFENCE_FAULTS armed (refused unless fault injection is
-        on), fired at KVFENCE_FAULT_RATE with KVFENCE_FAULT_SEED."""
-        faults = cls(env.fault_rate(), env.fault_seed(), env.stall_s(), crash)
-        for name in env.faults():
-            faults.arm(name)
-        return faults
-
-    @property
-    def armed(self) -> frozenset[str]:
-        return frozenset(self._armed)
-
-    def arm(self, point: str) -> None:
-        if not env.fault_injection():
-            raise FaultsDisabled(
-                f"fault injection is disabled; set {env.FAULT_INJECTION}=1 in a test harness"
-            )
-        if point not in POINTS:
-            raise ValueError(f"unknown fault point {point!r}")
-        self._armed.add(point)
-
-    def disarm(self, point: str) -> None:
-        self._armed.discard(point)
-
-    @contextmanager
-    def injected(self, *points: str) -> Iterator[Faults]:
-        for point in points:
-            self.arm(point)
-        try:
-            yield self
-        finally:
-            for point in points:
-                self.disarm(point)
-
-    def active(self, point: str) -> bool:
-        """Whether an action point fires now (each check is one draw at the rate)."""
-        if point not in self._armed:
-            return False
-        return self.rate >= 1.0 or self._random.random() < self.rate
-
-    def guards(self) -> Guards:
-        """The guards that are on for this check: every one, less those an armed point turns
-        off (each a draw at the rate). The one place fault points become Guards."""
-        if not self._armed:
-            return ALL_ON
-        off = {guard for point, guard in GUARD_POINTS.items() if self.active(point)}
-        return Guards(frozenset(off)) if off else ALL_ON
-
-    def crash(self, point: str) -> None:
-        """A kill_* point fired: the process dies (as its entry arranged) or this raises."""
-        if self._crash is not None:
-            self._crash(point)
-        raise SimulatedCrash(f"fault point {point} fired")
