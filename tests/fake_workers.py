@@ -59,6 +59,8 @@ def _chunk(name: str, text: str) -> dict[str, Any]:
 def _prompt(body: dict[str, Any]) -> str:
     if "messages" in body:
         return str(body["messages"][-1].get("content", ""))
+    if "input" in body:  # /v1/responses
+        return str(body["input"])
     return str(body.get("prompt", ""))
 
 
@@ -147,6 +149,7 @@ def make_app(
 
     app.add_api_route("/v1/completions", generate, methods=["POST"])
     app.add_api_route("/v1/chat/completions", generate, methods=["POST"])
+    app.add_api_route("/v1/responses", generate, methods=["POST"])
     for path in ("/tokenize", "/detokenize"):
         app.add_api_route(path, generate, methods=["POST"])
     return app

@@ -104,6 +104,14 @@ def test_chat_route_is_forwarded_to_the_same_path(pair) -> None:
     assert decode.requests[0]["path"] == "/v1/chat/completions"
 
 
+def test_responses_route_is_forwarded_to_the_same_path(pair) -> None:
+    url, _, decode, _ = pair
+    r = httpx.post(url + "/v1/responses", json={"model": "m", "input": "hi"}, timeout=5)
+    assert r.status_code == 200
+    (seen,) = decode.requests
+    assert seen["path"] == "/v1/responses" and "x-kvfence-prefill" in seen["headers"]
+
+
 def test_models_are_proxied_from_a_decode(pair) -> None:
     url, _, decode, _ = pair
     r = httpx.get(url + "/v1/models", timeout=5)
@@ -174,6 +182,19 @@ def test_sse_cutter_holds_half_events_and_knows_a_clean_end() -> None:
     err = _SSECutter()
     err.feed(b'data: {"error": {"message": "x"}}\r\n\r\n')
     assert err.ended_cleanly  # the worker's own error event is an end
+
+
+def test_sse_cutter_knows_the_end_of_a_responses_stream() -> None:
+    """A Responses API stream has no [DONE]: response.completed (named as the event) ends it;
+    a stream cut after a delta does not read as complete (I5)."""
+    c = _SSECutter()
+    c.feed(b'event: response.output_text.delta\ndata: {"type": "response.output_text.delta"}\n\n')
+    assert not c.ended_cleanly
+    c.feed(b'event: response.completed\ndata: {"type": "response.completed"}\n\n')
+    assert c.ended_cleanly
+    unnamed = _SSECutter()
+    unnamed.feed(b'data: {"type": "response.completed"}\n\n')
+    assert not unnamed.ended_cleanly  # the worker names every Responses event
 
 
 # ---- auth --------------------------------------------------------------------------------------

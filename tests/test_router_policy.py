@@ -26,7 +26,7 @@ from kvfence.server.router.policy import Reason, Routing, prefix_owner, too_busy
 from kvfence.server.router.prefix_index import CHUNK_TOKENS, PrefixIndex
 from kvfence.server.router.prompt import Prompt, PromptKind, read_prompt
 
-COMPLETIONS, CHAT = "/v1/completions", "/v1/chat/completions"
+COMPLETIONS, CHAT, RESPONSES = "/v1/completions", "/v1/chat/completions", "/v1/responses"
 # Long enough for several 64-character chunks.
 SYSTEM = "You are the assistant of the Acme tax office. Answer in one short sentence. " * 4
 LONG = SYSTEM + "Which form do I file for a late payment in March?"
@@ -61,6 +61,19 @@ def test_the_prompt_is_read_as_text_ids_or_chat_and_anything_else_routes_by_load
         assert read_prompt(COMPLETIONS, bad) is None, bad[:30]
     assert read_prompt(CHAT, body(messages=["not a message"])) is None
     assert read_prompt(COMPLETIONS, body(prompt="x", cache_salt=7)) == Prompt(PromptKind.TEXT, "x")
+
+
+def test_a_responses_input_is_read_as_the_chat_it_renders_to() -> None:
+    """/v1/responses: instructions then input items, so a conversation's next request extends
+    its previous one; a plain string input is one user message."""
+    as_chat = read_prompt(CHAT, chat(SYSTEM, "q1"))
+    first = read_prompt(RESPONSES, body(instructions=SYSTEM, input="q1"))
+    assert first == as_chat
+    items = [{"role": "user", "content": "q1"}, {"role": "assistant", "content": "a1"}]
+    later = read_prompt(RESPONSES, body(instructions=SYSTEM, input=items))
+    assert later is not None and first is not None
+    assert str(later.symbols).startswith(str(first.symbols))
+    assert read_prompt(RESPONSES, body(input=5)) is None
 
 
 # ---- the prefix index ---------------------------------------------------------------------------

@@ -35,9 +35,12 @@ from kvfence.server.httpio import read_body, server_config
 from kvfence.server.metrics import RequestRecorder, ServerMetrics
 from kvfence.server.operator import OperatorGate, load_operator_key
 from kvfence.server.request_id import RequestIdMiddleware
+from kvfence.server.responses import ResponsesFormat
+from kvfence.server.responses_schema import ResponsesRequest
 from kvfence.server.schemas import (
     COMPLETIONS_DEFAULT_MAX_TOKENS,
     MAX_CHOICES,
+    AnswerFormat,
     ChatCompletionRequest,
     ChatFormat,
     CompletionFormat,
@@ -173,13 +176,17 @@ def build_app(
             req.cache_salt,
         )
 
-    @app.post("/v1/chat/completions")
-    async def chat_completions(request: Request) -> Response:
-        tenant = _authenticate(state, request)
-        req = _parse(ChatCompletionRequest, await read_body(request, state.max_body_bytes))
+    async def run_chat(
+        request: Request,
+        tenant: str,
+        req: ChatCompletionRequest,
+        responses: ResponsesRequest | None = None,
+    ) -> Response:
+        """A chat request through the engine; `responses`: the /v1/responses request it was
+        read from, whose answer is then shaped as a `response`."""
         req.check_supported()
         _check_model(engine, req.model)
-        _require_text(engine, "messages")
+        _require_text(engine, "messages" if responses is None else "input")
         plan = plan_tools(req.tools, req.tool_choice, req.parallel_tool_calls, tool_call_parser)
         constraint = req.constraint()
         if plan is not None and plan.constraint is not None:
@@ -195,13 +202,16 @@ def build_app(
         prompt = await asyncio.to_thread(_render_chat, engine.tokenizer, messages, req.tools)
         ids = _request_ids(req.choices_per_prompt)
         token_text = _token_text(engine, req.return_tokens_as_token_ids)
-        fmt = (
+        chat = (
             ChatFormat(f"chatcmpl-{ids[0]}", engine.model_name, bool(req.logprobs), token_text)
             if plan is None
             else ToolChatFormat(
                 f"chatcmpl-{ids[0]}", engine.model_name, bool(req.logprobs), token_text, plan
             )
         )
+        fmt: AnswerFormat = chat
+        if responses is not None:
+            fmt = ResponsesFormat(chat, responses, f"resp_{ids[0]}")
         return await generate(
             state,
             request,
@@ -215,6 +225,22 @@ def build_app(
             req.include_usage,
             req.cache_salt,
         )
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request) -> Response:
+        tenant = _authenticate(state, request)
+        req = await _read_json(state, request, ChatCompletionRequest)
+        return await run_chat(request, tenant, req)
+
+    @app.post("/v1/responses")
+    async def responses(request: Request) -> Response:
+        tenant = _authenticate(state, request)
+        req = await _read_json(state, request, ResponsesRequest)
+        req.check_supported()
+        _check_model(engine, req.model)
+        chat = req.chat_request()
+        chat.stream = req.stream
+        return await run_chat(request, tenant, chat, req)
 
     add_tokenize_routes(
         app,

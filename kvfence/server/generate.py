@@ -20,7 +20,7 @@ from kvfence.server.app_state import AppState, Event, Generation
 from kvfence.server.drain import NOT_ADMITTED_HEADER
 from kvfence.server.errors import INVALID_REQUEST, SERVER_ERROR, APIError
 from kvfence.server.metrics import RequestRecord
-from kvfence.server.schemas import ChoiceState, CompletionFormat, Delta, usage
+from kvfence.server.schemas import AnswerFormat, ChoiceState, Delta, usage
 
 _FAILED = (FinishReason.ERROR, FinishReason.ABORT)
 
@@ -102,7 +102,7 @@ async def generate(
     state: AppState,
     request: Request,
     tenant: str,
-    fmt: CompletionFormat,
+    fmt: AnswerFormat,
     ids: list[str],
     prompts: list[list[int]],
     sampling: SamplingParams,
@@ -171,7 +171,7 @@ def _client_gone(rec: RequestRecord) -> Response:
     return Response(status_code=499)  # nginx's "client closed request": nobody reads it
 
 
-async def _collect(gen: Generation, fmt: CompletionFormat, progress: _Progress) -> Response:
+async def _collect(gen: Generation, fmt: AnswerFormat, progress: _Progress) -> Response:
     while not gen.all_finished:
         event = await gen.next_event()
         if event is None:
@@ -200,21 +200,21 @@ async def _until_first_token(gen: Generation, progress: _Progress) -> list[Event
             return events
 
 
-def _sse(obj: dict[str, Any], include_usage: bool) -> bytes:
+def _sse(fmt: AnswerFormat, obj: dict[str, Any], include_usage: bool) -> bytes:
     if include_usage and "usage" not in obj:
         obj["usage"] = None
-    return sse.encode(obj)
+    return fmt.encode(obj)
 
 
 async def _sse_chunks(
     gen: Generation,
-    fmt: CompletionFormat,
+    fmt: AnswerFormat,
     progress: _Progress,
     first: list[Event],
     include_usage: bool,
 ) -> AsyncGenerator[bytes, None]:
     for chunk in fmt.start_chunks(len(gen.requests)):
-        yield _sse(chunk, include_usage)
+        yield _sse(fmt, chunk, include_usage)
     pending = deque(first)
     while pending or not gen.all_finished:
         event = pending.popleft() if pending else await gen.next_event()
@@ -228,16 +228,17 @@ async def _sse_chunks(
             # Headers are gone: an error event, then silence. Never [DONE] after partial text.
             err = _engine_failure(out)
             progress.rec.error_code = err.code
-            yield _sse(err.body(), include_usage=False)
+            yield sse.encode(err.body())
             return
         finish = out.finish_reason.value if out.finish_reason is not None else None
         delta = Delta(out.new_text, out.logprobs, offset, finish, len(out.new_token_ids))
         chunks = fmt.delta_chunks(choice, delta)
         for chunk in chunks:
-            yield _sse(chunk, include_usage)
-    if include_usage:
-        yield _sse(fmt.usage_chunk(progress.usage()), include_usage)
-    yield b"data: [DONE]\n\n"
+            yield _sse(fmt, chunk, include_usage)
+    for chunk in fmt.end_chunks(progress.usage(), include_usage):
+        yield _sse(fmt, chunk, include_usage)
+    if fmt.end_of_stream:
+        yield fmt.end_of_stream
 
 
 class _SSEResponse(StreamingResponse):

@@ -6,10 +6,11 @@ import json
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, Literal, Protocol
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
+from kvfence import sse
 from kvfence.engine.request import SamplingParams, TokenLogprob
 from kvfence.server.errors import bad_request
 from kvfence.server.structured import LEGACY_FIELDS, constraint_of
@@ -299,6 +300,23 @@ class Delta:
     new_tokens: int = 0
 
 
+class AnswerFormat(Protocol):
+    """What generate() drives to write a route's answers: the collected body, and a stream's
+    events from its first to its last line."""
+
+    end_of_stream: bytes
+
+    def encode(self, obj: dict[str, Any]) -> bytes: ...
+
+    def body(self, choices: list[ChoiceState], use: dict[str, Any]) -> dict[str, Any]: ...
+
+    def start_chunks(self, n_choices: int) -> list[dict[str, Any]]: ...
+
+    def delta_chunks(self, c: ChoiceState, d: Delta) -> list[dict[str, Any]]: ...
+
+    def end_chunks(self, use: dict[str, Any], include_usage: bool) -> list[dict[str, Any]]: ...
+
+
 def usage(
     prompt_tokens: int, completion_tokens: int, cached_tokens: int | None = None
 ) -> dict[str, Any]:
@@ -405,6 +423,15 @@ class CompletionFormat:
         out = self._envelope([])
         out["usage"] = use
         return out
+
+    # How a stream's events are written and how it ends (OpenAI's sentinel after the chunks).
+    end_of_stream = b"data: [DONE]\n\n"
+
+    def encode(self, obj: dict[str, Any]) -> bytes:
+        return sse.encode(obj)
+
+    def end_chunks(self, use: dict[str, Any], include_usage: bool) -> list[dict[str, Any]]:
+        return [self.usage_chunk(use)] if include_usage else []
 
 
 class ChatFormat(CompletionFormat):

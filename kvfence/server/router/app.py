@@ -149,7 +149,7 @@ def build_router_app(
             route="/v1/models/{model_id:path}",
         )
 
-    for path in ("/v1/completions", "/v1/chat/completions"):
+    for path in ("/v1/completions", "/v1/chat/completions", "/v1/responses"):
         app.add_api_route(path, relay_post(path), methods=["POST"])
     for path in ("/tokenize", "/detokenize"):
         # Tokenizer only: any healthy decode answers, no prefill is involved.

@@ -12,6 +12,7 @@ from enum import Enum
 from typing import Any
 
 CHAT_PATH = "/v1/chat/completions"
+RESPONSES_PATH = "/v1/responses"
 
 
 class PromptKind(Enum):
@@ -37,8 +38,9 @@ def read_prompt(path: str, body: bytes) -> Prompt | None:
         return None
     salt = obj.get("cache_salt")
     salt = salt if isinstance(salt, str) and salt else None
-    if path == CHAT_PATH:
-        text = _chat_text(obj.get("messages"))
+    if path in (CHAT_PATH, RESPONSES_PATH):
+        messages = obj.get("messages") if path == CHAT_PATH else _responses_items(obj)
+        text = _chat_text(messages)
         return Prompt(PromptKind.CHAT, text, salt) if text else None
     return _completion_prompt(obj.get("prompt"), salt)
 
@@ -63,6 +65,18 @@ def chat_head(content: str) -> str:
     """How a chat whose first message's content starts with `content` starts once serialised
     below: a declared public text as the router meets it inside chat messages."""
     return '{"content":' + json.dumps(content, ensure_ascii=False)[:-1]
+
+
+def _responses_items(obj: dict[str, Any]) -> Any:
+    """A Responses API request's input as message-like items, its instructions first: the same
+    conversation continued extends them as a chat's next turn extends its messages."""
+    items = obj.get("input")
+    if isinstance(items, str):
+        items = [{"role": "user", "content": items}]
+    instructions = obj.get("instructions")
+    if isinstance(items, list) and isinstance(instructions, str) and instructions:
+        items = [{"role": "system", "content": instructions}, *items]
+    return items
 
 
 def _chat_text(messages: Any) -> str | None:

@@ -65,6 +65,9 @@ _DROPPED_RESPONSE_HEADERS = frozenset(
 # A decode's 503 codes that mean its paired prefill refused the room because it is draining, or
 # could not be reached at all.
 _PREFILL_GONE = frozenset({"draining", "prefill_unavailable"})
+# The last event of a whole Responses API stream (vLLM sends `response.completed` for answers
+# cut by max_output_tokens too, with status "incomplete").
+_RESPONSES_ENDS = frozenset({"response.completed", "response.incomplete", "response.failed"})
 
 
 def _unreachable() -> APIError:
@@ -92,7 +95,8 @@ class _SSECutter:
 
     @property
     def ended_cleanly(self) -> bool:
-        """True when the last event was [DONE] or the worker's own error event."""
+        """True when the last event was [DONE], the worker's own error event, or the event that
+        ends a Responses API stream (which has no [DONE])."""
         if self._parser.pending.strip() or self.last is None:
             return False
         if self.last.done:
@@ -101,7 +105,11 @@ class _SSECutter:
             obj = self.last.json()
         except ValueError:
             return False
-        return isinstance(obj, dict) and "error" in obj
+        if not isinstance(obj, dict):
+            return False
+        return "error" in obj or (
+            self.last.event == obj.get("type") and obj.get("type") in _RESPONSES_ENDS
+        )
 
 
 def _sse_error(err: APIError) -> bytes:
