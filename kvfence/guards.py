@@ -29,6 +29,8 @@ GUARDS = frozenset(
         "output_bound",  # a stream's undelivered events are bounded per slow reader
         "operator_credential",  # internal endpoints and detailed health need the operator key
         "hop_signature",  # decode dials a prefill only on the router's signed word
+        # PD threads reach the pool only through its port: the right thread, grants they hold
+        "port_rule",
     }
 )
 

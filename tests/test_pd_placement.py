@@ -123,6 +123,7 @@ def _placed_then_empty_run(svc: DecodeService) -> None:
     rid = "a" * 32
     grant = pool.new_grant("t", rid)
     pages = pool.allocate(grant, 2)
+    svc.pool_port.hand_over(grant)  # as on_reserved does: the room's pages are the reader's
     now = time.monotonic()
     svc.rooms[rid] = _Room(p.DecodeRoom(rid, 2 * size, 2), None, pages, grant, now + 60, now)
     data = bytes(range(256)) * (kvio.payload_size(pool, size) // 256)

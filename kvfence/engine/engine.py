@@ -311,6 +311,12 @@ class Engine:
         if self.tp is not None:
             self.tp.close()
 
+    def loop_thread(self) -> threading.Thread | None:
+        """The thread that owns the pool while the loop runs (None before start and after it
+        ended): what the PD layer's pool port checks its callers against."""
+        t = self._thread
+        return t if t is not None and t.is_alive() else None
+
     @property
     def alive(self) -> bool:
         return self._thread is not None and self._thread.is_alive() and self._failed is None

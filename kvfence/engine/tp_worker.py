@@ -1,6 +1,7 @@
 """A tensor-parallel rank other than 0 (`python -m kvfence.engine.tp_worker`, started by rank 0's
 TpLeader): build this rank's slice of the model and KV pool, then run each step rank 0 sends
-until its pipe ends (and, in a PD role, the KV slice ops of rank 0's transfers: pd/tp_slices.py).
+until its pipe ends (and, in a PD role, the KV slice ops of rank 0's transfers:
+pd/tp_slices.py, pd/pool_port.py).
 It holds no scheduler, no tokenizer and no HTTP side; it never samples.
 """
 
@@ -20,7 +21,7 @@ from kvfence.kv.pool import KVPool
 from kvfence.model.config import ModelConfig
 from kvfence.model.loader import TORCH_DTYPES, load_model
 from kvfence.model.tp import RankGroup, install_collectives, shard_model
-from kvfence.pd.tp_slices import follow
+from kvfence.pd.pool_port import follow
 from kvfence.tp_layout import TpLayout
 
 log = logging.getLogger("kvfence.tp")

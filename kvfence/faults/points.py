@@ -29,6 +29,8 @@ GUARD_POINTS = {
     "unbounded_output": "output_bound",  # a slow reader's events pile up without limit
     "skip_operator_check": "operator_credential",  # internal endpoints open to any caller
     "skip_hop_check": "hop_signature",  # decode dials whatever X-Kvfence-Prefill names
+    # The PD pool port lets any thread call anything on any grant (pd/pool_port.py).
+    "skip_port_rule": "port_rule",
 }
 # Points that make a component misbehave.
 ACTION_POINTS = frozenset(

@@ -24,14 +24,13 @@ from kvfence.engine.sequence import SeqMode, Sequence
 from kvfence.engine.tp_group import TpBroken
 from kvfence.faults import Faults
 from kvfence.kv.pool import Grant
-from kvfence.kv.prefix import held_digest
 from kvfence.pd import glue, kvio, wire
 from kvfence.pd import protocol as p
 from kvfence.pd.ioloop import IOLoop
 from kvfence.pd.pairing import model_fingerprint, node_info, pairing_problem
+from kvfence.pd.pool_port import PoolPort, PortRuleBroken
 from kvfence.pd.stats import TransferStats
 from kvfence.pd.tls import TlsConfig
-from kvfence.pd.tp_slices import rank_slices
 from kvfence.pd.transport.link import page_receiver
 from kvfence.pd.transport.tcp import (
     Connection,
@@ -103,12 +102,16 @@ class DecodeService(EngineRole):
         if problem is not None:
             raise ConfigError(problem)
         super().__init__(Engine(cfg, self.faults, hooks=self))
-        self.slices = rank_slices(self.engine)  # None: one rank holds whole pages
+        self.pool_port = PoolPort(self.engine, self.faults)  # this service's only way into the pool
+        self.slices = self.pool_port.slices  # None: one rank holds whole pages
         self.ranks = cfg.tp_size  # a run's payload carries every rank's slice
         self.tls = tls  # I8: every connection is mutual TLS with prefill certificates
         self.limits = limits or LinkLimits()
-        self.link = page_receiver(backend, self.engine.pool, host)
-        info = node_info(self.engine, "decode", model_fingerprint(cfg.model), backend)
+        # One-sided writes land anywhere in the registered pool: no grant to check them by (I3
+        # and I4 carry those); the tcp receiver writes only through the port.
+        self.link = page_receiver(backend, self.pool_port.view, host)
+        fingerprint = model_fingerprint(cfg.model)
+        info = node_info(self.engine, self.pool_port.view, "decode", fingerprint, backend)
         if cfg.unsafe_skip_preflight:
             info["unsafe_skip_capacity"] = True
         self.pairing = info  # the I7 facts; HELLO adds what the transport needs
@@ -162,7 +165,7 @@ class DecodeService(EngineRole):
             "bootstrap_port": None,
             "model": self.engine.model_name,
             "context_length": self.engine.context_length,
-            "page_size": self.engine.pool.page_size,
+            "page_size": self.pool_port.view.page_size,
             "pairing_errors": dict(self.pairing_errors),
             "counters": self.transfer_stats.snapshot(),
             "transfer_marks": self.transfer_stats.marks(),
@@ -174,6 +177,7 @@ class DecodeService(EngineRole):
     def on_reserved(self, seq: Sequence) -> None:
         req = seq.admitted.request
         assert seq.grant is not None and req.peer is not None
+        self.pool_port.hand_over(seq.grant)  # parked in HANDOFF: the pages are the IO loop's now
         cached = seq.num_sealed  # the scheduler's hit: cache pages the sequence references
         reserve = p.Reserve(
             room=seq.request_id,
@@ -184,7 +188,7 @@ class DecodeService(EngineRole):
             dst_pages=tuple(seq.pages[cached:]),
             grant=seq.grant.grant_id,
             cache_salt=req.cache_salt or "",
-            cached_tokens=cached * self.engine.pool.page_size,
+            cached_tokens=cached * self.pool_port.view.page_size,
             prefix_digest=self._held_digest(seq.pages[:cached]) if cached else "",
         )
         self.loop.call_soon_threadsafe(
@@ -194,14 +198,7 @@ class DecodeService(EngineRole):
     def _held_digest(self, pages: list[int]) -> str:
         """What these cache pages hold, as the cache recorded it when they were sealed (engine
         thread: the cache's bookkeeping is the engine's)."""
-        prefix = self.engine.pool.prefix
-        assert prefix is not None
-        entries = [prefix.entry(page) for page in pages]
-        assert all(e is not None for e in entries), "a referenced page left the cache"
-        return held_digest(
-            ((e.namespace, e.tokens) for e in entries if e is not None),
-            self.faults.guards().on("prefix_namespace"),
-        )
+        return self.pool_port.held_digest(pages, self.faults.guards().on("prefix_namespace"))
 
     def on_prefilled(self, seq: Sequence) -> None:  # pragma: no cover - prefill only
         raise AssertionError("a decode engine never prefills for a transfer")
@@ -215,13 +212,13 @@ class DecodeService(EngineRole):
         self, r: p.Reserve, peer_addr: str, grant: Grant, pages: list[int], cached: int
     ) -> None:
         self.transfer_stats.inc("reserved")
-        pool = self.engine.pool
+        view = self.pool_port.view
         room = p.DecodeRoom(
             r.room, len(r.prompt), len(pages), cached_pages=cached, cached_tokens=r.cached_tokens
         )
         # The cached prefix as it is now: the read-back at DONE must find it unchanged.
         try:
-            sums = self._pool_sums(pages[:cached], r.cached_tokens) if cached else []
+            sums = self._pool_sums(grant, pages[:cached], r.cached_tokens) if cached else []
         except TpBroken:
             sums = []  # the engine failed closed: this room's client has its error already
         self.rooms[r.room] = _Room(
@@ -237,10 +234,10 @@ class DecodeService(EngineRole):
         self.transfer_stats.inc("prompt_tokens", len(r.prompt))
         self.transfer_stats.inc("prefix_cached_tokens", r.cached_tokens)
         self.transfer_stats.inc(
-            "bytes_not_transferred", cached * self.ranks * kvio.payload_size(pool, pool.page_size)
+            "bytes_not_transferred", cached * self.ranks * kvio.payload_size(view, view.page_size)
         )
         if cached and self.faults.active("stale_cached_page"):
-            kvio.corrupt_page(pool, pages[0])
+            kvio.corrupt_page(self.pool_port.pages(grant), pages[0])
         asyncio.ensure_future(self._send_reserve(r, peer_addr))
 
     async def _send_reserve(self, r: p.Reserve, peer_addr: str) -> None:
@@ -344,6 +341,10 @@ class DecodeService(EngineRole):
             if isinstance(e, (wire.WireError, RecordError)):
                 self.transfer_stats.inc("bad_frames")
             log.warning("connection to prefill %s ended: %s", addr, e)
+        except PortRuleBroken as e:
+            # A bug of this service: every room of the connection fails closed with it.
+            self.transfer_stats.inc("port_rule_broken")
+            log.error("connection to prefill %s dropped: %s", addr, e)
         finally:
             conn.close()
             # A write already handed over still lands: wait for it before releasing anything.
@@ -371,21 +372,21 @@ class DecodeService(EngineRole):
         """The pages a run of a RESERVED room writes, if its position and size are right."""
         if room is None or room.state.state is not p.DState.RESERVED:
             return None
-        pool = self.engine.pool
+        view = self.pool_port.view
         n = len(run.checksums)
         reserved = room.reserved
         ok_shape = (
             0 <= run.first
             and run.first + n <= len(reserved)
-            and 0 < run.n_tokens <= pool.page_size
-            and nbytes == self.ranks * self.link.payload_bytes(pool, n, run.n_tokens)
+            and 0 < run.n_tokens <= view.page_size
+            and nbytes == self.ranks * self.link.payload_bytes(view, n, run.n_tokens)
         )
         return reserved[run.first : run.first + n] if ok_shape else None
 
     def _owned(self, grant: Grant, pages: list[int]) -> list[bool]:
         """I2 on the write path: per page, whether it still belongs to the room's grant and
         tenant (every page, with the guard off: the mutation twin)."""
-        owned = self.engine.pool.check_destination(grant, pages)
+        owned = self.pool_port.check_destination(grant, pages)
         return owned if self.faults.guards().on("dest_check") else [True] * len(pages)
 
     def _place(self, msg: wire.Frame, nbytes: int) -> _Placed | None:
@@ -401,7 +402,7 @@ class DecodeService(EngineRole):
         pages = self._run_pages(room, msg, nbytes)
         if room is None or pages is None or not all(self._owned(room.grant, pages)):
             return None
-        views = self.link.place(self.engine.pool, pages, msg.n_tokens)
+        views = self.link.place(self.pool_port.pages(room.grant), pages, msg.n_tokens)
         if views is None:
             return None
         hashes = kvio.PageHashes(len(pages)) if self.faults.guards().on("checksum") else None
@@ -455,13 +456,13 @@ class DecodeService(EngineRole):
     ) -> tuple[list[bool], int, int]:
         """(intact per page, pages failing the grant check, pages written): the writer thread's
         part of a run, or the loop's for one-sided runs (payload None: nothing to write)."""
-        pool = self.engine.pool
+        view = self.pool_port.view
         n = len(pages)
         intact = [True] * n
         data = None
         if payload is not None:
-            size = run.n_tokens * kvio.token_bytes(pool)
-            shape = (self.ranks, 2, pool.num_layers, n, size)
+            size = run.n_tokens * kvio.token_bytes(view)
+            shape = (self.ranks, 2, view.num_layers, n, size)
             data = torch.frombuffer(payload, dtype=torch.uint8).view(shape)
             if check:
                 got = kvio.run_checksums(data)
@@ -477,8 +478,7 @@ class DecodeService(EngineRole):
             return intact, foreign, 0
         which = None if len(good) == n else good
         dst = [pages[i] for i in good]
-        kvio.scatter(pool, dst, run.n_tokens, data[0], which)
-        pool.mark_written(grant, dst)
+        self.pool_port.write(grant, dst, run.n_tokens, data[0], which)
         if self.slices is not None:
             # The other ranks' slices: each rank writes only pages the grant owns in its own
             # tables; a page any rank refused fails the room like a foreign one here.
@@ -507,7 +507,6 @@ class DecodeService(EngineRole):
         the pool hashed to the sender's checksum as they landed and it is still the room's;
         only those count as written. hashes None: the checksum guard is off (mutation twin,
         the bytes as they come)."""
-        pool = self.engine.pool
         pages = room.reserved[run.first : run.first + len(run.checksums)]
         intact = [True] * len(pages)
         if hashes is not None:
@@ -516,19 +515,19 @@ class DecodeService(EngineRole):
         intact = [i and o for i, o in zip(intact, owned, strict=True)]
         good = [page for page, ok in zip(pages, intact, strict=True) if ok]
         if good:
-            pool.mark_written(room.grant, good)
+            self.pool_port.mark_written(room.grant, good)
         self._run_applied(run, intact, owned.count(False), len(good))
 
     def _run_applied(
         self, run: wire.PageRun, intact: list[bool], foreign: int, written: int
     ) -> None:
-        pool = self.engine.pool
+        view = self.pool_port.view
         if foreign:
             self.transfer_stats.inc("grant_mismatches", foreign)
         if written:
             self.transfer_stats.inc("pages_received", written)
             self.transfer_stats.inc(
-                "bytes_received", written * self.ranks * kvio.payload_size(pool, run.n_tokens)
+                "bytes_received", written * self.ranks * kvio.payload_size(view, run.n_tokens)
             )
         bad = intact.count(False)
         if bad:
@@ -566,7 +565,7 @@ class DecodeService(EngineRole):
         if done.n_tokens != room.state.n_tokens or done.n_pages != len(room.pages):
             return False
         try:
-            sums = self._pool_sums(room.pages, done.n_tokens)
+            sums = self._pool_sums(room.grant, room.pages, done.n_tokens)
         except TpBroken:
             return False  # a rank's slice cannot be read back: nothing to commit
         k = room.cached
@@ -574,11 +573,9 @@ class DecodeService(EngineRole):
             return False
         return p.digest_of(tuple(enumerate(sums[k:])), done.n_tokens) == done.digest
 
-    def _pool_sums(self, pages: list[int], n_tokens: int) -> list[int]:
+    def _pool_sums(self, grant: Grant, pages: list[int], n_tokens: int) -> list[int]:
         """Per-page checksums of what the pool holds, over every rank's slice (I3)."""
-        if self.slices is not None:
-            return self.slices.checksums(pages, n_tokens)
-        return kvio.pool_checksums(self.engine.pool, pages, n_tokens)
+        return self.pool_port.checksums(grant, pages, n_tokens)
 
     def _feed(self, rid: str, event: Any, reason: str | None = None) -> None:
         """reason: why the connection was lost, for the client's error message."""
@@ -615,10 +612,10 @@ class DecodeService(EngineRole):
         asyncio.ensure_future(go())
 
     def _committed(self, rid: str, room: _Room, first_token: int, first_logprobs: dict) -> None:
-        self.link.committed(self.engine.pool, room.reserved, room.grant)
+        self.link.committed(self.pool_port, room.grant, room.reserved)
         self.transfer_stats.inc("transfers_committed")
         self.transfer_stats.observe_latency(time.monotonic() - room.started)
-        self.engine.commit(rid, first_token, first_logprobs)
+        self.pool_port.commit(rid, room.grant, first_token, first_logprobs)
 
     async def _expire(self) -> None:
         while True:
@@ -684,4 +681,4 @@ class _RoomEffects:
         self.svc.engine.fail(self.rid, message, code, status)
 
     def release(self) -> None:
-        self.svc.engine.release(self.rid)
+        self.svc.pool_port.release(self.rid, None if self.room is None else self.room.grant)

@@ -18,18 +18,29 @@ from __future__ import annotations
 import struct
 import weakref
 from collections.abc import Callable, Sequence
+from typing import Protocol
 
 import numpy as np
 import torch
 import xxhash
-
-from kvfence.kv.pool import KVPool
 
 # Frames of up to this many payload bytes. Each frame costs hand-offs between threads and loops
 # on both sides; on a few shared cores the transfer is CPU-bound, so the overlap smaller frames
 # buy does not pay for them (2 cores, an 8 MiB room: one 8 MiB frame beat four of 2 MiB by
 # 13-20% in A/B runs, eight of 1 MiB were slower still). Longer prompts still go as several.
 RUN_BYTES = 8 << 20
+
+
+class PageTensors(Protocol):
+    """What moving K/V needs of a pool: its tensors and geometry, not its side tables (the pool
+    port's PoolView in the PD services; a KVPool on a rank of its own, or in a test)."""
+
+    k: torch.Tensor
+    v: torch.Tensor
+    page_size: int
+    num_layers: int
+    num_pages: int
+    device: torch.device
 
 
 def checksum(data: bytes | memoryview) -> int:
@@ -49,17 +60,19 @@ def page_token_counts(n_tokens: int, page_size: int) -> list[int]:
     return [page_size] * full + ([rest] if rest else [])
 
 
-def token_bytes(pool: KVPool) -> int:
+def token_bytes(pool: PageTensors) -> int:
     """Bytes of one token of one layer of K (or V)."""
     _, _, kvh, d = pool.k.shape
     return kvh * d * pool.k.element_size()
 
 
-def payload_size(pool: KVPool, n_tokens: int) -> int:
+def payload_size(pool: PageTensors, n_tokens: int) -> int:
     return 2 * pool.num_layers * n_tokens * token_bytes(pool)
 
 
-def runs(pool: KVPool, n_tokens: int, max_bytes: int = RUN_BYTES) -> list[tuple[int, int, int]]:
+def runs(
+    pool: PageTensors, n_tokens: int, max_bytes: int = RUN_BYTES
+) -> list[tuple[int, int, int]]:
     """(first page, pages, tokens per page) of a room's frames: full pages in runs of at most
     max_bytes (at least one page), then the partial last page alone."""
     full, rest = divmod(n_tokens, pool.page_size)
@@ -70,7 +83,7 @@ def runs(pool: KVPool, n_tokens: int, max_bytes: int = RUN_BYTES) -> list[tuple[
     return out
 
 
-def _blocks(t: torch.Tensor, pool: KVPool, count: int) -> np.ndarray:
+def _blocks(t: torch.Tensor, pool: PageTensors, count: int) -> np.ndarray:
     """A CPU pool tensor as a [layers, pages] array whose elements are the first `count` tokens
     of each page, as opaque byte blocks (numpy: single-threaded memcpy per block; torch's
     multi-threaded index ops stall for milliseconds when a core is busy elsewhere)."""
@@ -90,7 +103,7 @@ def _as_blocks(run: torch.Tensor) -> np.ndarray:
 
 
 def gather(
-    pool: KVPool,
+    pool: PageTensors,
     pages: list[int],
     count: int,
     buf: bytearray | None = None,
@@ -147,7 +160,7 @@ def run_checksums(run: torch.Tensor) -> list[int]:
     return out
 
 
-def pool_checksums(pool: KVPool, pages: list[int], n_tokens: int) -> list[int]:
+def pool_checksums(pool: PageTensors, pages: list[int], n_tokens: int) -> list[int]:
     """Per-page checksums of the first n_tokens held in `pages`, read from the pool itself (a
     CPU pool is hashed in place, without a copy)."""
     counts = page_token_counts(n_tokens, pool.page_size)
@@ -159,7 +172,7 @@ def pool_checksums(pool: KVPool, pages: list[int], n_tokens: int) -> list[int]:
     return _hash_pages(pool, pages, counts)
 
 
-def run_pool_checksums(pool: KVPool, pages: list[int], count: int) -> list[int]:
+def run_pool_checksums(pool: PageTensors, pages: list[int], count: int) -> list[int]:
     """Per-page checksums of the first `count` tokens of each of `pages` in a CPU pool, hashed
     in place: what run_checksums gives for the run gather() would copy."""
     return _hash_pages(pool, pages, [count] * len(pages))
@@ -167,10 +180,10 @@ def run_pool_checksums(pool: KVPool, pages: list[int], count: int) -> list[int]:
 
 # A CPU pool's layers of K then V, each as flat bytes: built once per pool (a tensor-to-bytes view
 # costs microseconds, and a transfer asks for them on every run on both sides).
-_LAYER_BYTES: weakref.WeakKeyDictionary[KVPool, list[memoryview]] = weakref.WeakKeyDictionary()
+_LAYER_BYTES: weakref.WeakKeyDictionary[PageTensors, list[memoryview]] = weakref.WeakKeyDictionary()
 
 
-def _layer_bytes(pool: KVPool) -> list[memoryview]:
+def _layer_bytes(pool: PageTensors) -> list[memoryview]:
     views = _LAYER_BYTES.get(pool)
     if views is None:
         layer = pool.k.shape[1] * token_bytes(pool)
@@ -182,7 +195,7 @@ def _layer_bytes(pool: KVPool) -> list[memoryview]:
     return views
 
 
-def _hash_pages(pool: KVPool, pages: list[int], counts: list[int]) -> list[int]:
+def _hash_pages(pool: PageTensors, pages: list[int], counts: list[int]) -> list[int]:
     tb = token_bytes(pool)
     # One view per layer of K and V, sliced per page: the loop body is this module's hot spot
     # (2 * layers updates per page, most of the read-back's time beside the hashing itself).
@@ -199,7 +212,7 @@ def _hash_pages(pool: KVPool, pages: list[int], counts: list[int]) -> list[int]:
     return out
 
 
-def corrupt_page(pool: KVPool, page: int) -> None:
+def corrupt_page(pool: PageTensors, page: int) -> None:
     """Fault injection only: scramble a page's K and V in every layer (a cached page changing
     under a room that references it, e.g. evicted and rewritten)."""
     slots = slice(page * pool.page_size, (page + 1) * pool.page_size)
@@ -208,7 +221,7 @@ def corrupt_page(pool: KVPool, page: int) -> None:
 
 
 def pool_blocks(
-    pool: KVPool, pages: list[int], count: int, merge: bool = True
+    pool: PageTensors, pages: list[int], count: int, merge: bool = True
 ) -> list[memoryview]:
     """The bytes gather() would copy, as views of a CPU pool in run layout order ([2, layers,
     pages] blocks of each page's first `count` tokens; with merge, a page's block that directly
@@ -252,7 +265,11 @@ class PageHashes:
 
 
 def scatter(
-    pool: KVPool, pages: list[int], count: int, run: torch.Tensor, which: list[int] | None = None
+    pool: PageTensors,
+    pages: list[int],
+    count: int,
+    run: torch.Tensor,
+    which: list[int] | None = None,
 ) -> None:
     """Write a received run (byte tensor [2, layers, n, count * token_bytes]) into `pages`, or
     only its entries `which` into those pages: one block copy per K and V."""

@@ -5,12 +5,15 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import xxhash
 
 from kvfence.guards import ALL_ON, Guards
 from kvfence.model.loader import checkpoint_files
+
+if TYPE_CHECKING:
+    from kvfence.pd.pool_port import PoolView
 
 _SAMPLE = 1 << 20  # bytes hashed from each end of a large weight file
 
@@ -35,20 +38,23 @@ def model_fingerprint(model_dir: str | Path) -> str:
     return h.hexdigest()
 
 
-def node_info(engine: Any, role: str, fingerprint: str, backend: str = "tcp") -> dict[str, Any]:
+def node_info(
+    engine: Any, view: PoolView, role: str, fingerprint: str, backend: str = "tcp"
+) -> dict[str, Any]:
+    """view: the pool's geometry, as the pool port gives it."""
     mc = engine.model_config
     return {
         "role": role,
         "transfer_backend": backend,
         "model_fingerprint": fingerprint,
         "context_length": engine.context_length,
-        "pool_tokens": engine.pool.capacity_tokens,
-        "page_size": engine.pool.page_size,
-        "kv_dtype": str(engine.pool.k.dtype).removeprefix("torch."),
+        "pool_tokens": view.capacity_tokens,
+        "page_size": view.page_size,
+        "kv_dtype": str(view.k.dtype).removeprefix("torch."),
         "kv_layout": [mc.num_layers, mc.num_kv_heads, mc.head_dim, "page-blocks"],  # kvio.py layout
         # Ranks and KV heads per rank: a run carries every rank's slice (pd/tp_slices.py), so
         # two nodes pair only with the same split; unequal sizes are refused, not re-sliced.
-        "tp_layout": [engine.cfg.tp_size, engine.pool.k.shape[2]],
+        "tp_layout": [engine.cfg.tp_size, view.k.shape[2]],
     }
 
 

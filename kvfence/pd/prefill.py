@@ -14,7 +14,6 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, replace
 from typing import Any
 
-import torch
 from prometheus_client.core import Metric
 
 from kvfence.config import ConfigError, EngineConfig
@@ -30,9 +29,9 @@ from kvfence.pd import glue, kvio, wire
 from kvfence.pd import protocol as p
 from kvfence.pd.ioloop import IOLoop
 from kvfence.pd.pairing import model_fingerprint, node_info, pairing_problem
+from kvfence.pd.pool_port import PoolPort
 from kvfence.pd.stats import TransferStats
 from kvfence.pd.tls import TlsConfig
-from kvfence.pd.tp_slices import rank_slices
 from kvfence.pd.transport.link import RoomSend, page_sender
 from kvfence.pd.transport.tcp import Connection, LinkLimits, Listener, RecordError
 from kvfence.role import EngineRole
@@ -73,14 +72,17 @@ class PrefillService(EngineRole):
         if problem is not None:
             raise ConfigError(problem)
         super().__init__(Engine(cfg, self.faults, hooks=self))
-        self.slices = rank_slices(self.engine)  # None: one rank holds whole pages
+        self.pool_port = PoolPort(self.engine, self.faults)  # this service's only way into the pool
+        self.slices = self.pool_port.slices  # None: one rank holds whole pages
         self.tls = tls  # I8: every connection is mutual TLS with decode certificates
         self.limits = limits or LinkLimits()
         self.host, self.port = host, port
         # What decode workers should dial: the bind address unless it is a wildcard.
         self.advertise_host = "127.0.0.1" if host in ("0.0.0.0", "") else host
-        self.link = page_sender(backend, self.engine.pool, self.advertise_host)
-        self.pairing = node_info(self.engine, "prefill", model_fingerprint(cfg.model), backend)
+        self.link = page_sender(backend, self.pool_port.view, self.advertise_host)
+        self.pairing = node_info(
+            self.engine, self.pool_port.view, "prefill", model_fingerprint(cfg.model), backend
+        )
         if cfg.unsafe_skip_preflight:
             self.pairing["unsafe_skip_capacity"] = True
         self.timeout_s = timeout_s
@@ -133,7 +135,7 @@ class PrefillService(EngineRole):
             "bootstrap_port": self.port,
             "model": self.engine.model_name,
             "context_length": self.engine.context_length,
-            "page_size": self.engine.pool.page_size,
+            "page_size": self.pool_port.view.page_size,
             "counters": self.transfer_stats.snapshot(),
             "transfer_marks": self.transfer_stats.marks(),
             "pairing": dict(self.pairing),
@@ -152,6 +154,8 @@ class PrefillService(EngineRole):
     # ---- engine hooks (engine thread) -----------------------------------------------------------
 
     def on_prefilled(self, seq: Sequence) -> None:
+        assert seq.grant is not None
+        self.pool_port.hand_over(seq.grant)  # parked in HANDOFF: the pages are the IO loop's now
         self.loop.call_soon_threadsafe(self._prefilled, seq)
 
     def on_reserved(self, seq: Sequence) -> None:  # pragma: no cover - decode only
@@ -159,7 +163,7 @@ class PrefillService(EngineRole):
 
     def on_abort(self, seq: Sequence) -> None:
         # Only this service aborts prefill sequences; by then the room is closed.
-        self.engine.release(seq.request_id)
+        self.pool_port.release(seq.request_id, seq.grant)
 
     # ---- connections ----------------------------------------------------------------------------
 
@@ -286,7 +290,7 @@ class PrefillService(EngineRole):
         page-aligned and leave prefill at least the last token, the reserved pages must be the
         rest of the prompt, and what decode's cached pages hold (prefix_digest) must be this
         room's namespace and prompt tokens, as prefill recomputes them."""
-        ps = self.engine.pool.page_size
+        ps = self.pool_port.view.page_size
         k, rest = divmod(r.cached_tokens, ps)
         if rest or not 0 <= k <= (len(r.prompt) - 1) // ps:
             return (
@@ -301,10 +305,9 @@ class PrefillService(EngineRole):
         if k:
             ns = Namespace.of_tenant(r.tenant, r.cache_salt or None)
             tokens = r.prompt[: k * ps]
-            prefix = self.engine.pool.prefix
             # Declared public pages are the shared namespace's on both sides (same
             # --shared-prefix-file); without a cache here every page is the tenant's.
-            names = prefix.chain(tokens, ns).namespaces if prefix is not None else [ns] * k
+            names = self.pool_port.prefix_namespaces(tokens, ns)
             pages = ((names[i], tokens[i * ps : (i + 1) * ps]) for i in range(k))
             expected = held_digest(pages, guards.on("prefix_namespace"))
         if r.prefix_digest != expected:
@@ -314,7 +317,7 @@ class PrefillService(EngineRole):
     def _prefilled(self, seq: Sequence) -> None:
         room = self.rooms.get(seq.request_id)
         if room is None:
-            self.engine.release(seq.request_id)  # aborted while computing: nobody will send it
+            self.pool_port.release(seq.request_id, seq.grant)  # aborted while computing: no sender
             return
         room.seq = seq
         room.first_token = seq.token_ids[-1]
@@ -342,10 +345,10 @@ class PrefillService(EngineRole):
         assert room.seq is not None and room.first_token is not None
         started = self.transfer_stats.mark(rid, "send_start")
         n_tokens = room.seq.prompt_len  # what was computed (a placeholder's is shorter)
-        pool = self.engine.pool
+        view = self.pool_port.view
         # Decode holds the first `skip` pages in its own cache: they are never sent.
-        skip = room.reserve.cached_tokens // pool.page_size
-        sent_tokens = n_tokens - skip * pool.page_size
+        skip = room.reserve.cached_tokens // view.page_size
+        sent_tokens = n_tokens - skip * view.page_size
         late = self.faults.active("late_write")
         corrupt = self.faults.active("corrupt_page")  # decided once per room (chaos: per room)
         if self.faults.active("stall_transfer"):
@@ -359,10 +362,10 @@ class PrefillService(EngineRole):
             return
         self.transfer_stats.mark(rid, "source_checked")
         ranks = self.engine.cfg.tp_size  # each run carries every rank's slice
-        runs = kvio.runs(pool, sent_tokens, self.link.run_bytes // ranks)
+        runs = kvio.runs(view, sent_tokens, self.link.run_bytes // ranks)
         if self.faults.active("truncate_transfer"):
-            sent_tokens = min(sent_tokens, pool.page_size)
-            runs, n_tokens = [(0, 1, sent_tokens)], skip * pool.page_size + sent_tokens
+            sent_tokens = min(sent_tokens, view.page_size)
+            runs, n_tokens = [(0, 1, sent_tokens)], skip * view.page_size + sent_tokens
         n_pages = skip + sum(n for _, n, _ in runs)
 
         def hold(fut: asyncio.Future) -> None:
@@ -372,12 +375,13 @@ class PrefillService(EngineRole):
             if self.faults.active("kill_prefill"):
                 self.faults.crash("kill_prefill")
             self.transfer_stats.inc("pages_sent", n)
-            self.transfer_stats.inc("bytes_sent", n * ranks * kvio.payload_size(pool, count))
+            self.transfer_stats.inc("bytes_sent", n * ranks * kvio.payload_size(view, count))
 
+        assert room.seq.grant is not None
         job = RoomSend(
             rid,
             room.conn,
-            pool,
+            self.pool_port.pages(room.seq.grant),
             src,
             list(room.reserve.dst_pages),
             runs,
@@ -420,7 +424,7 @@ class PrefillService(EngineRole):
         )
         self.transfer_stats.inc("transfers_done")
         self.transfer_stats.inc(
-            "bytes_not_transferred", skip * ranks * kvio.payload_size(pool, pool.page_size)
+            "bytes_not_transferred", skip * ranks * kvio.payload_size(view, view.page_size)
         )
         now = self.transfer_stats.mark(rid, "done_queued")
         self.transfer_stats.observe_phase("send", now - started)
@@ -434,34 +438,28 @@ class PrefillService(EngineRole):
         compare over the pages)."""
         if not self.faults.guards().on("tag_check") or seq.grant is None:
             return seq.grant is not None
-        pool = self.engine.pool
         pages = seq.pages[skip:]
-        if not pool.check_source(seq.grant, pages, n_tokens, self._sealed_source(seq, skip)):
+        port, grant = self.pool_port, seq.grant
+        if not port.check_source(grant, pages, n_tokens, self._sealed_source(seq, skip)):
             log.error(
                 "transfer source check failed: room=%s tenant=%s pages=%s %s",
                 seq.request_id,
                 seq.tenant,
                 pages,
-                pool.describe_owners(pages),
+                port.describe_owners(grant, pages),
             )
             return False
         return True
 
     def _sealed_source(self, seq: Sequence, skip: int) -> SealedReads | None:
         """Which sealed pages the room may send: those its own chain keys, in its namespace."""
-        prefix = self.engine.pool.prefix
-        if prefix is None or seq.chain is None:
+        if seq.chain is None:
             return None
         width = len(seq.pages) - skip
         tags = list(seq.chain.tags[skip : skip + width])
         tags += [0] * (width - len(tags))
-        device = self.engine.pool.device
-        return SealedReads(
-            read_only=torch.ones((1, width), dtype=torch.bool, device=device),
-            ns_ids=torch.tensor([prefix.namespace_id(seq.chain.tenant_ns)], device=device),
-            key_tags=torch.tensor([tags], dtype=torch.int64, device=device),
-            namespace=self.faults.guards().on("prefix_namespace"),
-        )
+        namespace = self.faults.guards().on("prefix_namespace")
+        return self.pool_port.sealed_reads(seq.chain.tenant_ns, tags, namespace)
 
     async def _expire(self) -> None:
         while True:
@@ -494,13 +492,14 @@ class _RoomEffects:
         self.svc.engine.abort(self.rid)
 
     def release(self) -> None:
-        engine, rid = self.svc.engine, self.rid
+        port, rid = self.svc.pool_port, self.rid
+        grant = None if self.room is None or self.room.seq is None else self.room.seq.grant
         writing = None if self.room is None else self.room.writing
         if writing is not None and not writing.done():
             # A write (one-sided, or a send from the pages) may still read them: free after it.
-            writing.add_done_callback(lambda _f: engine.release(rid))
+            writing.add_done_callback(lambda _f: port.release(rid, grant))
         else:
-            engine.release(rid)
+            port.release(rid, grant)
 
     def stop_sending(self) -> None:
         if self.room is not None:

@@ -26,13 +26,12 @@ import numpy as np
 import torch
 
 from kvfence.engine.tp_group import TpBroken, TpLeader
-from kvfence.engine.tp_runner import LeaderRunner
-from kvfence.kv.pool import Grant, KVPool
+from kvfence.kv.pool import Grant
 from kvfence.model.tp import RankGroup
 from kvfence.pd import kvio
 
 if TYPE_CHECKING:
-    from kvfence.engine.engine import Engine
+    from kvfence.engine.tp_runner import TableMirror
 
 T = TypeVar("T")
 
@@ -71,33 +70,26 @@ class SliceChecksums:
 SliceOp = GatherSlices | ScatterSlices | SliceChecksums
 
 
-def _as_i64(sums: list[int]) -> torch.Tensor:
+def as_i64(sums: list[int]) -> torch.Tensor:
     return torch.from_numpy(np.asarray(sums, dtype=np.uint64).view(np.int64).copy())
 
 
-def _as_u64(t: torch.Tensor) -> list[int]:
+def as_u64(t: torch.Tensor) -> list[int]:
     return [int(x) for x in t.cpu().numpy().view(np.uint64)]
 
 
-def _run_shape(pool: KVPool, n: int, count: int) -> tuple[int, int, int, int]:
+def run_shape(pool: kvio.PageTensors, n: int, count: int) -> tuple[int, int, int, int]:
     return (2, pool.num_layers, n, count * kvio.token_bytes(pool))
-
-
-def rank_slices(engine: Engine) -> RankSlices | None:
-    """A PD role's slice mover, or None when the engine runs one rank."""
-    if engine.tp is None:
-        return None
-    assert isinstance(engine.runner, LeaderRunner)
-    return RankSlices(engine.tp, engine.runner)
 
 
 class RankSlices:
     """Rank 0's side: the ops above, each run to its end or TpBroken."""
 
-    def __init__(self, leader: TpLeader, runner: LeaderRunner) -> None:
-        self.leader, self.runner = leader, runner
-        self.pool, self.group = runner.pool, leader.group
-        self.size = leader.size
+    def __init__(self, leader: TpLeader, mirror: TableMirror, view: kvio.PageTensors) -> None:
+        """view: rank 0's pool tensors, from the pool port (pd/pool_port.py), which reaches
+        this mover only for grants it holds."""
+        self.leader, self.mirror, self.view = leader, mirror, view
+        self.group, self.size = leader.group, leader.size
 
     def _op(self, op: SliceOp, body: Callable[[], T]) -> T:
         with self.leader.lock:
@@ -112,7 +104,7 @@ class RankSlices:
     def gather(self, pages: list[int], count: int, buf: bytearray | None = None) -> torch.Tensor:
         """Every rank's slice of the pages, [ranks, 2, layers, pages, bytes], in buf when it is
         big enough."""
-        shape = (self.size, *_run_shape(self.pool, len(pages), count))
+        shape = (self.size, *run_shape(self.view, len(pages), count))
         need = int(np.prod(shape))
         if buf is not None and len(buf) >= need:
             out = torch.frombuffer(buf, dtype=torch.uint8, count=need).view(shape)
@@ -120,9 +112,9 @@ class RankSlices:
             out = torch.empty(shape, dtype=torch.uint8)
 
         def body() -> torch.Tensor:
-            kvio.gather(self.pool, pages, count, out=out[0])
+            kvio.gather(self.view, pages, count, out=out[0])
             for rank in range(1, self.size):
-                _recv(self.group, out[rank], rank)
+                recv(self.group, out[rank], rank)
             return out
 
         return self._op(GatherSlices(list(pages), count), body)
@@ -142,12 +134,12 @@ class RankSlices:
 
         def body() -> list[bool]:
             for rank in range(1, self.size):
-                _send(self.group, slices[rank - 1].contiguous(), rank)
+                send(self.group, slices[rank - 1].contiguous(), rank)
             refused = torch.zeros(len(pages), dtype=torch.int32, device=self.group.device)
             return self.group.max_(refused).bool().tolist()
 
         with self.leader.lock:  # the side tables' delta and the op that carries it go together
-            table_pages, table_rows = self.runner.mirror.delta()
+            table_pages, table_rows = self.mirror.delta()
             op = ScatterSlices(
                 list(pages), count, grant, table_pages, table_rows, dest_check, corrupt,
                 leader_alone,
@@ -162,45 +154,20 @@ class RankSlices:
         """Each rank's per-page checksums of its own slice, in rank order."""
 
         def body() -> list[list[int]]:
-            per_rank = [kvio.pool_checksums(self.pool, pages, n_tokens)]
+            per_rank = [kvio.pool_checksums(self.view, pages, n_tokens)]
             for rank in range(1, self.size):
                 t = torch.empty(len(per_rank[0]), dtype=torch.int64)
-                per_rank.append(_as_u64(_recv(self.group, t, rank)))
+                per_rank.append(as_u64(recv(self.group, t, rank)))
             return per_rank
 
         return self._op(SliceChecksums(list(pages), n_tokens), body)
 
 
-def _send(group: RankGroup, t: torch.Tensor, rank: int) -> None:
+def send(group: RankGroup, t: torch.Tensor, rank: int) -> None:
     group.send_(t.to(group.device), rank)
 
 
-def _recv(group: RankGroup, out: torch.Tensor, rank: int) -> torch.Tensor:
+def recv(group: RankGroup, out: torch.Tensor, rank: int) -> torch.Tensor:
     if out.device == group.device:
         return group.recv_(out, rank)
     return out.copy_(group.recv_(torch.empty_like(out, device=group.device), rank))
-
-
-def follow(op: SliceOp, pool: KVPool, group: RankGroup) -> None:
-    """Ranks 1..N-1: this rank's part of one op."""
-    if isinstance(op, GatherSlices):
-        _send(group, kvio.gather(pool, op.pages, op.count), 0)
-    elif isinstance(op, SliceChecksums):
-        _send(group, _as_i64(kvio.pool_checksums(pool, op.pages, op.n_tokens)), 0)
-    else:
-        if op.table_pages.numel():
-            pool.apply_side_tables(op.table_pages, op.table_rows)
-        shape = _run_shape(pool, len(op.pages), op.count)
-        run = _recv(group, torch.empty(shape, dtype=torch.uint8), 0)
-        owned = pool.check_destination(op.grant, op.pages)
-        if not op.dest_check or op.leader_alone:
-            owned = [True] * len(op.pages)
-        mine = [i for i, ok in enumerate(owned) if ok]
-        if mine:
-            dst = [op.pages[i] for i in mine]
-            kvio.scatter(pool, dst, op.count, run, None if len(mine) == len(owned) else mine)
-            pool.mark_written(op.grant, dst)
-            if op.corrupt and group.rank == group.size - 1:
-                kvio.corrupt_page(pool, dst[0])
-        refused = torch.tensor([not ok for ok in owned], dtype=torch.int32, device=group.device)
-        group.max_(refused)

@@ -13,11 +13,13 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, TypeVar
 
-from kvfence.kv.pool import Grant, KVPool
+from kvfence.kv.pool import Grant
 from kvfence.pd import kvio
+from kvfence.pd.kvio import PageTensors
 from kvfence.pd.transport.tcp import Connection
 
 if TYPE_CHECKING:
+    from kvfence.pd.pool_port import PoolPort
     from kvfence.pd.tp_slices import RankSlices
 
 BACKENDS = ("tcp", "mooncake")
@@ -30,7 +32,7 @@ class RoomSend:
 
     room: str
     conn: Connection
-    pool: KVPool
+    view: PageTensors  # the pool port's tensors, handed out for this room's grant
     src: list[int]  # the room's pages in prefill's pool
     dst: list[int]  # the pages decode reserved for it
     runs: list[tuple[int, int, int]]  # (first page, pages, tokens per page), kvio.runs
@@ -79,10 +81,10 @@ class PageReceiver(ABC):
         """What prefill must know of this worker beyond the pairing facts."""
 
     @abstractmethod
-    def payload_bytes(self, pool: KVPool, n_pages: int, n_tokens: int) -> int:
+    def payload_bytes(self, pool: PageTensors, n_pages: int, n_tokens: int) -> int:
         """The payload a PageRun of n_pages pages of n_tokens tokens must carry."""
 
-    def place(self, pool: KVPool, pages: list[int], n_tokens: int) -> list[memoryview] | None:
+    def place(self, pool: PageTensors, pages: list[int], n_tokens: int) -> list[memoryview] | None:
         """Views of `pages` (their first n_tokens tokens) in run layout for a PageRun's payload
         to be decrypted straight into, or None: the payload comes in a buffer to apply()."""
         return None
@@ -100,15 +102,15 @@ class PageReceiver(ABC):
         (the caller awaits it before any later control frame of the connection is handled)."""
 
     @abstractmethod
-    def committed(self, pool: KVPool, pages: list[int], grant: Grant) -> None:
-        """A room's transfer was verified and committed."""
+    def committed(self, port: PoolPort, grant: Grant, pages: list[int]) -> None:
+        """A room's transfer was verified; the port is about to hand its pages back."""
 
     @abstractmethod
     def close(self) -> None:
         """The service is shutting down: release threads and registered memory."""
 
 
-def page_sender(backend: str, pool: KVPool, host: str) -> PageSender:
+def page_sender(backend: str, pool: PageTensors, host: str) -> PageSender:
     """host: where this prefill worker is reachable (the mooncake engine binds there)."""
     if backend == "mooncake":
         from kvfence.pd.transport.mooncake_link import MooncakeSender
@@ -121,7 +123,7 @@ def page_sender(backend: str, pool: KVPool, host: str) -> PageSender:
     raise ValueError(f"unknown transfer backend {backend!r}: expected one of {BACKENDS}")
 
 
-def page_receiver(backend: str, pool: KVPool, host: str) -> PageReceiver:
+def page_receiver(backend: str, pool: PageTensors, host: str) -> PageReceiver:
     """host: where this decode worker is reachable (one-sided writes come there)."""
     if backend == "mooncake":
         from kvfence.pd.transport.mooncake_link import MooncakeReceiver

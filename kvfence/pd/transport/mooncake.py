@@ -14,7 +14,8 @@ import os
 import threading
 from typing import Any
 
-from kvfence.kv.pool import NULL_PAGE, KVPool
+from kvfence.kv.pool import NULL_PAGE
+from kvfence.pd.kvio import PageTensors
 
 INSTALL_HINT = (
     "install it with `pip install 'kvfence[mooncake]'` (mooncake-transfer-engine-non-cuda; "
@@ -80,14 +81,14 @@ class MooncakeEndpoint:
 
     def __init__(
         self,
-        pool: KVPool,
+        pool: PageTensors,
         hostname: str = "127.0.0.1",
         protocol: str = "tcp",
         device_name: str = "",
     ) -> None:
         if not (pool.k.is_contiguous() and pool.v.is_contiguous()):
             raise ValueError("KVPool K/V must be contiguous to be addressed by slot")
-        self.pool = pool
+        self.view = pool
         self.hostname = hostname
         self.page_size = pool.page_size
         self.num_layers = pool.num_layers
@@ -213,18 +214,18 @@ class MooncakeEndpoint:
             )
         src_pages, dst_pages = list(src_pages[:n_pages]), list(dst_pages[:n_pages])
         for p in src_pages:
-            if not _is_int(p) or not NULL_PAGE < p <= self.pool.num_pages:
-                raise ValueError(f"src page {p!r} outside local pages 1..{self.pool.num_pages}")
+            if not _is_int(p) or not NULL_PAGE < p <= self.view.num_pages:
+                raise ValueError(f"src page {p!r} outside local pages 1..{self.view.num_pages}")
         self._check_remote(remote, dst_pages)
         if n_pages == 0:
             return
         srcs, dsts, lens = self._segments(remote, src_pages, dst_pages, n_tokens)
-        if self.pool.k.is_cuda:
+        if self.view.k.is_cuda:
             # The engine reads device memory behind torch's back: queued kernels that write
             # these pages must have finished first.
             import torch
 
-            torch.cuda.synchronize(self.pool.device)
+            torch.cuda.synchronize(self.view.device)
         with self._lock:
             if self._closed:
                 raise MooncakeError("endpoint is closed")

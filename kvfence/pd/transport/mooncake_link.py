@@ -8,13 +8,17 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Callable
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
-from kvfence.kv.pool import Grant, KVPool
+from kvfence.kv.pool import Grant
 from kvfence.pd import kvio, wire
+from kvfence.pd.kvio import PageTensors
 from kvfence.pd.transport.link import PageReceiver, PageSender, RoomSend
 from kvfence.pd.transport.mooncake import MooncakeEndpoint
 from kvfence.pd.transport.tcp import Connection
+
+if TYPE_CHECKING:
+    from kvfence.pd.pool_port import PoolPort
 
 R = TypeVar("R")
 
@@ -22,7 +26,7 @@ R = TypeVar("R")
 class MooncakeSender(PageSender):
     backend = "mooncake"
 
-    def __init__(self, pool: KVPool, host: str) -> None:
+    def __init__(self, pool: PageTensors, host: str) -> None:
         self.endpoint = MooncakeEndpoint(pool, hostname=host)
         self._remote: dict[Connection, dict] = {}  # each decode peer's pool descriptor
 
@@ -47,7 +51,7 @@ class MooncakeSender(PageSender):
         job.hold(writing)
         await writing
         # The pages went one-sidedly; frames carry their checksums, hashed in place.
-        all_sums = kvio.pool_checksums(job.pool, job.src, job.n_tokens)
+        all_sums = kvio.pool_checksums(job.view, job.src, job.n_tokens)
         sums: list[tuple[int, int]] = []
         for first, n, count in job.runs:
             if job.stopped():
@@ -65,13 +69,13 @@ class MooncakeSender(PageSender):
 class MooncakeReceiver(PageReceiver):
     backend = "mooncake"
 
-    def __init__(self, pool: KVPool, host: str) -> None:
+    def __init__(self, pool: PageTensors, host: str) -> None:
         self.endpoint = MooncakeEndpoint(pool, hostname=host)
 
     def hello_info(self) -> dict[str, Any]:
         return {"mooncake": self.endpoint.descriptor()}
 
-    def payload_bytes(self, pool: KVPool, n_pages: int, n_tokens: int) -> int:
+    def payload_bytes(self, pool: PageTensors, n_pages: int, n_tokens: int) -> int:
         return 0  # the bytes are already in the pool
 
     def apply(
@@ -85,9 +89,9 @@ class MooncakeReceiver(PageReceiver):
         applied(write(None))
         return None
 
-    def committed(self, pool: KVPool, pages: list[int], grant: Grant) -> None:
+    def committed(self, port: PoolPort, grant: Grant, pages: list[int]) -> None:
         # One-sided writes left no trace; the verified digest vouches for the pages.
-        pool.mark_written(grant, pages)
+        port.mark_written(grant, pages)
 
     def close(self) -> None:
         self.endpoint.close()

@@ -20,12 +20,16 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
-from kvfence.kv.pool import Grant, KVPool
+from kvfence.kv.pool import Grant
 from kvfence.pd import kvio, wire
+from kvfence.pd.kvio import PageTensors
 from kvfence.pd.transport.link import PageReceiver, PageSender, RoomSend
 from kvfence.pd.transport.tcp import Connection
+
+if TYPE_CHECKING:
+    from kvfence.pd.pool_port import PoolPort
 
 R = TypeVar("R")
 
@@ -50,7 +54,7 @@ class TcpSender(PageSender):
         pass
 
     async def send_room(self, job: RoomSend) -> list[tuple[int, int]] | None:
-        if not job.pool.k.is_cuda and not job.corrupt and job.slices is None:
+        if not job.view.k.is_cuda and not job.corrupt and job.slices is None:
             return await self._send_in_place(job)
         return await self._send_gathered(job)
 
@@ -63,7 +67,7 @@ class TcpSender(PageSender):
             if job.stopped():
                 return None
             pages = job.src[first : first + n]
-            run_sums = kvio.run_pool_checksums(job.pool, pages, count)
+            run_sums = kvio.run_pool_checksums(job.view, pages, count)
             # The pages are read until send() returns (the bytes are in the kernel then);
             # job.hold keeps them held that long, should the room be released meanwhile.
             sending = loop.create_future()
@@ -71,7 +75,7 @@ class TcpSender(PageSender):
             try:
                 await job.conn.send(
                     wire.PageRun(job.room, first, count, tuple(run_sums)),
-                    kvio.pool_blocks(job.pool, pages, count),
+                    kvio.pool_blocks(job.view, pages, count),
                 )
             finally:
                 sending.set_result(None)
@@ -83,7 +87,7 @@ class TcpSender(PageSender):
         """Each run gathered into a buffer and hashed on a thread while the previous one is
         sent (a GPU pool, every rank's slice under tensor parallelism, or the corrupt_page
         fault, which flips a byte of the copy)."""
-        pool, runs = job.pool, job.runs
+        pool, runs = job.view, job.runs
         loop = asyncio.get_running_loop()
         bufs: list[bytearray] = []  # this room's gather buffers, two while runs overlap
         pending: asyncio.Future | None = None  # the next run's gather and checksums
@@ -131,7 +135,7 @@ class TcpSender(PageSender):
     def _prepare(self, job: RoomSend, i: int, bufs: list[bytearray]) -> asyncio.Future:
         """Run i's payload and per-page checksums, on the gather thread (numpy and xxhash
         release the GIL over whole blocks, so the loop keeps sending): a copy in bufs[i % 2]."""
-        pool = job.pool
+        pool = job.view
         first, n, count = job.runs[i]
         pages = job.src[first : first + n]
 
@@ -162,10 +166,10 @@ class TcpReceiver(PageReceiver):
     def hello_info(self) -> dict[str, Any]:
         return {}
 
-    def payload_bytes(self, pool: KVPool, n_pages: int, n_tokens: int) -> int:
+    def payload_bytes(self, pool: PageTensors, n_pages: int, n_tokens: int) -> int:
         return n_pages * kvio.payload_size(pool, n_tokens)
 
-    def place(self, pool: KVPool, pages: list[int], n_tokens: int) -> list[memoryview] | None:
+    def place(self, pool: PageTensors, pages: list[int], n_tokens: int) -> list[memoryview] | None:
         # A CPU pool takes the plaintext in place: no buffer, no scatter pass, no writer thread.
         return None if pool.k.is_cuda else kvio.pool_blocks(pool, pages, n_tokens, merge=False)
 
@@ -191,7 +195,7 @@ class TcpReceiver(PageReceiver):
 
         return asyncio.ensure_future(finish())
 
-    def committed(self, pool: KVPool, pages: list[int], grant: Grant) -> None:
+    def committed(self, port: PoolPort, grant: Grant, pages: list[int]) -> None:
         pass  # every page was written here, under the grant check, and marked written then
 
     def close(self) -> None:
