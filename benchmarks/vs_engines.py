@@ -77,8 +77,7 @@ def worker(engine: str, model: str, n: int, lin: int, lout: int, seed: int, ctx:
 
         v = VLLM(
             model=model,
-            dtype="float32",
-            enforce_eager=True,
+            dtype="float32",  # compiled, as its users run it (no enforce_eager)
             enable_prefix_caching=False,
             max_model_len=ctx,
             seed=0,
