@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from kvfence.engine.prompt_logprobs import MAX_PROMPT_LOGPROB_ENTRIES, prompt_entries
 from kvfence.engine.request import GenerateRequest
 from kvfence.guards import ALL_ON, Guards
 
@@ -71,6 +72,16 @@ def admit(
             "exceeds_kv_pool",
             f"The prompt has {n} tokens but this node's KV pool holds {limits.pool_tokens}.",
             "prompt",
+        )
+    k = req.sampling.prompt_logprobs
+    if k is not None and prompt_entries(n, k) > MAX_PROMPT_LOGPROB_ENTRIES:
+        return Rejected(
+            req.request_id,
+            "prompt_logprobs_too_large",
+            f"Prompt logprobs for {n} prompt tokens with the top {k} are "
+            f"{prompt_entries(n, k)} entries; at most {MAX_PROMPT_LOGPROB_ENTRIES} are served "
+            "per request (send a shorter prompt or a smaller k).",
+            "prompt_logprobs",
         )
     max_tokens = req.sampling.max_tokens
     if max_tokens is None:

@@ -24,6 +24,7 @@ from kvfence.config import ConfigError, EngineConfig
 from kvfence.engine.admission import ENGINE_FAILED, AdmissionLimits, Admitted, Rejected, admit
 from kvfence.engine.openmp import release_thread_pool
 from kvfence.engine.output import advance, emit, logprob_entry, sendable_upto
+from kvfence.engine.prompt_logprobs import keep_scores
 from kvfence.engine.request import FinishReason, GenerateRequest, RequestOutput, TokenLogprob
 from kvfence.engine.runner import ModelRunner, StepResult
 from kvfence.engine.scheduler import ScheduledChunk, Scheduler, SchedulerLimits
@@ -497,6 +498,7 @@ class Engine:
     ) -> None:
         for chunk in chunks:
             chunk.seq.num_computed = chunk.start + chunk.length
+        keep_scores(result.scored, result.scores)
         for chunk in result.rejected:
             self._fail_integrity(chunk.seq)
         for chunk in chunks:

@@ -72,6 +72,12 @@ def emit(
             error_code=code,
             error_status=status,
             cached_tokens=seq.cached_tokens,
+            # With the first token (its prompt is scored by then); an error carries none.
+            prompt_logprobs=(
+                seq.prompt_scores.take()
+                if seq.prompt_scores is not None and new_ids
+                else None
+            ),
         )
     )
 

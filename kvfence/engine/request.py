@@ -23,6 +23,9 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
     logprobs: int | None = None  # None: off; k >= 0: chosen token's logprob plus the top k
+    # vLLM's prompt_logprobs: each prompt token's logprob (from the second on) plus the top k,
+    # computed in prefill; None: off.
+    prompt_logprobs: int | None = None
     # Structured output: the grammar every sampled token must keep the answer inside (None: free).
     constraint: Constraint | None = None
 
@@ -35,6 +38,8 @@ class SamplingParams:
             raise ValueError("top_p must be in (0, 1]")
         if self.logprobs is not None and not 0 <= self.logprobs <= 20:
             raise ValueError("logprobs must be in [0, 20]")
+        if self.prompt_logprobs is not None and not 0 <= self.prompt_logprobs <= 20:
+            raise ValueError("prompt_logprobs must be in [0, 20]")
         if self.constraint is not None and not isinstance(self.constraint, Constraint):
             raise TypeError("constraint must be a Constraint")
 
@@ -97,6 +102,43 @@ class TokenLogprob:
 
 
 @dataclass(frozen=True)
+class PromptLogprobs:
+    """Each prompt token from the second on (the first has no context to be scored in): its
+    logprob, its rank in the vocabulary (1: the most likely) and the top k (ids, logprobs)."""
+
+    token_ids: tuple[int, ...]
+    logprobs: tuple[float, ...]
+    ranks: tuple[int, ...]
+    top_ids: tuple[tuple[int, ...], ...]
+    top_logprobs: tuple[tuple[float, ...], ...]
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-able lists: how DONE carries them from prefill to decode."""
+        return {f.name: [list(x) if isinstance(x, tuple) else x for x in getattr(self, f.name)]
+                for f in fields(self)}
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> PromptLogprobs:
+        """The inverse of to_dict; a malformed value raises ValueError or TypeError."""
+        if not isinstance(data, Mapping) or set(data) != {f.name for f in fields(cls)}:
+            raise ValueError("prompt logprobs: unexpected fields")
+        out = cls(
+            tuple(int(x) for x in data["token_ids"]),
+            tuple(float(x) for x in data["logprobs"]),
+            tuple(int(x) for x in data["ranks"]),
+            tuple(tuple(int(t) for t in row) for row in data["top_ids"]),
+            tuple(tuple(float(v) for v in row) for row in data["top_logprobs"]),
+        )
+        n = len(out.token_ids)
+        lengths = {len(out.logprobs), len(out.ranks), len(out.top_ids), len(out.top_logprobs)}
+        if lengths != {n} or any(
+            len(i) != len(v) for i, v in zip(out.top_ids, out.top_logprobs, strict=True)
+        ):
+            raise ValueError("prompt logprobs: fields of different lengths")
+        return out
+
+
+@dataclass(frozen=True)
 class RequestOutput:
     """An increment of one request's answer; the last one has finish_reason set."""
 
@@ -111,6 +153,7 @@ class RequestOutput:
     error_code: str | None = None
     error_status: int | None = None  # HTTP status for the error; None: 500
     cached_tokens: int = 0  # prompt tokens whose KV came from the prefix cache
+    prompt_logprobs: PromptLogprobs | None = None  # on the first output, when asked for
 
     @property
     def finished(self) -> bool:

@@ -6,12 +6,13 @@ from __future__ import annotations
 from array import array
 from collections.abc import Callable
 from concurrent.futures import Future
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from itertools import chain
 from typing import TypeVar
 
 import torch
 
+from kvfence.engine.prompt_logprobs import BLOCK_ROWS, ScoreBlock, score
 from kvfence.engine.scheduler import ScheduledChunk
 from kvfence.faults import Faults
 from kvfence.kv.pool import NULL_PAGE, KVPool, SealedReads
@@ -30,6 +31,14 @@ class StepResult:
     sampled: list[ScheduledChunk]  # chunks that produced a token, in `samples` row order
     samples: SampleResult | None
     rejected: list[ScheduledChunk]  # failed the ownership check: fail closed, not run
+    scored: list[ScheduledChunk] = field(default_factory=list)  # chunks that scored prompt
+    scores: ScoreBlock | None = None  # their positions' scores, in `scored` order
+
+
+@dataclass
+class Forward:
+    logits: torch.Tensor | None  # [rows that sample, V]; None: no row samples
+    scores: ScoreBlock | None  # the scored prompt positions (rank 0 only)
 
 
 class ModelRunner:
@@ -45,6 +54,7 @@ class ModelRunner:
         grammars: Grammars | None = None,
     ) -> None:
         self.model = model
+        self.scores_here = True  # a tensor-parallel follower has only a slice of the vocab
         self.grammars = grammars  # masks constrained rows; None: no row may be constrained
         self.faults = faults if faults is not None else Faults()
         model.fuse_projections()
@@ -95,19 +105,22 @@ class ModelRunner:
         # Structured-output masks are computed on llguidance's threads (no GIL) while the
         # model runs: they depend only on tokens already sampled.
         masks = self._start_masks(sampled)
-        logits = self.forward(chunks)
-        if logits is None:
-            return StepResult([], None, rejected)
+        out = self.forward(chunks)
+        scored = [c for c in chunks if c.scored[1] > c.scored[0]]
+        if out.logits is None:
+            return StepResult([], None, rejected, scored, out.scores)
         bitmask = masks.result() if masks is not None else None
         return StepResult(
             sampled,
-            sample(logits, self._sampling_batch(sampled, bitmask), self.generator),
+            sample(out.logits, self._sampling_batch(sampled, bitmask), self.generator),
             rejected,
+            scored,
+            out.scores,
         )
 
-    def forward(self, chunks: list[ScheduledChunk]) -> torch.Tensor | None:
-        """Write the chunks' K/V and return the logits of the rows that sample (None: none
-        does). The chunks passed the ownership check."""
+    def forward(self, chunks: list[ScheduledChunk]) -> Forward:
+        """Write the chunks' K/V; return the logits of the rows that sample and the scores of
+        the prompt positions the chunks score. The chunks passed the ownership check."""
         page_table = self._page_table(chunks)
         starts = torch.tensor([c.start for c in chunks], dtype=torch.int64)
         lengths = torch.tensor([c.length for c in chunks], dtype=torch.int64)
@@ -163,9 +176,39 @@ class ModelRunner:
         meta = AttentionMetadata(positions.to(self.device), slots.to(self.device), groups)
         hidden = self.model(input_ids.to(self.device), meta, self.kv_caches)
         last_rows = [int(flat_offsets[i]) + c.length - 1 for i, c in enumerate(chunks) if c.samples]
-        if not last_rows:
+        logits = None
+        if last_rows:
+            logits = self.model.logits(hidden[torch.tensor(last_rows, device=self.device)])
+        return Forward(logits, self._score_prompts(chunks, hidden, flat_offsets))
+
+    def _score_prompts(
+        self, chunks: list[ScheduledChunk], hidden: torch.Tensor, flat_offsets: torch.Tensor
+    ) -> ScoreBlock | None:
+        """log_softmax, rank and top-k at every scored prompt position, in blocks of rows (every
+        rank makes the same logits calls: under tensor parallelism each is a gather)."""
+        spans = [(i, c) for i, c in enumerate(chunks) if c.scored[1] > c.scored[0]]
+        if not spans:
             return None
-        return self.model.logits(hidden[torch.tensor(last_rows, device=self.device)])
+        rows = torch.cat(
+            [
+                torch.arange(c.scored[0], c.scored[1]) - c.start + int(flat_offsets[i])
+                for i, c in spans
+            ]
+        ).to(self.device)
+        targets = k = None
+        if self.scores_here:
+            targets = torch.tensor(
+                list(chain.from_iterable(c.seq.token_ids[c.scored[0] + 1 : c.scored[1] + 1]
+                                         for _, c in spans)),
+                dtype=torch.int64,
+            )
+            k = max(c.seq.prompt_scores.k for _, c in spans)
+        blocks = []
+        for lo in range(0, len(rows), BLOCK_ROWS):
+            logits = self.model.logits(hidden[rows[lo : lo + BLOCK_ROWS]])
+            if targets is not None:
+                blocks.append(score(logits, targets[lo : lo + BLOCK_ROWS], k))
+        return ScoreBlock.cat(blocks) if blocks else None
 
     def _start_masks(self, sampled: list[ScheduledChunk]) -> Future[torch.Tensor] | None:
         constrained = [(c.seq.matcher, i) for i, c in enumerate(sampled) if c.seq.matcher]

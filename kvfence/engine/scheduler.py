@@ -12,6 +12,7 @@ from collections import deque
 from dataclasses import dataclass
 
 from kvfence.engine.fairness import next_waiting
+from kvfence.engine.prompt_logprobs import NO_SCORES, scored_range
 from kvfence.engine.sequence import SeqMode, SeqStatus, Sequence
 from kvfence.engine.step_budget import BudgetPolicy, StepBudget
 from kvfence.faults import Faults
@@ -26,6 +27,8 @@ class ScheduledChunk:
     seq: Sequence
     start: int  # first token index computed this step
     length: int  # tokens computed this step
+    # Positions [lo, hi) whose logits score the prompt token after them (prompt logprobs).
+    scored: tuple[int, int] = NO_SCORES
 
     @property
     def samples(self) -> bool:
@@ -105,7 +108,7 @@ class Scheduler:
             if seq.status is not SeqStatus.RUNNING:
                 continue  # preempted by an earlier sequence in this loop
             if self._ensure_slot(seq):
-                chunks.append(ScheduledChunk(seq, seq.num_computed, 1))
+                chunks.append(_chunk(seq, 1))
         # Prefill tokens to compute this step: the whole chunk size when nothing decodes, else
         # what the step-time target leaves beside these decodes. Only computed tokens are
         # charged: a prompt's cached prefix is skipped by _enter before its chunk is sized.
@@ -115,7 +118,7 @@ class Scheduler:
                 break
             if not seq.in_decode and seq.status is SeqStatus.RUNNING:
                 n = min(seq.num_uncomputed, budget)
-                chunks.append(ScheduledChunk(seq, seq.num_computed, n))
+                chunks.append(_chunk(seq, n))
                 budget -= n
         # After a preemption the pool is short: admitting now would only thrash.
         may_admit = self.num_preemptions == preempted_before
@@ -154,7 +157,7 @@ class Scheduler:
             seq.status = SeqStatus.RUNNING
             self.running.append(seq)
             n = min(seq.num_uncomputed, budget)
-            chunks.append(ScheduledChunk(seq, seq.num_computed, n))
+            chunks.append(_chunk(seq, n))
             budget -= n
         return chunks
 
@@ -170,7 +173,11 @@ class Scheduler:
         like a unified engine: prefill computes only beyond its own hit, decode reserves only
         beyond its own (RESERVE tells prefill how many pages it holds)."""
         prefix = self.pool.prefix
-        if prefix is None:
+        if prefix is None or seq.prompt_scores is not None:
+            # Prompt logprobs need every prompt position's logits, which a cached page does not
+            # keep: such a request recomputes its whole prompt (and seals nothing, so it neither
+            # waits for a twin's pages nor shows a hit). In PD the same rule on both roles makes
+            # decode reserve, and prefill compute and send, the whole prompt.
             return []
         if seq.chain is None:
             ns = Namespace.of_tenant(seq.tenant, seq.admitted.request.cache_salt)
@@ -272,6 +279,13 @@ class Scheduler:
         seq.pages = []
         seq.num_sealed = 0
         seq.grant = None
+
+
+def _chunk(seq: Sequence, n: int) -> ScheduledChunk:
+    """seq's next n tokens, with the prompt positions they score."""
+    return ScheduledChunk(
+        seq, seq.num_computed, n, scored_range(seq.prompt_scores, seq.num_computed, n)
+    )
 
 
 def _by_transfer(seq: Sequence) -> bool:

@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 import torch
 
 from kvfence.engine.admission import Admitted
+from kvfence.engine.prompt_logprobs import PromptScores
 from kvfence.engine.request import FinishReason, RequestOutput, TokenLogprob
 from kvfence.kv.pool import Grant
 from kvfence.kv.prefix import PageChain
@@ -59,6 +60,9 @@ class Sequence:
     # Structured output: its place in its grammar, advanced by every token it keeps. Preemption
     # keeps its tokens (recompute), so the state stays true without a replay.
     matcher: Matcher | None = None
+    # Prompt logprobs, when asked for: scored as its prompt is computed here, or (decode) as
+    # prefill computed them.
+    prompt_scores: PromptScores | None = None
 
     @property
     def own_pages(self) -> list[int]:
@@ -66,8 +70,11 @@ class Sequence:
         return self.pages[self.num_sealed :]
 
     def __post_init__(self) -> None:
+        req = self.admitted.request
         if not self.token_ids:
-            self.token_ids = list(self.admitted.request.prompt_token_ids)
+            self.token_ids = list(req.prompt_token_ids)
+        if req.sampling.prompt_logprobs is not None and self.prompt_scores is None:
+            self.prompt_scores = PromptScores(req.sampling.prompt_logprobs, req.prompt_token_ids)
 
     @property
     def request_id(self) -> str:

@@ -22,8 +22,8 @@ from kvfence.engine.scheduler import ScheduledChunk
 from kvfence.kv.pool import Grant, KVPool, SealedReads
 from kvfence.model.tp import RankGroup
 
-Row = tuple[int, int, bool, list[int], list[int], int, int]
-# start, length, samples, pages, the chunk's tokens, grant id, tenant id
+Row = tuple[int, int, bool, list[int], list[int], int, int, tuple[int, int]]
+# start, length, samples, pages, the chunk's tokens, grant id, tenant id, scored positions
 
 
 @dataclass
@@ -115,6 +115,7 @@ class LeaderRunner(ModelRunner):
                         c.seq.token_ids[c.start : c.start + c.length],
                         c.seq.grant.grant_id,
                         c.seq.grant.tenant_id,
+                        c.scored,
                     )
                     for c in chunks
                 ],
@@ -162,6 +163,7 @@ class _RankChunk:
     start: int
     length: int
     samples: bool
+    scored: tuple[int, int]
 
 
 class FollowerRunner(ModelRunner):
@@ -171,14 +173,17 @@ class FollowerRunner(ModelRunner):
         super().__init__(*args, **kwargs)
         self.group = group
         self.plan: StepPlan | None = None
+        self.scores_here = False  # its logits are a vocab slice; rank 0 scores
 
     def step(self, plan: StepPlan) -> None:
         if plan.table_pages.numel():
             self.pool.apply_side_tables(plan.table_pages, plan.table_rows)
         self.plan = plan
         chunks: Sequence[Any] = [
-            _RankChunk(_RankSeq(pages, _ChunkTokens(start, toks), Grant(g, t, "")), start, n, s)
-            for start, n, s, pages, toks, g, t in plan.rows
+            _RankChunk(
+                _RankSeq(pages, _ChunkTokens(start, toks), Grant(g, t, "")), start, n, s, scored
+            )
+            for start, n, s, pages, toks, g, t, scored in plan.rows
         ]
         kept, _ = self.check_ownership(list(chunks))
         if kept and not plan.check_only:

@@ -34,6 +34,7 @@ from kvfence.server.hop import HopVerifier
 from kvfence.server.httpio import read_body, server_config
 from kvfence.server.metrics import RequestRecorder, ServerMetrics
 from kvfence.server.operator import OperatorGate, load_operator_key
+from kvfence.server.prompt_echo import PromptAsk, completion_ask, engine_k
 from kvfence.server.request_id import RequestIdMiddleware
 from kvfence.server.responses import ResponsesFormat
 from kvfence.server.responses_schema import ResponsesRequest
@@ -152,8 +153,16 @@ def build_app(
             _require_text(engine, "prompt")
         if req.stop_list:
             _require_text(engine, "stop")
+        if req.echo:
+            _require_text(engine, "echo")
         max_tokens = COMPLETIONS_DEFAULT_MAX_TOKENS if req.max_tokens is None else req.max_tokens
-        sampling = req.sampling_params(max_tokens, req.logprobs, req.constraint())
+        sampling = req.sampling_params(
+            # max_tokens 0 (echo): the prefill still samples one token, which is never shown
+            max(max_tokens, 1),
+            req.logprobs,
+            req.constraint(),
+            engine_k(bool(req.echo), req.logprobs, req.prompt_logprobs),
+        )
         prompts = await asyncio.to_thread(_encode_prompts, engine.tokenizer, req.prompts)
         ids = _request_ids(len(prompts) * req.choices_per_prompt)
         fmt = CompletionFormat(
@@ -161,6 +170,17 @@ def build_app(
             engine.model_name,
             req.logprobs is not None,
             _token_text(engine, req.return_tokens_as_token_ids),
+        )
+        fmt.ask = await asyncio.to_thread(
+            completion_ask,
+            req.prompts,
+            prompts,
+            req.choices_per_prompt,
+            bool(req.echo),
+            req.logprobs,
+            req.prompt_logprobs,
+            max_tokens,
+            engine.tokenizer.decode,
         )
         return await generate(
             state,
@@ -197,7 +217,9 @@ def build_app(
                     param="tool_choice",
                 )
             constraint = plan.constraint
-        sampling = req.sampling_params(req.effective_max_tokens, req.engine_logprobs, constraint)
+        sampling = req.sampling_params(
+            req.effective_max_tokens, req.engine_logprobs, constraint, req.prompt_logprobs
+        )
         messages = [m.template_dict() for m in req.messages]
         prompt = await asyncio.to_thread(_render_chat, engine.tokenizer, messages, req.tools)
         ids = _request_ids(req.choices_per_prompt)
@@ -209,6 +231,8 @@ def build_app(
                 f"chatcmpl-{ids[0]}", engine.model_name, bool(req.logprobs), token_text, plan
             )
         )
+        if req.prompt_logprobs is not None:
+            chat.ask = PromptAsk([prompt], req.choices_per_prompt, field_k=req.prompt_logprobs)
         fmt: AnswerFormat = chat
         if responses is not None:
             fmt = ResponsesFormat(chat, responses, f"resp_{ids[0]}")

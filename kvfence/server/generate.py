@@ -62,6 +62,8 @@ class _Progress:
             self._last_at[index] = now
         c.text.append(out.new_text)
         c.logprobs.extend(out.logprobs)
+        if out.prompt_logprobs is not None:
+            c.prompt_logprobs = out.prompt_logprobs
         c.text_offset += len(out.new_text)
         c.completion_tokens = out.completion_tokens  # cumulative per the engine contract
         self.cached[index] = out.cached_tokens
@@ -177,10 +179,15 @@ async def _collect(gen: Generation, fmt: AnswerFormat, progress: _Progress) -> R
         if event is None:
             return _client_gone(progress.rec)
         index, out = event
-        progress.apply(index, out)
+        progress.apply(index, _shown(fmt, out))
         if out.finish_reason in _FAILED:
             raise _engine_failure(out)
     return JSONResponse(fmt.body(progress.choices, progress.usage()))
+
+
+def _shown(fmt: AnswerFormat, out: RequestOutput) -> RequestOutput:
+    ask = getattr(fmt, "ask", None)  # a Responses answer asks nothing of its prompt
+    return ask.shown(out) if ask is not None else out
 
 
 async def _until_first_token(gen: Generation, progress: _Progress) -> list[Event] | None:
@@ -222,6 +229,7 @@ async def _sse_chunks(
             progress.rec.finish = "client_gone"
             return
         index, out = event
+        out = _shown(fmt, out)
         offset = progress.choices[index].text_offset
         choice = progress.apply(index, out)
         if out.finish_reason in _FAILED:

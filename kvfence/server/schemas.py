@@ -4,15 +4,22 @@ from __future__ import annotations
 
 import json
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Annotated, Any, Literal, Protocol
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from kvfence import sse
-from kvfence.engine.request import SamplingParams, TokenLogprob
+from kvfence.engine.request import PromptLogprobs, SamplingParams, TokenLogprob
 from kvfence.server.errors import bad_request
+from kvfence.server.prompt_echo import (
+    PromptAsk,
+    check_prompt_fields,
+    legacy_logprobs,
+    sampled_entries,
+    vllm_prompt_logprobs,
+)
 from kvfence.server.structured import LEGACY_FIELDS, constraint_of
 from kvfence.structured.spec import Constraint
 
@@ -21,6 +28,7 @@ MAX_CHOICES = 64  # prompts x n in one HTTP request
 MAX_STOP = 4
 MAX_COMPLETION_LOGPROBS = 5
 MAX_CHAT_TOP_LOGPROBS = 20
+MAX_PROMPT_LOGPROBS = 20  # vLLM's default max_logprobs; its -1 (the whole vocabulary) is refused
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's legacy completions default
 
 TokenIds = list[int]
@@ -113,6 +121,7 @@ class _SamplingFields(_Strict):
         max_tokens: int | None,
         logprobs: int | None,
         constraint: Constraint | None = None,
+        prompt_logprobs: int | None = None,
     ) -> SamplingParams:
         try:
             return SamplingParams(
@@ -126,6 +135,7 @@ class _SamplingFields(_Strict):
                 ignore_eos=bool(self.ignore_eos),
                 logprobs=logprobs,
                 constraint=constraint,
+                prompt_logprobs=prompt_logprobs,
             )
         except ValueError as e:  # the engine's own last word on sampling values
             raise bad_request(str(e)) from e
@@ -164,9 +174,11 @@ def _normalize_prompt(v: object) -> list[Prompt]:
 
 class CompletionRequest(_SamplingFields):
     prompt: Any  # normalized to list[Prompt] by the validator below
+    max_tokens: int | None = Field(default=None, ge=0)  # 0: with echo, the prompt alone
     logprobs: int | None = Field(default=None, ge=0, le=MAX_COMPLETION_LOGPROBS)
     echo: bool | None = False
     suffix: str | None = None
+    prompt_logprobs: int | None = Field(default=None, ge=0, le=MAX_PROMPT_LOGPROBS)
 
     @field_validator("prompt")
     @classmethod
@@ -179,8 +191,9 @@ class CompletionRequest(_SamplingFields):
 
     def check_supported(self) -> None:
         super().check_supported()
-        if self.echo:
-            raise _unsupported("echo", "echo is not supported by this server")
+        check_prompt_fields(
+            bool(self.echo), self.max_tokens, self.prompt_logprobs, bool(self.stream)
+        )
         if self.suffix:
             raise _unsupported("suffix", "suffix is not supported by this server")
 
@@ -253,9 +266,11 @@ class ChatCompletionRequest(_SamplingFields):
     tool_choice: Any = None  # "none" | "auto" | "required" | {"type": "function", ...}
     parallel_tool_calls: bool | None = None
     functions: list[Any] | None = None
+    prompt_logprobs: int | None = Field(default=None, ge=0, le=MAX_PROMPT_LOGPROBS)
 
     def check_supported(self) -> None:
         super().check_supported()
+        check_prompt_fields(False, None, self.prompt_logprobs, bool(self.stream))
         if self.functions:
             raise _unsupported("functions", "functions are not supported by this server")
         if self.top_logprobs is not None and not self.logprobs:
@@ -285,6 +300,8 @@ class ChoiceState:
     logprobs: list[TokenLogprob] = field(default_factory=list)
     text_offset: int = 0
     finish_reason: str | None = None
+    prompt_logprobs: PromptLogprobs | None = None  # from the first output, when asked for
+    echoed: bool = False  # a stream has sent the echoed prompt
 
 
 @dataclass(frozen=True)
@@ -335,17 +352,7 @@ def usage(
 def completion_logprobs(
     lps: list[TokenLogprob] | tuple[TokenLogprob, ...], token_text: TokenText, offset: int
 ) -> dict[str, Any]:
-    tokens = [token_text(lp.token_id) for lp in lps]
-    offsets = []
-    for t in tokens:
-        offsets.append(offset)
-        offset += len(t)
-    return {
-        "tokens": tokens,
-        "token_logprobs": [lp.logprob for lp in lps],
-        "top_logprobs": [{token_text(t): v for t, v in lp.top} for lp in lps],
-        "text_offset": offsets,
-    }
+    return legacy_logprobs(sampled_entries(lps), token_text, offset)
 
 
 def _chat_token(token_id: int, logprob: float, token_text: TokenText) -> dict[str, Any]:
@@ -367,6 +374,8 @@ def chat_logprobs(
 class CompletionFormat:
     """Shapes `text_completion` bodies and chunks."""
 
+    ask: PromptAsk | None = None  # what the request asked of its prompt (echo, prompt_logprobs)
+
     def __init__(self, response_id: str, model: str, logprobs: bool, token_text: TokenText):
         self.id = response_id
         self.model = model
@@ -384,21 +393,37 @@ class CompletionFormat:
         }
 
     def body(self, choices: list[ChoiceState], use: dict[str, Any]) -> dict[str, Any]:
-        out = self._envelope(
-            [
-                {
-                    "index": c.index,
-                    "text": "".join(c.text),
-                    "logprobs": completion_logprobs(c.logprobs, self.token_text, 0)
-                    if self.logprobs
-                    else None,
-                    "finish_reason": c.finish_reason,
-                }
-                for c in choices
-            ]
-        )
+        out = self._envelope([self._choice(c, "".join(c.text), c.logprobs, 0) for c in choices])
         out["usage"] = use
         return out
+
+    def _choice(
+        self, c: ChoiceState, text: str, lps: Sequence[TokenLogprob], offset: int,
+        finish: str | None = None, echo: bool = True,
+    ) -> dict[str, Any]:
+        """One choice (a body's, or a chunk's with `offset` into the choice's text so far); an
+        echoing request's first one leads with its prompt."""
+        ask = self.ask
+        entries = sampled_entries(lps)
+        if ask is not None and ask.texts is not None:
+            if echo:
+                text = ask.echo_text(c.index) + text
+                entries = ask.prompt_entries(c.index, c.prompt_logprobs) + entries
+            else:
+                offset += len(ask.echo_text(c.index))
+        choice: dict[str, Any] = {
+            "index": c.index,
+            "text": text,
+            "logprobs": legacy_logprobs(entries, self.token_text, offset)
+            if self.logprobs
+            else None,
+            "finish_reason": finish if finish is not None else c.finish_reason,
+        }
+        if ask is not None and ask.field_k is not None:
+            choice["prompt_logprobs"] = vllm_prompt_logprobs(
+                c.prompt_logprobs, ask.field_k, self.token_text
+            )
+        return choice
 
     def start_chunks(self, n_choices: int) -> list[dict[str, Any]]:
         return []
@@ -407,17 +432,11 @@ class CompletionFormat:
         # A chunk per output that carries tokens, even when the detokenizer holds their text back
         # (a partial UTF-8 character, U+FFFD, a possible stop string): vLLM does the same, and
         # clients time TTFT and ITL by chunks.
-        if not d.text and not d.logprobs and not d.new_tokens and d.finish is None:
+        echo = self.ask is not None and self.ask.texts is not None and not c.echoed
+        if not d.text and not d.logprobs and not d.new_tokens and d.finish is None and not echo:
             return []
-        choice = {
-            "index": c.index,
-            "text": d.text,
-            "logprobs": completion_logprobs(d.logprobs, self.token_text, d.offset)
-            if self.logprobs
-            else None,
-            "finish_reason": d.finish,
-        }
-        return [self._envelope([choice])]
+        c.echoed = True
+        return [self._envelope([self._choice(c, d.text, d.logprobs, d.offset, d.finish, echo)])]
 
     def usage_chunk(self, use: dict[str, Any]) -> dict[str, Any]:
         out = self._envelope([])
@@ -461,6 +480,10 @@ class ChatFormat(CompletionFormat):
             ],
             obj="chat.completion",
         )
+        if self.ask is not None and self.ask.field_k is not None:
+            # vLLM's chat answer: one prompt, so one list beside the choices
+            plp = choices[0].prompt_logprobs if choices else None
+            out["prompt_logprobs"] = vllm_prompt_logprobs(plp, self.ask.field_k, self.token_text)
         out["usage"] = use
         return out
 
