@@ -5,12 +5,16 @@ test_api_conventions.py) and the status tests (test_i5_status.py)."""
 from __future__ import annotations
 
 import json
+import threading
 from collections.abc import Iterator
 from typing import Any
 
 import pytest
+import uvicorn
 from fake_engine import FakeEngine
+from fastapi import FastAPI
 from fastapi.testclient import TestClient
+from waiting import wait_for
 
 from kvfence.server.api import build_app
 from kvfence.server.operator import operator_headers
@@ -18,6 +22,26 @@ from kvfence.server.operator import operator_headers
 MODEL = "fake-model"
 OPERATOR_KEY = "op-api-tests-0123456789abcdef"
 OPERATOR = operator_headers(OPERATOR_KEY)
+
+
+class LiveServer:
+    """A real uvicorn on a free port, in a thread, for the openai client and real sockets."""
+
+    def __init__(self, app: FastAPI) -> None:
+        config = uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning", lifespan="off")
+        self.server = uvicorn.Server(config)
+        self.thread = threading.Thread(target=self.server.run, daemon=True)
+
+    def __enter__(self) -> LiveServer:
+        self.thread.start()
+        wait_for(lambda: self.server.started)
+        port = self.server.servers[0].sockets[0].getsockname()[1]
+        self.url = f"http://127.0.0.1:{port}"
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.server.should_exit = True
+        self.thread.join(timeout=10)
 
 
 def client_for(

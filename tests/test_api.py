@@ -7,7 +7,6 @@ from __future__ import annotations
 import asyncio
 import json
 import re
-import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -16,10 +15,16 @@ from typing import Any
 import httpx
 import openai
 import pytest
-import uvicorn
-from api_client import MODEL, OPERATOR, OPERATOR_KEY, client_for, fake_app_fixtures, sse_json
+from api_client import (
+    MODEL,
+    OPERATOR,
+    OPERATOR_KEY,
+    LiveServer,
+    client_for,
+    fake_app_fixtures,
+    sse_json,
+)
 from fake_engine import BOS, EOS, ByteTokenizer, FakeEngine
-from fastapi import FastAPI
 from fastapi.testclient import TestClient
 from waiting import wait_for
 
@@ -36,26 +41,6 @@ KEYS = {"sk-acme-123": "acme", "sk-globex-456": "globex"}
 
 
 engine, client = fake_app_fixtures()
-
-
-class LiveServer:
-    """A real uvicorn on a free port, in a thread, for the openai client and real sockets."""
-
-    def __init__(self, app: FastAPI) -> None:
-        config = uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning", lifespan="off")
-        self.server = uvicorn.Server(config)
-        self.thread = threading.Thread(target=self.server.run, daemon=True)
-
-    def __enter__(self) -> LiveServer:
-        self.thread.start()
-        wait_for(lambda: self.server.started)
-        port = self.server.servers[0].sockets[0].getsockname()[1]
-        self.url = f"http://127.0.0.1:{port}"
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.server.should_exit = True
-        self.thread.join(timeout=10)
 
 
 # ---- completions -----------------------------------------------------------------------------
