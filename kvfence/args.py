@@ -1,6 +1,8 @@
 """Every command-line option of a node, defined once. `kvfence serve`, `preflight`, `up` and the
-router add these specs to their parsers; `up` writes its workers' command lines from them too.
-Engine defaults are read from `EngineConfig`, so a default lives only on its field."""
+router add these specs to their parsers; `node_argv` writes a NodeConfig back as a command line
+(`up`'s workers). Each option's default is read from its field of EngineConfig, ServerConfig,
+PdConfig or RoutingConfig, so a default lives only there: a new flag is an Option here and a
+field there, nothing else."""
 
 from __future__ import annotations
 
@@ -11,12 +13,17 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 from kvfence.config import (
+    DISAGGREGATION_MODES,
     DTYPES,
     KERNEL_BACKENDS,
     KV_CACHE_DTYPES,
     ROUTING_POLICIES,
+    TRANSFER_BACKENDS,
     EngineConfig,
+    NodeConfig,
+    PdConfig,
     RoutingConfig,
+    ServerConfig,
 )
 
 
@@ -96,12 +103,26 @@ def command_line(args: argparse.Namespace, options: Iterable[Option]) -> list[st
     return out
 
 
-_DEFAULTS = {f.name: f.default for f in dataclasses.fields(EngineConfig)}
+def _defaults(cls: type) -> dict[str, Any]:
+    return {f.name: f.default for f in dataclasses.fields(cls)}
+
+
+_DEFAULTS = _defaults(EngineConfig)
+_SERVER_DEFAULTS = _defaults(ServerConfig)
+_PD_DEFAULTS = _defaults(PdConfig)
 
 
 def _engine(names: str | tuple[str, ...], dest: str, **kw: Any) -> Option:
     spellings = (names,) if isinstance(names, str) else names
     return Option(spellings, dest, default=_DEFAULTS[dest], **kw)
+
+
+def _server(names: tuple[str, ...], dest: str, **kw: Any) -> Option:
+    return Option(names, dest, default=_SERVER_DEFAULTS[dest], **kw)
+
+
+def _pd(names: tuple[str, ...], dest: str, **kw: Any) -> Option:
+    return Option(names, dest, default=_PD_DEFAULTS[dest], **kw)
 
 
 # ---- the engine: one field of EngineConfig each (tests check the two stay in step) -----------
@@ -285,22 +306,21 @@ SIZING_OPTIONS: tuple[Option, ...] = (
 
 # ---- an HTTP listener (serve, router, up) -------------------------------------------------------
 
-HOST = Option(("--host",), "host", default="127.0.0.1")
-PORT = Option(("--port",), "port", type=int, default=8000)
-API_KEY_FILE = Option(
+HOST = _server(("--host",), "host")
+PORT = _server(("--port",), "port", type=int)
+API_KEY_FILE = _server(
     ("--api-key-file",), "api_key_file", help="lines of `key tenant`; enables auth"
 )
-LOG_LEVEL = Option(("--log-level",), "log_level", default="info")
-DRAIN_TIMEOUT = Option(
+LOG_LEVEL = _server(("--log-level",), "log_level")
+DRAIN_TIMEOUT = _server(
     ("--drain-timeout",),
     "drain_timeout",
     type=float,
-    default=30.0,  # kvfence.server.drain.DEFAULT_DRAIN_TIMEOUT_S (not imported: no FastAPI here)
     metavar="SECONDS",
     help="on SIGTERM: admit nothing new and give what is in flight this long to finish; the "
     "rest gets a 503 (a second SIGTERM stops at once)",
 )
-ADMIN_API_KEY_FILE = Option(
+ADMIN_API_KEY_FILE = _server(
     ("--admin-api-key-file",),
     "admin_api_key_file",
     metavar="FILE",
@@ -310,20 +330,17 @@ ADMIN_API_KEY_FILE = Option(
 SERVER_OPTIONS: tuple[Option, ...] = (
     HOST, PORT, API_KEY_FILE, LOG_LEVEL, DRAIN_TIMEOUT, ADMIN_API_KEY_FILE,
 )  # fmt: skip
-# The engine's step loop in a process of its own (kvfence/role_process.py), or in the HTTP
-# server's (the default: on 2 quiet shared cores the split measured ~10% slower, RESULTS.md
-# "Session 9"; its case is hosts with cores to spare for the HTTP process, and isolation).
-ENGINE_PROCESS = Option(
+# Why the engine process is not the default: ServerConfig.engine_process.
+ENGINE_PROCESS = _server(
     ("--engine-process",),
     "engine_process",
-    default=False,
     switch=True,
     help="run the engine in a process of its own, as vLLM's EngineCore and SGLang's scheduler "
     "run: the HTTP server never shares the engine's GIL nor maps its KV pool (costs one core's "
     "share of the HTTP work on small hosts)",
 )
 # Chat answers with tool_choice "auto" are read for calls in this model family's format.
-TOOL_CALL_PARSER = Option(
+TOOL_CALL_PARSER = _server(
     ("--tool-call-parser",),
     "tool_call_parser",
     choices=("hermes", "qwen", "llama3_json"),
@@ -332,63 +349,55 @@ TOOL_CALL_PARSER = Option(
 
 # ---- a PD worker (serve; up forwards TRANSFER_OPTIONS to every worker) --------------------------
 
-DISAGGREGATION_MODE = Option(
-    ("--disaggregation-mode",),
-    "disaggregation_mode",
-    default="null",
-    choices=("null", "prefill", "decode"),
+DISAGGREGATION_MODE = _pd(
+    ("--disaggregation-mode",), "disaggregation_mode", choices=DISAGGREGATION_MODES
 )
-BOOTSTRAP_PORT = Option(
-    ("--disaggregation-bootstrap-port",), "disaggregation_bootstrap_port", type=int, default=8998
+BOOTSTRAP_PORT = _pd(
+    ("--disaggregation-bootstrap-port",), "disaggregation_bootstrap_port", type=int
 )
-TRANSFER_BACKEND = Option(
+TRANSFER_BACKEND = _pd(
     ("--disaggregation-transfer-backend",),
     "disaggregation_transfer_backend",
-    default="tcp",
-    choices=("tcp", "mooncake"),
+    choices=TRANSFER_BACKENDS,
 )
 # I8: every PD connection is mutual TLS 1.3 with certificates of the cluster CA (pd/tls.py).
 # Per worker, so `up` makes its own for each and does not forward these.
-TLS_CERT = Option(
+TLS_CERT = _pd(
     ("--tls-cert",),
     "tls_cert",
     metavar="PEM",
     help="this worker's certificate (its role: prefill or decode) from the cluster CA",
 )
-TLS_KEY = Option(("--tls-key",), "tls_key", metavar="PEM", help="its private key (mode 0600)")
-TLS_CA = Option(
+TLS_KEY = _pd(("--tls-key",), "tls_key", metavar="PEM", help="its private key (mode 0600)")
+TLS_CA = _pd(
     ("--tls-ca",),
     "tls_ca",
     metavar="PEM",
     help="the cluster CA: peers must hold a certificate it issued (or KVFENCE_TLS_DIR)",
 )
 TLS_FILE_OPTIONS: tuple[Option, ...] = (TLS_CERT, TLS_KEY, TLS_CA)
-TLS_HANDSHAKE_TIMEOUT = Option(
+TLS_HANDSHAKE_TIMEOUT = _pd(
     ("--tls-handshake-timeout",),
     "tls_handshake_timeout",
     type=float,
-    default=10.0,
     help="seconds an unauthenticated peer has to complete its TLS handshake",
 )
-MAX_PENDING_HANDSHAKES = Option(
+MAX_PENDING_HANDSHAKES = _pd(
     ("--max-pending-handshakes",),
     "max_pending_handshakes",
     type=int,
-    default=64,
     help="connections the bootstrap port lets handshake at once; more are closed on accept",
 )
-PD_IDLE_TIMEOUT = Option(
+PD_IDLE_TIMEOUT = _pd(
     ("--pd-idle-timeout",),
     "pd_idle_timeout",
     type=float,
-    default=300.0,
     help="seconds a decode keeps a prefill connection that carries no transfer",
 )
-DISAGGREGATION_TIMEOUT = Option(
+DISAGGREGATION_TIMEOUT = _pd(
     ("--disaggregation-timeout",),
     "disaggregation_timeout",
     type=float,
-    default=300.0,
     help="seconds a KV transfer may take before it is aborted, from RESERVE (so a prompt's "
     "queueing at a busy prefill counts); SGLang's waiting timeout is also 300 s",
 )
@@ -405,6 +414,30 @@ PD_OPTIONS: tuple[Option, ...] = (
     *TRANSFER_OPTIONS,
     *TLS_FILE_OPTIONS,
 )
+# ---- a whole node: one option per NodeConfig field --------------------------------------------
+
+NODE_OPTIONS: tuple[Option, ...] = (
+    *ENGINE_OPTIONS,
+    *SERVER_OPTIONS,
+    TOOL_CALL_PARSER,
+    ENGINE_PROCESS,
+    *PD_OPTIONS,
+)
+
+
+def node_values(config: NodeConfig) -> argparse.Namespace:
+    """config's fields flat, by option dest (what parsing its command line gives)."""
+    parts = (config.engine, config.server, config.pd)
+    return argparse.Namespace(
+        **{f.name: getattr(p, f.name) for p in parts for f in dataclasses.fields(p)}
+    )
+
+
+def node_argv(config: NodeConfig, options: Iterable[Option] = NODE_OPTIONS) -> list[str]:
+    """The `kvfence serve` command line that parses back into config (a value at its default
+    is left out, so the child resolves it as the parent would)."""
+    return command_line(node_values(config), options)
+
 # ---- the router's routing policy (router; `up` hands them to its router) ------------------------
 # Each has SGLang's router spelling first (what the router's command line gets) and a --router-*
 # one that reads clearly among `up`'s worker flags. Defaults live on RoutingConfig's fields.

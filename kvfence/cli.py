@@ -10,78 +10,18 @@ import os
 import signal
 import sys
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
 
-from kvfence.args import (
-    ENGINE_OPTIONS,
-    ENGINE_PROCESS,
-    PD_OPTIONS,
-    SERVER_OPTIONS,
-    TOOL_CALL_PARSER,
-    add_options,
-)
-from kvfence.config import ConfigError, EngineConfig
+from kvfence.args import NODE_OPTIONS, add_options
+from kvfence.config import NodeConfig
 from kvfence.faults import Faults
 from kvfence.lifetime import die_with_parent_from_env
-from kvfence.tp_layout import pd_tp_problem
-
-if TYPE_CHECKING:
-    from kvfence.role import RoleService
-
-EXIT_CAPACITY = 2
-
-
-def role_service(args: argparse.Namespace, faults: Faults) -> RoleService:
-    """The role the HTTP layer serves: unified, or a PD role, each on its own engine."""
-    cfg = EngineConfig.from_args(args)
-    if args.disaggregation_mode == "null":
-        from kvfence.engine.engine import Engine
-        from kvfence.role import UnifiedService
-
-        return UnifiedService(Engine(cfg, faults))
-    role = args.disaggregation_mode
-    problem = pd_tp_problem(cfg.tp_size, args.disaggregation_transfer_backend)
-    if problem is not None:  # before any certificate is read or rank started
-        raise ConfigError(problem)
-    from kvfence.pd.tls import TlsConfig, load_files
-    from kvfence.pd.transport.tcp import LinkLimits
-
-    tls = TlsConfig(role, load_files(role, args.tls_cert, args.tls_key, args.tls_ca))
-    limits = LinkLimits(
-        args.tls_handshake_timeout, args.max_pending_handshakes, args.pd_idle_timeout
-    )
-    backend = args.disaggregation_transfer_backend
-    timeout = args.disaggregation_timeout
-    if role == "prefill":
-        from kvfence.pd.prefill import PrefillService
-
-        port = args.disaggregation_bootstrap_port
-        return PrefillService(cfg, args.host, port, timeout, backend, tls, faults, limits)
-    from kvfence.pd.decode import DecodeService
-
-    host = "127.0.0.1" if args.host in ("0.0.0.0", "") else args.host
-    return DecodeService(cfg, timeout, backend, tls, faults, host, limits)
+from kvfence.node import build_role, startup_error
 
 
 def _crash(point: str) -> None:
     """A kill_* fault point fired in this test child: die as abruptly as a real crash would
     (SIGKILL: no cleanup, no exit handlers), which is what the peer must survive."""
     os.kill(os.getpid(), signal.SIGKILL)
-
-
-def startup_error(e: BaseException) -> int | None:
-    """A role that cannot start: say why on stderr and return the exit status (None: a bug,
-    let it raise). One rule for this process and the engine process (kvfence/role_child.py)."""
-    from kvfence.kv.sizing import CapacityError
-    from kvfence.model.config import UnsupportedModelError
-
-    if isinstance(e, CapacityError):
-        print(f"kvfence: refusing to start: {e}", file=sys.stderr)
-        return EXIT_CAPACITY
-    if isinstance(e, (ConfigError, UnsupportedModelError, ValueError, OSError, RuntimeError)):
-        print(f"kvfence: {e}", file=sys.stderr)
-        return 1
-    return None
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
@@ -97,21 +37,23 @@ def cmd_serve(args: argparse.Namespace) -> int:
         # This process's fault points: none unless a test harness started it with
         # KVFENCE_FAULTS (and fault injection on); a kill_* point then ends the process.
         faults = Faults.from_env(crash=_crash)
-        # The engine in a process of its own (kvfence/role_process.py) when asked.
-        if args.engine_process:
-            service = remote = spawn_role(args)
+        # The node's one config, built once from the flags; the engine process gets it whole.
+        config = NodeConfig.from_args(args)
+        server = config.server
+        if server.engine_process:  # the engine in a process of its own (role_process.py)
+            service = remote = spawn_role(config)
         else:
-            service = role_service(args, faults)
+            service = build_role(config, faults)
         serve(
             service,
-            args.host,
-            args.port,
-            args.api_key_file,
-            log_level=args.log_level,
+            server.host,
+            server.port,
+            server.api_key_file,
+            log_level=server.log_level,
             faults=faults,
-            drain_timeout=args.drain_timeout,
-            tool_call_parser=args.tool_call_parser,
-            admin_api_key_file=args.admin_api_key_file,
+            drain_timeout=server.drain_timeout,
+            tool_call_parser=server.tool_call_parser,
+            admin_api_key_file=server.admin_api_key_file,
         )
     except RoleStartFailed as e:
         return e.code  # the engine process said why
@@ -131,10 +73,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="kvfence", description=__doc__)
     sub = parser.add_subparsers(dest="cmd", required=True)
     s = sub.add_parser("serve", help="run an OpenAI-compatible server (unified prefill+decode)")
-    add_options(s, ENGINE_OPTIONS)
-    add_options(s, SERVER_OPTIONS)
-    add_options(s, (TOOL_CALL_PARSER, ENGINE_PROCESS))
-    add_options(s, PD_OPTIONS)
+    add_options(s, NODE_OPTIONS)  # one option per NodeConfig field
     sub.add_parser(
         "preflight", help="check a node's KV pool against its context length", add_help=False
     )

@@ -1,11 +1,15 @@
-"""EngineConfig: one frozen, validated configuration per engine node (flags named like SGLang's)."""
+"""The frozen, validated configurations a node is built from (flags named like SGLang's):
+EngineConfig, and NodeConfig (engine + HTTP server + PD settings), built once from the flags
+(kvfence/args.py) and all that crosses to the engine process; RoutingConfig for the router."""
 
 from __future__ import annotations
 
 import argparse
 from dataclasses import dataclass, fields
+from typing import Any
 
 from kvfence import env
+from kvfence.tp_layout import pd_tp_problem
 
 DTYPES = ("float32", "bfloat16", "float16")
 KV_CACHE_DTYPES = ("auto", "float32", "bfloat16", "float16")
@@ -143,6 +147,108 @@ class EngineConfig:
     def from_args(cls, args: argparse.Namespace) -> EngineConfig:
         """From flags parsed with kvfence.args.ENGINE_OPTIONS (one option per field)."""
         return cls(**{f.name: getattr(args, f.name) for f in fields(cls)})
+
+
+def _fields_of(cls: type, args: argparse.Namespace) -> dict[str, Any]:
+    """The values args has for cls's fields: a command that does not take a flag leaves its
+    field at the default (`kvfence up` takes no --tls-cert: it makes each worker's own)."""
+    return {f.name: getattr(args, f.name) for f in fields(cls) if hasattr(args, f.name)}
+
+
+TRANSFER_BACKENDS = ("tcp", "mooncake")
+DISAGGREGATION_MODES = ("null", "prefill", "decode")
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    """A node's HTTP listener and what its HTTP layer needs."""
+
+    host: str = "127.0.0.1"
+    port: int = 8000
+    api_key_file: str | None = None  # lines of `key tenant`; enables auth
+    log_level: str = "info"
+    drain_timeout: float = 30.0  # kvfence.server.drain.DEFAULT_DRAIN_TIMEOUT_S (no FastAPI here)
+    admin_api_key_file: str | None = None
+    tool_call_parser: str | None = None
+    # The engine's step loop in a process of its own (kvfence/role_process.py) or in the HTTP
+    # server's (the default: on 2 quiet shared cores the split measured ~10% slower, RESULTS.md
+    # "Session 9"; its case is hosts with cores to spare for the HTTP process, and isolation).
+    engine_process: bool = False
+
+    def __post_init__(self) -> None:
+        if not self.drain_timeout >= 0:
+            raise ConfigError(f"--drain-timeout {self.drain_timeout}: must be >= 0")
+
+
+@dataclass(frozen=True)
+class PdConfig:
+    """A node's part in PD disaggregation ("null": unified) and its transfer's settings."""
+
+    disaggregation_mode: str = "null"
+    disaggregation_bootstrap_port: int = 8998
+    disaggregation_transfer_backend: str = "tcp"
+    # Seconds a transfer may take from RESERVE (a prompt queueing at a busy prefill counts).
+    disaggregation_timeout: float = 300.0
+    tls_handshake_timeout: float = 10.0  # an unauthenticated peer's time to finish TLS
+    max_pending_handshakes: int = 64  # connections the bootstrap port lets handshake at once
+    pd_idle_timeout: float = 300.0  # how long a decode keeps a prefill connection with no room
+    # I8: this worker's certificate, key and the cluster CA (None: KVFENCE_TLS_DIR's).
+    tls_cert: str | None = None
+    tls_key: str | None = None
+    tls_ca: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.disaggregation_mode not in DISAGGREGATION_MODES:
+            raise ConfigError(
+                f"--disaggregation-mode {self.disaggregation_mode!r}: "
+                f"expected one of {', '.join(DISAGGREGATION_MODES)}"
+            )
+        if self.disaggregation_transfer_backend not in TRANSFER_BACKENDS:
+            raise ConfigError(
+                f"--disaggregation-transfer-backend {self.disaggregation_transfer_backend!r}: "
+                f"expected one of {', '.join(TRANSFER_BACKENDS)}"
+            )
+        for flag, value in (
+            ("--disaggregation-timeout", self.disaggregation_timeout),
+            ("--tls-handshake-timeout", self.tls_handshake_timeout),
+            ("--pd-idle-timeout", self.pd_idle_timeout),
+        ):
+            if not value > 0:
+                raise ConfigError(f"{flag} {value}: must be > 0")
+        if self.max_pending_handshakes < 1:
+            raise ConfigError(f"--max-pending-handshakes {self.max_pending_handshakes}: >= 1")
+
+
+@dataclass(frozen=True)
+class NodeConfig:
+    """Everything one node (`kvfence serve`, or a worker `kvfence up` starts) is built from:
+    made once from the flags, then handed whole to kvfence/node.py and, pickled, to the engine
+    process. kvfence.args.node_argv writes it back as a command line."""
+
+    engine: EngineConfig
+    server: ServerConfig = ServerConfig()
+    pd: PdConfig = PdConfig()
+
+    def __post_init__(self) -> None:
+        if self.pd.disaggregation_mode != "null":
+            problem = pd_tp_problem(self.engine.tp_size, self.pd.disaggregation_transfer_backend)
+            if problem is not None:  # refused before any certificate is read or rank started
+                raise ConfigError(problem)
+
+    @property
+    def role(self) -> str:
+        """unified, prefill or decode."""
+        mode = self.pd.disaggregation_mode
+        return "unified" if mode == "null" else mode
+
+    @classmethod
+    def from_args(cls, args: argparse.Namespace) -> NodeConfig:
+        """From flags parsed with kvfence.args's engine, server and PD options."""
+        return cls(
+            EngineConfig.from_args(args),
+            ServerConfig(**_fields_of(ServerConfig, args)),
+            PdConfig(**_fields_of(PdConfig, args)),
+        )
 
 
 # ---- the router -------------------------------------------------------------------------------

@@ -1,7 +1,7 @@
 """The engine process (`python -m kvfence.role_child FD PARENT_PID`), started by
 kvfence/role_process.py.
 
-It builds the role of the flags its parent sends (`kvfence.cli.role_service`: the engine, its
+It builds the role of the NodeConfig its parent sends (`kvfence.node.build_role`: the engine, its
 pool and, in PD, the transfer threads), says "ready" and then serves the pipe on FD until its
 parent asks it to shut down or goes away (a parent killed outright takes this process with it:
 the parent-death signal). The pipe's messages are listed in kvfence/role_process.py.
@@ -18,6 +18,7 @@ from concurrent.futures import ThreadPoolExecutor
 from multiprocessing.connection import Connection
 from typing import Any
 
+from kvfence.config import NodeConfig
 from kvfence.engine.admission import Rejected
 from kvfence.engine.request import GenerateRequest, RequestOutput
 from kvfence.faults import Faults
@@ -158,7 +159,7 @@ class Commands:
 
 
 def main(fd: int, parent: int) -> int:
-    from kvfence.cli import role_service, startup_error
+    from kvfence.node import build_role, startup_error
 
     # The worker is one unit: when its HTTP process dies, however it dies (SIGKILL included),
     # this one goes at once, so no engine or bootstrap listener finishes a transfer nobody
@@ -170,10 +171,12 @@ def main(fd: int, parent: int) -> int:
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     conn = Connection(fd)
-    args = conn.recv()
+    config = conn.recv()
+    if not isinstance(config, NodeConfig):  # the parent sends the config, never raw flags
+        raise TypeError(f"the engine process expects a NodeConfig, got {type(config).__name__}")
     faults = Faults.from_env(crash=_crash)
     try:
-        role = role_service(args, faults)
+        role = build_role(config, faults)
     except Exception as e:
         code = startup_error(e)
         if code is None:

@@ -21,7 +21,6 @@ If the child dies, every stream still open ends with a 503 error, every call wai
 
 from __future__ import annotations
 
-import argparse
 import itertools
 import logging
 import os
@@ -34,6 +33,7 @@ from concurrent.futures import Future
 from multiprocessing.connection import Connection
 from typing import TYPE_CHECKING, Any
 
+from kvfence.config import NodeConfig
 from kvfence.engine.admission import ENGINE_FAILED, Admitted, Rejected
 from kvfence.engine.request import FinishReason, GenerateRequest, RequestOutput
 from kvfence.role import TokenizerLike
@@ -249,12 +249,12 @@ class RemoteRole:
             )
 
 
-def spawn_role(args: argparse.Namespace) -> RemoteRole:
-    """Start the role of `args` (kvfence serve's parsed flags) in a child process and return once
-    its engine is built. Raises RoleStartFailed with the child's exit status if it is not.
+def spawn_role(config: NodeConfig) -> RemoteRole:
+    """Start the role of `config` in a child process and return once its engine is built: the
+    NodeConfig (frozen, plain values) is the first message down the pipe, no argparse object.
+    Raises RoleStartFailed with the child's exit status if it is not.
     Call it from a thread that outlives the role (the main thread): Linux's parent-death signal,
     which ties the child's life to this process, fires when the thread that spawned it ends."""
-    from kvfence.config import EngineConfig
     from kvfence.model.tokenizer import load_tokenizer
 
     ours, theirs = socket.socketpair()
@@ -265,11 +265,10 @@ def spawn_role(args: argparse.Namespace) -> RemoteRole:
     theirs.close()
     conn = Connection(ours.detach())
     try:
-        conn.send(args)
+        conn.send(config)
         kind, facts = conn.recv()
         assert kind == "ready", kind
-        cfg = EngineConfig.from_args(args)
-        tokenizer = load_tokenizer(cfg, facts["vocab_size"])
+        tokenizer = load_tokenizer(config.engine, facts["vocab_size"])
     except EOFError:
         conn.close()
         raise RoleStartFailed(proc.wait()) from None

@@ -13,19 +13,21 @@ from conftest import TINY_MODEL
 
 from kvfence.args import (
     ENGINE_OPTIONS,
+    NODE_OPTIONS,
     PD_OPTIONS,
     SERVER_OPTIONS,
     SIZING_OPTIONS,
     Option,
     add_options,
+    node_argv,
 )
 from kvfence.cli import build_parser as build_cli_parser
-from kvfence.config import EngineConfig
+from kvfence.config import EngineConfig, NodeConfig, PdConfig, ServerConfig
 from kvfence.kv.sizing import plan_for_engine
 from kvfence.model.config import ModelConfig
 from kvfence.tools.preflight import build_parser as build_preflight_parser
 from kvfence.tools.preflight import main as preflight_main
-from kvfence.tools.up import add_up_args, worker_args
+from kvfence.tools.up import UpConfig, add_up_args, worker_args
 
 GIB = 2**30
 
@@ -90,14 +92,31 @@ def test_serve_preflight_and_up_accept_the_same_engine_flag(option: Option) -> N
             assert got == value, f"{name} {argv[0]}: {got!r} != {value!r}"
 
 
+# Values other than the defaults that build a valid config together (up checks its workers'
+# configs before it starts one): a device a native kernel may not run on needs torch kernels.
+_VALID = {"device": "cuda:1", "attention_backend": "torch", "linear_backend": "torch"}
+
+
+def valid_sample(o: Option) -> tuple[list[str], Any]:
+    """sample(o), but a value that passes the config's checks."""
+    if o.dest in _VALID:
+        return [o.flag, _VALID[o.dest]], _VALID[o.dest]
+    if o.type is float:
+        value = (o.default or 0.25) * 2
+        return [o.flag, str(value)], value
+    return sample(o)
+
+
 def test_up_forwards_every_engine_flag_and_serve_parses_back_the_same_values() -> None:
     argv: list[str] = []
     given: dict[str, Any] = {}
     for o in ENGINE_OPTIONS:
-        flags, given[o.dest] = sample(o)
+        if o.dest == "enable_prefix_caching":  # off, a shared-prefix file is refused
+            continue
+        flags, given[o.dest] = valid_sample(o)
         argv += flags
     argv += ["--disaggregation-timeout", "7.5", "--api-key-file", "keys.txt"]
-    back = serve(worker_args(up(argv), "decode"))
+    back = serve(worker_args(UpConfig.from_args(up(argv)), "decode"))
     assert {d: getattr(back, d) for d in given} == given
     assert back.disaggregation_mode == "decode"
     assert (back.disaggregation_timeout, back.api_key_file) == (7.5, "keys.txt")
@@ -105,7 +124,7 @@ def test_up_forwards_every_engine_flag_and_serve_parses_back_the_same_values() -
 
 def test_up_leaves_defaults_to_the_worker_so_both_resolve_them_the_same() -> None:
     ns = up(["--model", str(TINY_MODEL)])
-    flags = worker_args(ns, "prefill")
+    flags = worker_args(UpConfig.from_args(ns), "prefill")
     assert flags == ["--model", str(TINY_MODEL), "--disaggregation-mode", "prefill"]
     assert EngineConfig.from_args(serve(flags)) == EngineConfig(model=str(TINY_MODEL))
 
@@ -130,3 +149,42 @@ def test_preflight_plans_the_pool_serve_would_build(capsys: pytest.CaptureFixtur
     for key in ("pool_tokens", "context_length", "kv_cache_dtype", "page_size", "model_bytes",
                 "activation_reserve_bytes", "kv_bytes_per_token"):  # fmt: skip
         assert planned[key] == getattr(engine_plan, key), key
+
+
+def _config_fields() -> dict[str, Any]:
+    return {
+        f.name: f.default
+        for cls in (EngineConfig, ServerConfig, PdConfig)
+        for f in dataclasses.fields(cls)
+    }
+
+
+def test_a_node_flag_is_one_option_and_one_config_field() -> None:
+    """Adding a flag means an Option in kvfence/args.py and a field of the config it lands in:
+    every NodeConfig field has exactly one option carrying the field's default, every option
+    `serve` takes lands in one field, and `serve` takes them all."""
+    fields = _config_fields()
+    dests = [o.dest for o in NODE_OPTIONS]
+    assert sorted(dests) == sorted(fields)
+    for o in NODE_OPTIONS:
+        if o.dest != "model":
+            assert o.default == fields[o.dest], o.flag
+    assert NodeConfig.from_args(serve(["--model", "m"])) == NodeConfig(EngineConfig(model="m"))
+
+
+def test_a_node_config_round_trips_through_its_command_line(tmp_path) -> None:
+    """NodeConfig -> node_argv -> `serve`'s parser -> NodeConfig is the identity, with every
+    option at a value other than its default (what `up` relies on to write its workers)."""
+    # mooncake with --tp-size > 1 is refused, and a shared-prefix file needs the cache on.
+    keep = {"disaggregation_transfer_backend", "enable_prefix_caching"}
+    argv: list[str] = []
+    for o in NODE_OPTIONS:
+        if o.dest not in keep:
+            argv += valid_sample(o)[0]
+    config = NodeConfig.from_args(serve(argv))
+    for part in (config.engine, config.server, config.pd):
+        for f in dataclasses.fields(part):
+            if f.name not in keep:
+                assert getattr(part, f.name) != f.default, f.name
+    assert NodeConfig.from_args(serve(node_argv(config))) == config
+    assert node_argv(NodeConfig(EngineConfig(model="m"))) == ["--model", "m"]

@@ -17,7 +17,7 @@ from kvfence.cli import build_parser
 from kvfence.config import ConfigError, EngineConfig
 from kvfence.engine.llm import LLM
 from kvfence.engine.request import FinishReason, GenerateRequest, RequestOutput, SamplingParams
-from kvfence.tools.up import add_up_args, worker_args
+from kvfence.tools.up import UpConfig, add_up_args, worker_args
 
 PAGE = 16
 MAX_NEW = 16
@@ -175,7 +175,8 @@ def test_flags_and_config() -> None:
     # `kvfence up` passes "off" on to its workers.
     up = argparse.ArgumentParser()
     add_up_args(up)
-    flags = worker_args(up.parse_args(["--model", "m", "--disable-radix-cache"]), "decode")
+    args = up.parse_args(["--model", "m", "--disable-radix-cache"])
+    flags = worker_args(UpConfig.from_args(args), "decode")
     assert "--no-enable-prefix-caching" in flags
     assert not cfg(*flags[2:]).enable_prefix_caching
 

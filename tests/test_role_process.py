@@ -5,6 +5,8 @@ request is admitted; when the HTTP process dies, however, the engine process die
 
 from __future__ import annotations
 
+import argparse
+import pickle
 import queue
 import signal
 from collections.abc import Iterator
@@ -15,10 +17,13 @@ import pytest
 from procs import OPERATOR, running, serve
 from test_pd_processes import STALL, in_background, post
 
-from kvfence.cli import build_parser, role_service
+from kvfence import role_process
+from kvfence.cli import build_parser
+from kvfence.config import NodeConfig
 from kvfence.engine.admission import ENGINE_FAILED, Admitted, Rejected
 from kvfence.engine.request import FinishReason, GenerateRequest, RequestOutput, SamplingParams
 from kvfence.faults import Faults
+from kvfence.node import build_role
 from kvfence.role_process import RemoteRole, spawn_role
 from tests.conftest import TINY_MODEL
 from tests.waiting import wait_for
@@ -27,10 +32,20 @@ WAIT_S = 60.0  # a loaded 2-core machine: the child imports torch and loads the 
 PROMPT = (5, 17, 42, 8, 99, 3, 61, 250, 7, 12)
 
 
-def _args(*extra: str):
+def _config(*extra: str) -> NodeConfig:
     argv = ["serve", "--model", str(TINY_MODEL), "--context-length", "2048",
             "--kv-pool-tokens", "8192", *extra]  # fmt: skip
-    return build_parser().parse_args(argv)
+    return NodeConfig.from_args(build_parser().parse_args(argv))
+
+
+class _Recording(role_process.Connection):
+    """The parent's end of the pipe, keeping what it sends down."""
+
+    sent: list[object] = []
+
+    def send(self, obj: object) -> None:
+        _Recording.sent.append(obj)
+        super().send(obj)
 
 
 def _request(rid: str, max_tokens: int = 8, prompt: tuple[int, ...] = PROMPT) -> GenerateRequest:
@@ -64,14 +79,25 @@ def _tokens(outs: list[RequestOutput]) -> list[int]:
 
 @pytest.fixture(scope="module")
 def remote() -> Iterator[RemoteRole]:
-    role = spawn_role(_args())
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(role_process, "Connection", _Recording)
+        role = spawn_role(_config())
     role.start()
     yield role
     role.shutdown()
 
 
+def test_the_engine_process_gets_the_node_config_never_argparse_flags(remote: RemoteRole) -> None:
+    """What crosses the pipe first is the NodeConfig the parent built once from the flags:
+    no argparse object (the child never parses flags nor imports the CLI)."""
+    first = _Recording.sent[0]
+    assert type(first) is NodeConfig and first == _config()
+    assert b"argparse" not in pickle.dumps(first)
+    assert not any(isinstance(m, argparse.Namespace) for m in _Recording.sent)
+
+
 def test_remote_answers_match_the_engine_in_this_process(remote: RemoteRole) -> None:
-    local = role_service(_args(), Faults())
+    local = build_role(_config(), Faults())
     local.start()
     try:
         want = Stream()
@@ -125,7 +151,7 @@ def test_abort_ends_the_stream_with_one_final_output(remote: RemoteRole) -> None
 
 
 def test_a_dead_engine_process_ends_every_open_stream_and_admits_nothing() -> None:
-    role = spawn_role(_args())
+    role = spawn_role(_config())
     try:
         role.start()
         streams = [Stream() for _ in range(3)]

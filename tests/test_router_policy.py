@@ -389,7 +389,7 @@ def test_every_routing_field_has_one_option_and_up_passes_them_to_the_router() -
 
     from kvfence.args import ROUTING_OPTIONS
     from kvfence.server.router import add_router_args
-    from kvfence.tools.up import add_up_args, router_command
+    from kvfence.tools.up import UpConfig, add_up_args, router_command
 
     fields = {f.name: f.default for f in dataclasses.fields(RoutingConfig)}
     assert {o.dest: o.default for o in ROUTING_OPTIONS} == fields
@@ -400,7 +400,7 @@ def test_every_routing_field_has_one_option_and_up_passes_them_to_the_router() -
              "--router-prefix-index-max-entries", "99",
              "--router-prefix-index-max-entries-per-tenant", "9", "--router-prefix-index-ttl", "7"]
     args = up.parse_args(given)
-    cmd = router_command(args, ["http://a:1"], ["http://b:2"])
+    cmd = router_command(UpConfig.from_args(args), ["http://a:1"], ["http://b:2"])
     assert cmd[cmd.index("--policy") + 1] == "round_robin"  # the router's own spelling
     router = argparse.ArgumentParser()
     add_router_args(router)
@@ -409,7 +409,8 @@ def test_every_routing_field_has_one_option_and_up_passes_them_to_the_router() -
         "round_robin", 0.5, 3, 2.0, 99, 9, 7.0
     )
     # Defaults are left to the router, which resolves them the same way.
-    assert "--policy" not in router_command(up.parse_args([]), ["http://a:1"], ["http://b:2"])
+    default = UpConfig.from_args(up.parse_args([]))
+    assert "--policy" not in router_command(default, ["http://a:1"], ["http://b:2"])
 
 
 def test_up_refuses_a_routing_config_before_starting_anything(capsys) -> None:
@@ -528,14 +529,14 @@ def test_the_router_and_up_take_the_workers_shared_prefix_file(tmp_path) -> None
     import argparse
 
     from kvfence.server.router.args import add_router_args
-    from kvfence.tools.up import add_up_args, router_command
+    from kvfence.tools.up import UpConfig, add_up_args, router_command
 
     path = tmp_path / "shared.json"
     path.write_text(json.dumps([SYSTEM]))
     up = argparse.ArgumentParser()
     add_up_args(up)
-    cmd = router_command(up.parse_args(["--shared-prefix-file", str(path)]), ["http://p:1"],
-                         ["http://d:1"])  # fmt: skip
+    given = UpConfig.from_args(up.parse_args(["--shared-prefix-file", str(path)]))
+    cmd = router_command(given, ["http://p:1"], ["http://d:1"])
     assert cmd[cmd.index("--shared-prefix-file") + 1] == str(path)
     router = argparse.ArgumentParser()
     add_router_args(router)

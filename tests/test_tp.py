@@ -221,13 +221,15 @@ def test_tp2_stalled_rank_fails_the_engine_closed_within_the_timeout(checkpoint_
 def test_pd_roles_refuse_tensor_parallelism_over_mooncake_at_start_up(tmp_path: Path) -> None:
     """One-sided writes reach only rank 0's slice: refused before any certificate is read or
     rank started (tcp PD with --tp-size 2 runs: tests/test_pd_tp.py)."""
-    from kvfence.cli import build_parser, role_service
+    from kvfence.cli import build_parser
+    from kvfence.config import NodeConfig
+    from kvfence.node import build_role
 
     for mode in ("prefill", "decode"):
         argv = ["serve", "--model", str(tmp_path), "--disaggregation-mode", mode, "--tp-size", "2",
                 "--disaggregation-transfer-backend", "mooncake"]  # fmt: skip
         with pytest.raises(ConfigError, match="mooncake with --tp-size 2"):
-            role_service(build_parser().parse_args(argv), Faults())
+            build_role(NodeConfig.from_args(build_parser().parse_args(argv)), Faults())
 
 
 def test_up_refuses_tensor_parallelism_over_mooncake_before_starting_anything(

@@ -26,6 +26,7 @@ from waiting import wait_for
 from kvfence.args import ENGINE_OPTIONS, add_options
 from kvfence.tools.up import (
     StartupError,
+    UpConfig,
     add_up_args,
     router_command,
     threads_per_worker,
@@ -44,6 +45,10 @@ def parse(*argv: str) -> argparse.Namespace:
     return p.parse_args(list(argv))
 
 
+def up_config(*argv: str) -> UpConfig:
+    return UpConfig.from_args(parse(*argv))
+
+
 def test_worker_args_carry_every_engine_flag_given_and_the_role(tmp_path: Path) -> None:
     args = parse(
         "--model", str(tmp_path), "--served-model-name", "demo", "--device", "cuda:1",
@@ -53,7 +58,8 @@ def test_worker_args_carry_every_engine_flag_given_and_the_role(tmp_path: Path) 
         "--decode-step-prefill-budget", "64", "--attention-backend", "torch", "--threads", "3",
         "--api-key-file", "keys.txt", "--disaggregation-transfer-backend", "mooncake",
     )
-    flags = worker_args(args, "prefill")
+    up = UpConfig.from_args(args)
+    flags = worker_args(up, "prefill")
     # What a worker parses back is what `up` was given: no engine flag is lost on the way.
     serve = argparse.ArgumentParser()
     add_options(serve, ENGINE_OPTIONS)
@@ -69,12 +75,12 @@ def test_worker_args_carry_every_engine_flag_given_and_the_role(tmp_path: Path) 
     assert back.disaggregation_mode == "prefill"
     assert back.disaggregation_transfer_backend == "mooncake"
 
-    cmd = worker_command(args, "prefill", 1234, 5678)
+    cmd = worker_command(up, "prefill", 1234, 5678)
     assert cmd[1:4] == ["-m", "kvfence.cli", "serve"]
     assert cmd[cmd.index("--port") + 1] == "1234"
     assert cmd[cmd.index("--disaggregation-bootstrap-port") + 1] == "5678"
-    assert "--disaggregation-bootstrap-port" not in worker_command(args, "decode", 1234)
-    r = router_command(args, ["http://a:1"], ["http://b:2", "http://c:3"])
+    assert "--disaggregation-bootstrap-port" not in worker_command(up, "decode", 1234)
+    r = router_command(up, ["http://a:1"], ["http://b:2", "http://c:3"])
     assert r[1:4] == ["-m", "kvfence.cli", "router"]
     assert r[r.index("--decode") + 1 : r.index("--decode") + 3] == ["http://b:2", "http://c:3"]
 
@@ -84,14 +90,14 @@ def test_tool_call_parser_reaches_every_worker_that_serves_the_api(tmp_path: Pat
 
     args = parse("--model", str(tmp_path), "--tool-call-parser", "hermes")
     for role in ("decode", "prefill"):  # decodes answer the router's chat requests
-        back = build_parser().parse_args(["serve", *worker_args(args, role)])
+        back = build_parser().parse_args(["serve", *worker_args(UpConfig.from_args(args), role)])
         assert back.tool_call_parser == "hermes", role
     # Not given: the worker's own default (none: tool_choice auto is refused), not a value.
-    assert "--tool-call-parser" not in worker_args(parse("--model", str(tmp_path)), "decode")
+    assert "--tool-call-parser" not in worker_args(up_config("--model", str(tmp_path)), "decode")
 
 
 def test_defaults_are_left_to_the_worker(tmp_path: Path) -> None:
-    flags = worker_args(parse("--model", str(tmp_path)), "decode")
+    flags = worker_args(up_config("--model", str(tmp_path)), "decode")
     assert flags[:2] == ["--model", str(tmp_path)]
     assert "--page-size" not in flags and "--device" not in flags
 

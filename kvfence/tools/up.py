@@ -8,7 +8,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import shlex
 import signal
 import socket
 import subprocess
@@ -24,40 +23,21 @@ from typing import IO
 
 import httpx
 
-from kvfence.args import (
-    ADMIN_API_KEY_FILE,
-    API_KEY_FILE,
-    BOOTSTRAP_PORT,
-    DISAGGREGATION_MODE,
-    DRAIN_TIMEOUT,
-    ENGINE_OPTIONS,
-    HOST,
-    KV_POOL_TOKENS,
-    LOG_LEVEL,
-    PORT,
-    ROUTING_OPTIONS,
-    SERVER_OPTIONS,
-    SHARED_PREFIX_FILE,
-    TLS_CA,
-    TLS_CERT,
-    TLS_KEY,
-    TOOL_CALL_PARSER,
-    TRANSFER_OPTIONS,
-    add_options,
-    command_line,
-)
-from kvfence.config import ConfigError, RoutingConfig
+from kvfence.config import ConfigError
 from kvfence.env import admin_api_key
 from kvfence.lifetime import DIE_WITH_ENV
 from kvfence.pd import certs
 from kvfence.pd.certs import TlsFiles
 from kvfence.server.operator import load_operator_key, new_operator_key, operator_headers
 from kvfence.tools.ports import free_port
-from kvfence.tp_layout import pd_tp_problem
+from kvfence.tools.up_config import (
+    UpConfig,
+    add_up_args,
+    router_command,
+    worker_args,
+    worker_command,
+)
 
-BUNDLED_MODEL = Path(__file__).resolve().parents[2] / "models" / "kvfence-tiny"
-DEFAULT_STARTUP_TIMEOUT_S = 300.0
-DEFAULT_SHUTDOWN_GRACE_S = 10.0
 TAIL_LINES = 40
 _POLL_S = 0.2
 
@@ -81,105 +61,7 @@ def _free_ports(host: str, n: int) -> list[int]:
     return ports
 
 
-# ---- command lines -----------------------------------------------------------------------------
-
-
-def add_up_args(p: argparse.ArgumentParser) -> None:
-    # The workers' own options (kvfence.args), so `up` takes every flag `serve` does.
-    add_options(
-        p,
-        ENGINE_OPTIONS,
-        model={
-            # The demo runs the bundled model unless told otherwise.
-            "required": False,
-            "default": str(BUNDLED_MODEL),
-            "help": f"local HF model dir (default: the bundled {BUNDLED_MODEL.name})",
-        },
-    )
-    p.add_argument("--prefill", type=int, default=1, metavar="N", help="prefill workers")
-    p.add_argument("--decode", type=int, default=1, metavar="M", help="decode workers")
-    add_options(
-        p,
-        SERVER_OPTIONS,
-        host={"help": "the router's address (clients use it)"},
-        port={"help": "the router's port"},
-        api_key_file={"help": "lines of `key tenant`; given to the router and every worker"},
-    )
-    p.add_argument(
-        "--worker-host",
-        default="127.0.0.1",
-        help="address the workers bind (HTTP and bootstrap); keep it private",
-    )
-    # The decodes answer the chat requests the router relays; every worker gets it, so any
-    # worker's own API reads tool calls as the cluster's does.
-    add_options(p, (TOOL_CALL_PARSER,))
-    # Certificates are not among them: up makes a cluster CA and one certificate per worker.
-    add_options(p, TRANSFER_OPTIONS)
-    # The router's policy, as `kvfence router` takes it (--router-policy etc. read better here).
-    add_options(p.add_argument_group("the router's routing policy"), ROUTING_OPTIONS)
-    p.add_argument(
-        "--prefill-kv-pool-tokens",
-        type=int,
-        default=None,
-        help="KV pool of the prefill workers (default: --kv-pool-tokens)",
-    )
-    p.add_argument(
-        "--decode-kv-pool-tokens",
-        type=int,
-        default=None,
-        help="KV pool of the decode workers (default: --kv-pool-tokens)",
-    )
-    p.add_argument(
-        "--startup-timeout",
-        type=float,
-        default=DEFAULT_STARTUP_TIMEOUT_S,
-        help="seconds to wait for every worker and the router to be healthy",
-    )
-    p.add_argument(
-        "--shutdown-grace",
-        type=float,
-        default=DEFAULT_SHUTDOWN_GRACE_S,
-        help="seconds each stage of shutdown gets, after --drain-timeout, before SIGKILL",
-    )
-    # Tests swap the real processes for fakes; not a user-facing knob.
-    p.add_argument("--worker-cmd-prefix", default=None, help=argparse.SUPPRESS)
-    p.add_argument("--router-cmd-prefix", default=None, help=argparse.SUPPRESS)
-
-
-def worker_args(args: argparse.Namespace, role: str) -> list[str]:
-    """Every flag a worker of `role` gets besides its ports, written from the same option specs
-    the worker parses (kvfence.args), so none is missed; a value at its default is left out."""
-    role_pool = getattr(args, f"{role}_kv_pool_tokens", None)
-    # A per-role pool (prefill and decode nodes often differ) replaces the shared one.
-    engine = [o for o in ENGINE_OPTIONS if role_pool is None or o is not KV_POOL_TOKENS]
-    out = command_line(args, engine)
-    if role_pool is not None:
-        out += KV_POOL_TOKENS.argv(role_pool)
-    out += command_line(args, (API_KEY_FILE, LOG_LEVEL, DRAIN_TIMEOUT, *TRANSFER_OPTIONS))
-    out += command_line(args, (ADMIN_API_KEY_FILE, TOOL_CALL_PARSER))
-    out += DISAGGREGATION_MODE.argv(role)
-    return out
-
-
-def _prefix(given: str | None, default: list[str]) -> list[str]:
-    return shlex.split(given) if given else default
-
-
-def worker_command(
-    args: argparse.Namespace,
-    role: str,
-    port: int,
-    bootstrap_port: int | None = None,
-    tls: TlsFiles | None = None,
-) -> list[str]:
-    """tls: the worker's own certificate files (I8), when it has some."""
-    cmd = _prefix(args.worker_cmd_prefix, [sys.executable, "-m", "kvfence.cli", "serve"])
-    cmd += HOST.argv(args.worker_host) + PORT.argv(port)
-    if bootstrap_port is not None:
-        cmd += BOOTSTRAP_PORT.argv(bootstrap_port)
-    if tls is not None:
-        cmd += TLS_CERT.argv(tls.cert) + TLS_KEY.argv(tls.key) + TLS_CA.argv(tls.ca)
-    return cmd + worker_args(args, role)
+# ---- certificates ------------------------------------------------------------------------------
 
 
 def make_certificates(state: Path, host: str, n_prefill: int, n_decode: int) -> list[TlsFiles]:
@@ -191,19 +73,6 @@ def make_certificates(state: Path, host: str, n_prefill: int, n_decode: int) -> 
     out += [certs.issue(state, "decode", state, f"decode-{i}", (host,)) for i in range(n_decode)]
     (state / "ca.key").unlink()
     return out
-
-
-def router_command(
-    args: argparse.Namespace, prefill_urls: Sequence[str], decode_urls: Sequence[str]
-) -> list[str]:
-    cmd = _prefix(args.router_cmd_prefix, [sys.executable, "-m", "kvfence.cli", "router"])
-    cmd += ["--prefill", *prefill_urls, "--decode", *decode_urls]
-    cmd += HOST.argv(args.host) + PORT.argv(args.port)
-    return cmd + command_line(
-        args,
-        (API_KEY_FILE, LOG_LEVEL, DRAIN_TIMEOUT, *ROUTING_OPTIONS, ADMIN_API_KEY_FILE,
-         SHARED_PREFIX_FILE),  # the workers' public prefixes: the router predicts them too
-    )  # fmt: skip
 
 
 # ---- processes ---------------------------------------------------------------------------------
@@ -321,25 +190,27 @@ def wait_healthy(
                 time.sleep(_POLL_S)
 
 
-def _operator_headers(args: argparse.Namespace) -> dict[str, str]:
+def _operator_headers(up: UpConfig) -> dict[str, str]:
     """What the workers' /pd/info and the router's detailed /health want from `up`."""
-    key = load_operator_key(args.admin_api_key_file)
+    key = load_operator_key(up.node.server.admin_api_key_file)
     return operator_headers(key) if key else {}
 
 
-def _model_name(args: argparse.Namespace, decode_url: str) -> str:
-    headers = _operator_headers(args)
+def _model_name(up: UpConfig, decode_url: str) -> str:
+    headers = _operator_headers(up)
     try:
         name = httpx.get(decode_url + "/pd/info", timeout=2.0, headers=headers).json().get("model")
         if name:
             return str(name)
     except (httpx.HTTPError, ValueError, AttributeError):
         pass
-    return args.served_model_name or Path(args.model).name
+    engine = up.node.engine
+    return engine.served_model_name or Path(engine.model).name
 
 
-def ready_lines(args: argparse.Namespace, model: str) -> list[str]:
-    url = f"http://{args.host}:{args.port}"
+def ready_lines(up: UpConfig, model: str) -> list[str]:
+    server = up.node.server
+    url = f"http://{server.host}:{server.port}"
     body = json.dumps(
         {
             "model": model,
@@ -350,9 +221,9 @@ def ready_lines(args: argparse.Namespace, model: str) -> list[str]:
         }
     )
     # Never print a real key: the operator has it, logs should not.
-    auth = " -H 'Authorization: Bearer YOUR_KEY'" if args.api_key_file else ""
+    auth = " -H 'Authorization: Bearer YOUR_KEY'" if server.api_key_file else ""
     return [
-        f"kvfence up: ready on {url} (router + {args.prefill} prefill + {args.decode} decode, "
+        f"kvfence up: ready on {url} (router + {up.prefill} prefill + {up.decode} decode, "
         f"model {model})",
         f"  try: curl -s {url}/v1/completions -H 'Content-Type: application/json'{auth} "
         f"-d '{body}'",
@@ -364,60 +235,61 @@ def _interrupt(signum: int, frame: FrameType | None) -> None:
 
 
 def run_up(args: argparse.Namespace) -> int:
-    if args.prefill < 1 or args.decode < 1:
+    try:  # refused here, not after every worker has started
+        up = UpConfig.from_args(args)
+    except ConfigError as e:
+        say(f"kvfence up: {e}", err=True)
+        return 2
+    if up.prefill < 1 or up.decode < 1:
         say("kvfence up: need at least one prefill and one decode worker", err=True)
         return 2
-    if not 0 < args.port < 65536:
+    if not 0 < up.node.server.port < 65536:
         say(
             "kvfence up: --port must be a fixed port (1-65535): it is the address we print",
             err=True,
         )
         return 2
-    try:
-        RoutingConfig.from_args(args)  # refused here, not after every worker has started
-    except ConfigError as e:
-        say(f"kvfence up: {e}", err=True)
-        return 2
-    problem = pd_tp_problem(args.tp_size, args.disaggregation_transfer_backend)
-    if problem is not None:  # every worker up starts is a PD role
-        say(f"kvfence up: {problem}", err=True)
-        return 2
-    if not Path(args.model).is_dir():
-        say(f"kvfence up: model directory {args.model} does not exist (--model)", err=True)
+    model = up.node.engine.model
+    if not Path(model).is_dir():
+        say(f"kvfence up: model directory {model} does not exist (--model)", err=True)
         return 2
     # Children may run elsewhere in the tree; relative paths must not change meaning.
-    args.model = str(Path(args.model).resolve())
-    if args.api_key_file:
-        args.api_key_file = str(Path(args.api_key_file).resolve())
+    up = up.with_engine(model=str(Path(model).resolve()))
+    if up.node.server.api_key_file:
+        up = up.with_server(api_key_file=str(Path(up.node.server.api_key_file).resolve()))
     # I8: this cluster's CA and certificates, in a state directory only this user can read,
     # gone when up exits.
     state_dir = tempfile.TemporaryDirectory(prefix="kvfence-up-")
-    tls = make_certificates(Path(state_dir.name), args.worker_host, args.prefill, args.decode)
-    if args.admin_api_key_file:
-        args.admin_api_key_file = str(Path(args.admin_api_key_file).resolve())
+    tls = make_certificates(Path(state_dir.name), up.worker_host, up.prefill, up.decode)
+    if up.node.server.admin_api_key_file:
+        up = up.with_server(
+            admin_api_key_file=str(Path(up.node.server.admin_api_key_file).resolve())
+        )
     elif not admin_api_key():
         # The router and every worker share a fresh operator key; tenants never see it.
         path = Path(state_dir.name) / "operator-key"
         path.touch(mode=0o600)
         path.write_text(new_operator_key())
-        args.admin_api_key_file = str(path)
+        up = up.with_server(admin_api_key_file=str(path))
         say(f"kvfence up: operator key (reads /metrics, /pd/info, /health detail) in {path}")
 
-    if not _can_bind(args.host, args.port):
+    host, router_port = up.node.server.host, up.node.server.port
+    if not _can_bind(host, router_port):
         # Else an old server still on the port could answer our router's health check for it.
-        say(f"kvfence up: {_hostport(args.host, args.port)} is in use (--port)", err=True)
+        say(f"kvfence up: {_hostport(host, router_port)} is in use (--port)", err=True)
         return 2
 
-    if args.device == "cpu" and args.threads is None:
-        args.threads = threads_per_worker(args.prefill + args.decode)
-        say(f"kvfence up: {args.threads} CPU thread(s) per worker (--threads to change)")
-    if args.device == "cpu":
+    engine = up.node.engine
+    if engine.device == "cpu" and engine.threads is None:
+        up = up.with_engine(threads=threads_per_worker(up.prefill + up.decode))
+        say(f"kvfence up: {up.node.engine.threads} CPU thread(s) per worker (--threads to change)")
+    if engine.device == "cpu":
         # Build the native kernels once here, not in N+M workers racing on torch's build lock.
         from kvfence.model import kernels
 
-        if args.attention_backend != "torch":
+        if engine.attention_backend != "torch":
             kernels.paged_decode()
-        if args.linear_backend != "torch":
+        if engine.linear_backend != "torch":
             kernels.packed_gemm()
 
     restart = threading.Event()
@@ -432,11 +304,11 @@ def run_up(args: argparse.Namespace) -> int:
     # acknowledge), then prefills.
     stages = (routers, decodes, prefills)
     try:
-        wh = args.worker_host
-        ports = _free_ports(wh, 2 * args.prefill + args.decode)
-        for i in range(args.prefill):
+        wh = up.worker_host
+        ports = _free_ports(wh, 2 * up.prefill + up.decode)
+        for i in range(up.prefill):
             port, bootstrap = ports.pop(), ports.pop()
-            cmd = worker_command(args, "prefill", port, bootstrap, tls[i])
+            cmd = worker_command(up, "prefill", port, bootstrap, tls[i])
             prefills.append(
                 _start(
                     f"prefill-{i}",
@@ -445,16 +317,16 @@ def run_up(args: argparse.Namespace) -> int:
                     f"bootstrap port {bootstrap}",
                 )
             )
-        for i in range(args.decode):
+        for i in range(up.decode):
             port = ports.pop()
-            cmd = worker_command(args, "decode", port, tls=tls[args.prefill + i])
+            cmd = worker_command(up, "decode", port, tls=tls[up.prefill + i])
             decodes.append(_start(f"decode-{i}", cmd, f"http://{_hostport(wh, port)}"))
-        wait_healthy(prefills + decodes, args.startup_timeout)
-        cmd = router_command(args, [c.url for c in prefills], [c.url for c in decodes])
-        host = {"0.0.0.0": "127.0.0.1", "": "127.0.0.1", "::": "::1"}.get(args.host, args.host)
-        routers.append(_start("router", cmd, f"http://{_hostport(host, args.port)}"))
-        wait_healthy(routers, args.startup_timeout)
-        for line in ready_lines(args, _model_name(args, decodes[0].url)):
+        wait_healthy(prefills + decodes, up.startup_timeout)
+        cmd = router_command(up, [c.url for c in prefills], [c.url for c in decodes])
+        reach = {"0.0.0.0": "127.0.0.1", "": "127.0.0.1", "::": "::1"}.get(host, host)
+        routers.append(_start("router", cmd, f"http://{_hostport(reach, router_port)}"))
+        wait_healthy(routers, up.startup_timeout)
+        for line in ready_lines(up, _model_name(up, decodes[0].url)):
             say(line)
         say(f"kvfence up: SIGHUP (kill -HUP {os.getpid()}) restarts the workers one at a time")
         while True:
@@ -462,7 +334,7 @@ def run_up(args: argparse.Namespace) -> int:
             if code is not None:
                 return code
             restart.clear()
-            if not rolling_restart(args, (decodes, prefills), routers[0].url):
+            if not rolling_restart(up, (decodes, prefills), routers[0].url):
                 return 1
     except StartupError as e:
         say(f"kvfence up: start-up failed: {e}", err=True)
@@ -472,7 +344,7 @@ def run_up(args: argparse.Namespace) -> int:
         return 0
     finally:
         # A worker drains for up to --drain-timeout before it exits on its own.
-        stop_all(stages, args.shutdown_grace + args.drain_timeout)
+        stop_all(stages, up.shutdown_grace + up.node.server.drain_timeout)
         for s, handler in previous.items():
             signal.signal(s, handler)
 
@@ -521,7 +393,7 @@ def _watch(children: Sequence[Child], restart: threading.Event) -> int | None:
 
 
 def rolling_restart(
-    args: argparse.Namespace, pools: Sequence[list[Child]], router_url: str
+    up: UpConfig, pools: Sequence[list[Child]], router_url: str
 ) -> bool:
     """Each worker in turn: SIGTERM (it drains: the router stops sending to it, what it admitted
     finishes), wait for it to exit, start it again with the same command and ports, and wait
@@ -532,7 +404,7 @@ def rolling_restart(
             say(f"kvfence up: rolling restart: draining {old.name} (pid {old.pid})")
             old.signal_group(signal.SIGTERM)
             try:
-                code = old.proc.wait(timeout=args.drain_timeout + args.shutdown_grace)
+                code = old.proc.wait(timeout=up.node.server.drain_timeout + up.shutdown_grace)
             except subprocess.TimeoutExpired:
                 say(f"kvfence up: {old.name} did not exit after draining; killing it", err=True)
                 old.signal_group(signal.SIGKILL)
@@ -542,10 +414,8 @@ def rolling_restart(
             new = _start(old.name, old.cmd, old.url)
             pool[i] = new
             try:
-                wait_healthy([new], args.startup_timeout)
-                wait_in_rotation(
-                    router_url, new.url, args.startup_timeout, _operator_headers(args)
-                )
+                wait_healthy([new], up.startup_timeout)
+                wait_in_rotation(router_url, new.url, up.startup_timeout, _operator_headers(up))
             except StartupError as e:
                 say(f"kvfence up: rolling restart failed: {e}", err=True)
                 return False
@@ -582,6 +452,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 __all__ = [
+    "UpConfig",
     "add_up_args",
     "free_port",
     "main",
