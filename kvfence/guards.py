@@ -31,6 +31,8 @@ GUARDS = frozenset(
         "hop_signature",  # decode dials a prefill only on the router's signed word
         # PD threads reach the pool only through its port: the right thread, grants they hold
         "port_rule",
+        # PD decode answers a request that asked for prompt logprobs only with prefill's (I5)
+        "prompt_logprobs_whole",
     }
 )
 

@@ -24,7 +24,7 @@ from kvfence.config import ConfigError, EngineConfig
 from kvfence.engine.admission import ENGINE_FAILED, AdmissionLimits, Admitted, Rejected, admit
 from kvfence.engine.openmp import release_thread_pool
 from kvfence.engine.output import advance, emit, logprob_entry, sendable_upto
-from kvfence.engine.prompt_logprobs import keep_scores
+from kvfence.engine.prompt_logprobs import MISSING, keep_scores, receive
 from kvfence.engine.request import FinishReason, GenerateRequest, RequestOutput, TokenLogprob
 from kvfence.engine.runner import ModelRunner, StepResult
 from kvfence.engine.scheduler import ScheduledChunk, Scheduler, SchedulerLimits
@@ -456,6 +456,10 @@ class Engine:
         # The verified prompt pages pass to decode's prefix cache now (a 1-token answer never
         # reaches a decode step, where the rest of a sequence's pages are sealed).
         self.scheduler.seal(seq)
+        problem = receive(seq.prompt_scores, first_logprobs)
+        if problem is not None and self.faults.guards().on("prompt_logprobs_whole"):
+            self._finish(seq, FinishReason.ERROR, problem, MISSING, status=500)  # I5
+            return
         if not self._keeps_grammar(seq, first_token):  # prefill sampled it under the same mask
             return
         seq.token_ids.append(first_token)

@@ -135,3 +135,33 @@ def keep_scores(scored: list, block: ScoreBlock | None) -> None:
         n = c.scored[1] - c.scored[0]
         c.seq.prompt_scores.add(block, at, at + n)
         at += n
+
+
+# The key of DONE's first-token entry that carries the prompt's logprobs from prefill to decode.
+DONE_KEY = "prompt"
+MISSING = "prompt_logprobs_missing"
+
+
+def attach(first_logprobs: dict, scores: PromptScores | None) -> dict:
+    """Prefill: the scored prompt into DONE's first-token entry (unchanged when none was asked)."""
+    if scores is None:
+        return first_logprobs
+    return {**first_logprobs, DONE_KEY: scores.result().to_dict()}
+
+
+def receive(scores: PromptScores | None, first_logprobs: dict) -> str | None:
+    """Decode: take the prompt logprobs DONE carried; the reason they are unusable (absent,
+    malformed, not this prompt's or not its k), or None (usable, or none was asked for)."""
+    if scores is None:
+        return None
+    data = first_logprobs.get(DONE_KEY)
+    if data is None:
+        return "prefill sent no prompt logprobs"
+    try:
+        plp = PromptLogprobs.from_dict(data)
+    except (ValueError, TypeError, KeyError) as e:
+        return f"prefill's prompt logprobs are malformed ({e})"
+    if plp.token_ids != scores.prompt_ids[1:] or any(len(t) != scores.k for t in plp.top_ids):
+        return "prefill's prompt logprobs are not this prompt's"
+    scores.ready = plp
+    return None

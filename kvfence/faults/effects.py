@@ -58,6 +58,11 @@ def _rank_passes_all(flags: Any, firing: Firing, **_: Any) -> Any:
     return flags.new_zeros(flags.shape)
 
 
+def _drop_prompt_logprobs(first_logprobs: dict, firing: Firing, **_: Any) -> dict:
+    """DONE's first-token entry without the prompt's logprobs (a prefill that lost them)."""
+    return {k: v for k, v in first_logprobs.items() if k != "prompt"}
+
+
 EFFECTS: dict[str, Effect] = {
     "corrupt_page": _fires,
     "truncate_transfer": _fires,
@@ -72,4 +77,5 @@ EFFECTS: dict[str, Effect] = {
     "tp_rank_skips_tag_check": _rank_passes_all,
     "tp_leader_decides_alone": _fires,
     "tp_corrupt_rank_slice": _fires,
+    "drop_prompt_logprobs": _drop_prompt_logprobs,
 }

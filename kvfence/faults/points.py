@@ -31,6 +31,8 @@ GUARD_POINTS = {
     "skip_hop_check": "hop_signature",  # decode dials whatever X-Kvfence-Prefill names
     # The PD pool port lets any thread call anything on any grant (pd/pool_port.py).
     "skip_port_rule": "port_rule",
+    # PD decode answers 200 without the prompt logprobs its client asked for (I5)
+    "skip_prompt_logprobs_check": "prompt_logprobs_whole",
 }
 # Points that make a component misbehave.
 ACTION_POINTS = frozenset(
@@ -57,6 +59,7 @@ ACTION_POINTS = frozenset(
         # A tensor-parallel PD decode's last rank scrambles its slice of the first page of each
         # run it writes, after the run's checksums passed (I3: the read-back covers every rank).
         "tp_corrupt_rank_slice",
+        "drop_prompt_logprobs",  # prefill's DONE leaves out the prompt logprobs decode awaits
     }
 )
 POINTS = frozenset(GUARD_POINTS) | ACTION_POINTS

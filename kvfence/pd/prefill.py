@@ -19,6 +19,7 @@ from prometheus_client.core import Metric
 from kvfence.config import ConfigError, EngineConfig
 from kvfence.engine.admission import Admitted, Rejected
 from kvfence.engine.engine import Engine
+from kvfence.engine.prompt_logprobs import attach
 from kvfence.engine.request import FinishReason, GenerateRequest, RequestOutput, SamplingParams
 from kvfence.engine.sequence import SeqMode, Sequence
 from kvfence.engine.tp_group import TpBroken
@@ -412,6 +413,8 @@ class PrefillService(EngineRole):
         if room.seq.pending_logprobs:
             lp = room.seq.pending_logprobs[-1]
             first_lp = {"logprob": lp.logprob, "top": [list(t) for t in lp.top]}
+        first_lp = attach(first_lp, room.seq.prompt_scores)  # decode answers with them
+        first_lp = self.faults.hook("drop_prompt_logprobs", first_lp)
         digest = p.digest_of(tuple(sums), n_tokens)
         done = p.Done(
             rid,
