@@ -26,6 +26,10 @@ def chat(**kw: Any) -> dict[str, Any]:
     return {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], **kw}
 
 
+def resp(**kw: Any) -> dict[str, Any]:
+    return {"model": MODEL, "input": "hi", **kw}
+
+
 @dataclass(frozen=True)
 class Case:
     name: str
@@ -39,7 +43,7 @@ class Case:
     headers: dict[str, str] = field(default_factory=dict)
 
 
-C, CH = "/v1/completions", "/v1/chat/completions"
+C, CH, R = "/v1/completions", "/v1/chat/completions", "/v1/responses"
 NESTED = b'{"model": "fake-model", "prompt": ' + b"[" * 5000 + b"]" * 5000 + b"}"
 
 CASES = [
@@ -150,6 +154,19 @@ CASES = [
     Case("get_on_completions", 405, "method_not_allowed", None, C, "GET"),
     Case("delete_on_chat", 405, "method_not_allowed", None, CH, "DELETE"),
     Case("post_on_models", 405, "method_not_allowed", None, "/v1/models", body={}),
+    # the Responses API: the same door, and what a stateless server cannot honour
+    Case("responses_malformed_json", 400, "invalid_json", None, R, raw=b'{"model": "fake-m'),
+    Case("responses_missing_input", 400, "missing_required_parameter", "input", R,
+         body={"model": MODEL}),
+    Case("responses_input_wrong_type", 400, "invalid_type", "input", R, body=resp(input=5)),
+    Case("responses_unknown_item", 400, "unsupported_parameter", "input[0].type", R,
+         body=resp(input=[{"type": "item_reference", "id": "msg_1"}])),
+    Case("responses_previous_response_id", 400, "unsupported_parameter", "previous_response_id",
+         R, body=resp(previous_response_id="resp_1")),
+    Case("responses_hosted_tool", 400, "unsupported_parameter", "tools[0].type", R,
+         body=resp(tools=[{"type": "web_search"}])),
+    Case("responses_unknown_model", 404, "model_not_found", "model", R, body=resp(model="gpt-4")),
+    Case("get_on_responses", 405, "method_not_allowed", None, R, "GET"),
     # size
     Case("body_over_limit_declared", 413, "request_too_large",
          body=comp(prompt="x" * (LIMIT + 10))),
