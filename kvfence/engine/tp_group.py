@@ -25,7 +25,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
-from typing import IO, Any
+from typing import IO, TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
@@ -33,6 +33,9 @@ import torch.distributed as dist
 from kvfence.config import EngineConfig
 from kvfence.model.tp import RankGroup
 from kvfence.tp_layout import TpLayout
+
+if TYPE_CHECKING:
+    from kvfence.kv.pool import KVPool
 
 log = logging.getLogger("kvfence.tp")
 _LEN = struct.Struct("<Q")
@@ -50,6 +53,19 @@ class RankSetup:
     context_length: int
     kv_cache_dtype: str
     threads: int
+
+
+RankFn = Callable[[Any, "KVPool", RankGroup], None]
+
+
+@dataclass(frozen=True)
+class RankCall:
+    """Work a role asks of ranks 1..N-1 between two steps (a PD room's KV slices): `fn(arg,
+    pool, group)` on each. `fn` is a module-level function of the role, pickled by name, so the
+    engine's ranks run it without importing any role."""
+
+    fn: RankFn
+    arg: Any
 
 
 def write_frame(out: IO[bytes], payload: bytes) -> None:

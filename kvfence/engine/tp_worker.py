@@ -1,7 +1,7 @@
 """A tensor-parallel rank other than 0 (`python -m kvfence.engine.tp_worker`, started by rank 0's
 TpLeader): build this rank's slice of the model and KV pool, then run each step rank 0 sends
-until its pipe ends (and, in a PD role, the KV slice ops of rank 0's transfers:
-pd/tp_slices.py, pd/pool_port.py).
+until its pipe ends, and any RankCall between steps (in a PD role, the KV slices of rank 0's
+transfers: the call names the role's function, so this module knows no role).
 It holds no scheduler, no tokenizer and no HTTP side; it never samples.
 """
 
@@ -14,14 +14,13 @@ import sys
 import torch
 import torch.distributed as dist
 
-from kvfence.engine.tp_group import RankSetup, rank_device, read_frame
+from kvfence.engine.tp_group import RankCall, RankSetup, rank_device, read_frame
 from kvfence.engine.tp_runner import FollowerRunner, StepPlan
 from kvfence.faults import Faults
 from kvfence.kv.pool import KVPool
 from kvfence.model.config import ModelConfig
 from kvfence.model.loader import TORCH_DTYPES, load_model
 from kvfence.model.tp import RankGroup, install_collectives, shard_model
-from kvfence.pd.pool_port import follow
 from kvfence.tp_layout import TpLayout
 
 log = logging.getLogger("kvfence.tp")
@@ -75,8 +74,11 @@ def run_rank(setup: RankSetup, pipe: object) -> int:
             return 0  # rank 0 closed the pipe (shutdown) or died
         if isinstance(plan, StepPlan):
             runner.step(plan)
-        else:  # a PD room's KV slices (prefill or decode role)
-            follow(plan, pool, group)
+        elif isinstance(plan, RankCall):  # a role's work between steps (a PD room's KV slices)
+            plan.fn(plan.arg, pool, group)
+        else:
+            log.error("tensor-parallel rank: unexpected frame %s", type(plan).__name__)
+            return 2
 
 
 def main() -> int:

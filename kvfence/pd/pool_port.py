@@ -72,7 +72,7 @@ class PoolPort:
             from kvfence.engine.tp_runner import LeaderRunner
 
             assert isinstance(engine.runner, LeaderRunner)
-            self.slices = RankSlices(engine.tp, engine.runner.mirror, self.view)
+            self.slices = RankSlices(engine.tp, engine.runner.mirror, self.view, follow)
         self._held: dict[int, Grant] = {}  # grant id -> the grant the PD side holds
         self._lock = threading.Lock()  # the engine thread adds, the PD side removes
 

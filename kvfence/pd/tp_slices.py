@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, TypeVar
 import numpy as np
 import torch
 
-from kvfence.engine.tp_group import TpBroken, TpLeader
+from kvfence.engine.tp_group import RankCall, RankFn, TpBroken, TpLeader
 from kvfence.kv.pool import Grant
 from kvfence.model.tp import RankGroup
 from kvfence.pd import kvio
@@ -85,15 +85,18 @@ def run_shape(pool: kvio.PageTensors, n: int, count: int) -> tuple[int, int, int
 class RankSlices:
     """Rank 0's side: the ops above, each run to its end or TpBroken."""
 
-    def __init__(self, leader: TpLeader, mirror: TableMirror, view: kvio.PageTensors) -> None:
+    def __init__(
+        self, leader: TpLeader, mirror: TableMirror, view: kvio.PageTensors, follow: RankFn
+    ) -> None:
         """view: rank 0's pool tensors, from the pool port (pd/pool_port.py), which reaches
-        this mover only for grants it holds."""
-        self.leader, self.mirror, self.view = leader, mirror, view
+        this mover only for grants it holds; follow: the other ranks' part of each op (the
+        port's), which the op's frame names so the engine's ranks run it knowing no role."""
+        self.leader, self.mirror, self.view, self.follow = leader, mirror, view, follow
         self.group, self.size = leader.group, leader.size
 
     def _op(self, op: SliceOp, body: Callable[[], T]) -> T:
         with self.leader.lock:
-            self.leader.send(op)  # TpBroken when the group is already broken
+            self.leader.send(RankCall(self.follow, op))  # TpBroken: the group is broken
             try:
                 return body()
             except Exception as e:

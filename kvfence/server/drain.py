@@ -11,15 +11,12 @@ import signal
 import time
 from collections.abc import Callable
 from types import FrameType
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import uvicorn
 
 from kvfence.role import RoleService
 from kvfence.server.httpio import ReadyServer
-
-if TYPE_CHECKING:
-    from kvfence.server.app_state import Generation
 
 logger = logging.getLogger("kvfence.server")
 
@@ -31,6 +28,14 @@ NOT_ADMITTED_HEADER = "X-Kvfence-Not-Admitted"
 # peer's ABORT_ACK or a fenced connection). Bounded so a wedged peer cannot hold the exit.
 ABORT_GRACE_S = 10.0
 _POLL_S = 0.05
+
+
+class Generation(Protocol):
+    """What the drain needs of a live HTTP generation (kvfence/server/app_state.py's)."""
+
+    def close_engine_side(self) -> None:
+        """Abort what has not finished; its client gets the engine's 503."""
+        ...
 
 
 class Drain:

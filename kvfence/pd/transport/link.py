@@ -2,112 +2,17 @@
 land in decode's pool (`PageReceiver`). Control frames (RESERVE, PageRun headers, DONE, ABORT)
 always travel on the tcp `Connection`; what differs per transport is where the page bytes go.
 One implementation per transport: `tcp_link.py` (bytes in the PageRun payloads, the receiver
-writes them) and `mooncake_link.py` (one-sided writes into decode's registered pool).
+writes them) and `mooncake_link.py` (one-sided writes into decode's registered pool), each
+implementing page_link.py's interface; this module picks the one a backend names.
 """
 
 from __future__ import annotations
 
-import asyncio
-from abc import ABC, abstractmethod
-from collections.abc import Callable
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, TypeVar
-
-from kvfence.kv.pool import Grant
-from kvfence.pd import kvio
+from kvfence.config import TRANSFER_BACKENDS
 from kvfence.pd.kvio import PageTensors
-from kvfence.pd.transport.tcp import Connection
+from kvfence.pd.transport.page_link import PageReceiver, PageSender, RoomSend
 
-if TYPE_CHECKING:
-    from kvfence.pd.pool_port import PoolPort
-    from kvfence.pd.tp_slices import RankSlices
-
-BACKENDS = ("tcp", "mooncake")
-R = TypeVar("R")
-
-
-@dataclass
-class RoomSend:
-    """One room's pages to send, and the sender's hooks into the room's state."""
-
-    room: str
-    conn: Connection
-    view: PageTensors  # the pool port's tensors, handed out for this room's grant
-    src: list[int]  # the room's pages in prefill's pool
-    dst: list[int]  # the pages decode reserved for it
-    runs: list[tuple[int, int, int]]  # (first page, pages, tokens per page), kvio.runs
-    n_tokens: int
-    corrupt: bool  # fault injection: flip a byte of the first page after checksumming it
-    cancelled: Callable[[], bool]  # the room was told to stop sending
-    stopped: Callable[[], bool]  # send no further frame (cancelled, unless a fault says not)
-    hold: Callable[[asyncio.Future], None]  # the room's pages are read until this is done
-    sent: Callable[[int, int], None]  # after each PageRun frame: (pages, tokens per page)
-    slices: RankSlices | None = None  # tensor parallelism: every rank's slice goes in each run
-
-
-class PageSender(ABC):
-    """Prefill's side of the transport."""
-
-    backend: str
-    run_bytes: int = kvio.RUN_BYTES  # payload bytes per PageRun frame (kvio.runs)
-
-    @abstractmethod
-    def peer_joined(self, conn: Connection, info: dict[str, Any]) -> None:
-        """A decode worker's HELLO was accepted: learn what the transport needs of it."""
-
-    @abstractmethod
-    def peer_left(self, conn: Connection) -> None:
-        """The connection closed: forget what peer_joined learned."""
-
-    @abstractmethod
-    async def send_room(self, job: RoomSend) -> list[tuple[int, int]] | None:
-        """Send every run of the room as PageRun frames on job.conn (and the bytes however this
-        transport moves them); the (page index, checksum) of each page sent, or None when the
-        room stopped first. ConnectionError: the connection went; anything else: the transfer
-        failed and the room must be aborted."""
-
-    @abstractmethod
-    def close(self) -> None:
-        """The service is shutting down: release threads and registered memory."""
-
-
-class PageReceiver(ABC):
-    """Decode's side of the transport."""
-
-    backend: str
-
-    @abstractmethod
-    def hello_info(self) -> dict[str, Any]:
-        """What prefill must know of this worker beyond the pairing facts."""
-
-    @abstractmethod
-    def payload_bytes(self, pool: PageTensors, n_pages: int, n_tokens: int) -> int:
-        """The payload a PageRun of n_pages pages of n_tokens tokens must carry."""
-
-    def place(self, pool: PageTensors, pages: list[int], n_tokens: int) -> list[memoryview] | None:
-        """Views of `pages` (their first n_tokens tokens) in run layout for a PageRun's payload
-        to be decrypted straight into, or None: the payload comes in a buffer to apply()."""
-        return None
-
-    @abstractmethod
-    def apply(
-        self,
-        conn: Connection,
-        payload: memoryview,
-        write: Callable[[memoryview | None], R],
-        applied: Callable[[R], None],
-    ) -> asyncio.Future | None:
-        """Check and write one run: write(payload or None when the bytes are already in the
-        pool), then applied(its result) on the loop. A Future while that is still under way
-        (the caller awaits it before any later control frame of the connection is handled)."""
-
-    @abstractmethod
-    def committed(self, port: PoolPort, grant: Grant, pages: list[int]) -> None:
-        """A room's transfer was verified; the port is about to hand its pages back."""
-
-    @abstractmethod
-    def close(self) -> None:
-        """The service is shutting down: release threads and registered memory."""
+BACKENDS = TRANSFER_BACKENDS
 
 
 def page_sender(backend: str, pool: PageTensors, host: str) -> PageSender:
@@ -134,3 +39,6 @@ def page_receiver(backend: str, pool: PageTensors, host: str) -> PageReceiver:
 
         return TcpReceiver()
     raise ValueError(f"unknown transfer backend {backend!r}: expected one of {BACKENDS}")
+
+
+__all__ = ["BACKENDS", "PageReceiver", "PageSender", "RoomSend", "page_receiver", "page_sender"]

@@ -13,8 +13,8 @@ from typing import TYPE_CHECKING, Any, TypeVar
 from kvfence.kv.pool import Grant
 from kvfence.pd import kvio, wire
 from kvfence.pd.kvio import PageTensors
-from kvfence.pd.transport.link import PageReceiver, PageSender, RoomSend
 from kvfence.pd.transport.mooncake import MooncakeEndpoint
+from kvfence.pd.transport.page_link import PageReceiver, PageSender, RoomSend
 from kvfence.pd.transport.tcp import Connection
 
 if TYPE_CHECKING:

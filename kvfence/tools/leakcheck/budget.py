@@ -6,14 +6,13 @@ from __future__ import annotations
 
 import time
 
-from kvfence.tools.leakcheck import (
-    admission,
-    cancellation,
-    crosstalk,
-    discovery,
-    stale_bait,
-    timing,
-)
+# Each probe by its own module, not through the package (whose __init__ imports the CLI).
+import kvfence.tools.leakcheck.admission as admission
+import kvfence.tools.leakcheck.cancellation as cancellation
+import kvfence.tools.leakcheck.crosstalk as crosstalk
+import kvfence.tools.leakcheck.discovery as discovery
+import kvfence.tools.leakcheck.stale_bait as stale_bait
+import kvfence.tools.leakcheck.timing as timing
 from kvfence.tools.leakcheck.cases import State
 from kvfence.tools.leakcheck.common import CANARY_PROBES, Settings
 from kvfence.tools.leakcheck.run import Run
