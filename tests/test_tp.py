@@ -18,6 +18,10 @@ from conftest import hf_greedy, random_prompts
 from fastapi.testclient import TestClient
 from test_engine_equivalence import run_staggered
 from test_i2_ownership import check_foreign_page_fails_closed
+from test_prompt_logprobs import check as check_prompt_logprobs
+from test_prompt_logprobs import hf_prompt_logprobs
+from test_prompt_logprobs import only_first as first_carrying
+from test_prompt_logprobs import run as run_to_end
 from waiting import wait_for
 
 from kvfence.config import ConfigError, EngineConfig
@@ -75,6 +79,19 @@ def test_tp2_prefix_cache_hits_read_sealed_pages_on_every_rank(llama_tp2, checkp
     assert llm.engine.pool.prefix.stats().hits > hits  # type: ignore[union-attr]
     one = LLM(str(checkpoint_dir("llama")), **TIGHT)  # type: ignore[arg-type]
     assert got == [one.generate([p], GREEDY)[0].token_ids for p in prompts]
+
+
+def test_tp2_prompt_logprobs_equal_transformers(llama_tp2, checkpoint_dir) -> None:
+    """Every rank makes the scored positions' logits calls (each a gather of the vocab slices);
+    rank 0 scores them: the prompt logprobs are transformers'."""
+    llm, _ = llama_tp2
+    model_dir = checkpoint_dir("llama")
+    prompts = random_prompts([3, 30, 50], vocab=256, seed=12)
+    params = SamplingParams(max_tokens=2, temperature=0.0, prompt_logprobs=2, ignore_eos=True)
+    outs = run_to_end(llm.engine, prompts, params)
+    refs = hf_prompt_logprobs(model_dir, prompts)
+    for i, p in enumerate(prompts):
+        check_prompt_logprobs(first_carrying(outs[f"r{i}"]), p, refs[i], 2)
 
 
 def test_tp2_every_rank_holds_its_slice(llama_tp2) -> None:
