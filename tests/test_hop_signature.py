@@ -76,6 +76,21 @@ def test_a_tenant_naming_a_prefill_is_refused_and_nothing_is_dialled(decode, lis
     assert svc.peers == {} and svc.engine.stats().pages_used == 0
 
 
+@pytest.mark.parametrize(
+    "expiry",
+    # Found by fuzzing (tests/fuzz): str.isdigit() takes a superscript two, which int() refuses,
+    # and int() refuses more than 4,300 digits; both were a 500 instead of the 403.
+    [b"\xb2", b"9" * 5000],
+)
+def test_fuzz_an_expiry_int_cannot_read_is_a_403_not_a_500(decode, listener, expiry) -> None:
+    client, svc, _ = decode
+    headers = {HEADER_PREFILL: _target(listener), HEADER_SIGNATURE: expiry + b".00.deadbeef"}
+    r = client.post("/v1/completions", json=BODY, headers={**TENANT, **headers})
+    assert r.status_code == 403, r.text
+    assert r.json()["error"]["code"] == "unsigned_prefill"
+    assert not _connected(listener, 0.0)
+
+
 def test_twin_without_the_hop_check_the_decode_dials_the_clients_address(decode, listener) -> None:
     client, _, faults = decode
     box: dict = {}

@@ -261,6 +261,10 @@ def test_official_openai_client_parses_answer_and_stream(client: TestClient) -> 
         ),
         ("structured_outputs", {"regex": "(a"}, "invalid_grammar"),
         ("structured_outputs", {"grammar": "start: nowhere"}, "invalid_grammar"),
+        # Found by fuzzing (tests/fuzz): llguidance's GBNF reader raises a bare Exception on a
+        # malformed grammar or a missing rule, which was a 500.
+        ("structured_outputs", {"grammar": 'root ::= "a'}, "invalid_grammar"),
+        ("structured_outputs", {"grammar": 'x ::= "a"'}, "invalid_grammar"),
         ("structured_outputs", {"choice": []}, "invalid_value"),
         ("structured_outputs", {"regex": "a", "choice": ["a"]}, "invalid_value"),
         ("structured_outputs", {"structural_tag": "{}"}, "unsupported_parameter"),

@@ -113,9 +113,11 @@ PREFIX_SIZE = _PREFIX.size
 
 def decode_header(raw: bytes) -> Frame:
     try:
-        obj = json.loads(raw)
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise WireError(f"header is not JSON: {e}") from e
+        obj = json.loads(raw, parse_constant=_no_constant)
+    except (ValueError, RecursionError) as e:
+        # ValueError: not JSON, not UTF-8, NaN/Infinity, or an int past Python's digit limit;
+        # RecursionError: arrays nested past the stack (a header may be 64 MiB).
+        raise WireError(f"header is not JSON: {str(e)[:200]}") from None
     if not isinstance(obj, dict) or not isinstance(obj.get("t"), str):
         raise WireError("header lacks a type")
     cls = _TYPES.get(obj.pop("t"))
@@ -133,6 +135,18 @@ def decode_header(raw: bytes) -> Frame:
     return cls(**obj)
 
 
+def _no_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not a number")
+
+
+def _utf8(text: str) -> bool:
+    try:
+        text.encode()
+    except UnicodeEncodeError:  # a lone surrogate: no string a peer could mean
+        return False
+    return True
+
+
 _INT_LISTS = {"prompt", "dst_pages", "checksums"}
 _U64 = 1 << 64
 
@@ -144,7 +158,7 @@ def _check_type(msg: str, name: str, annotation: Any, value: Any) -> None:
     elif ann == "int":
         ok = type(value) is int
     elif ann == "str":
-        ok = isinstance(value, str) and len(value) <= 4096
+        ok = isinstance(value, str) and len(value) <= 4096 and _utf8(value)
     elif ann == "dict":
         ok = isinstance(value, dict)
     else:

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import hashlib
 import hmac
+import re
 import secrets
 import threading
 import time
@@ -22,6 +23,7 @@ HEADER_SIGNATURE = "X-Kvfence-Prefill-Signature"
 # within the cluster, so a minute is generous (clocks of the hosts are assumed NTP-synced).
 VALID_S = 60
 _MAX_ADDRESS = 300
+_EXPIRY = re.compile(r"[0-9]{1,20}")
 
 
 def _hop_key(operator_key: str) -> bytes:
@@ -86,7 +88,8 @@ class HopVerifier:
             )
         signatures = headers.getlist(HEADER_SIGNATURE)  # type: ignore[attr-defined]
         parts = signatures[0].split(".") if len(signatures) == 1 else []
-        if len(parts) != 3 or not parts[0].isdigit():
+        # ASCII digits, at most 20: str.isdigit() also takes "²", which int() refuses.
+        if len(parts) != 3 or not _EXPIRY.fullmatch(parts[0]):
             raise _refused("The prefill address carries no router signature.")
         expires, nonce, mac = int(parts[0]), parts[1], parts[2]
         want = _mac(self._key, address, expires, nonce)

@@ -104,10 +104,13 @@ class Grammars:
             if pristine is not None:
                 self._cache.move_to_end(key)
                 return Matcher(pristine.deep_copy())
-        if len(c.value.encode()) > MAX_SPEC_BYTES:
+        try:
+            size = len(c.value.encode())
+        except UnicodeEncodeError:  # a lone surrogate, which JSON's \u escapes can spell
+            raise GrammarError(f"the {c.kind.value} is not valid Unicode text") from None
+        if size > MAX_SPEC_BYTES:
             raise GrammarError(
-                f"the {c.kind.value} is {len(c.value.encode())} bytes; at most {MAX_SPEC_BYTES} "
-                "are allowed",
+                f"the {c.kind.value} is {size} bytes; at most {MAX_SPEC_BYTES} are allowed",
                 "grammar_too_large",
             )
         future = self._pool.submit(self._compile, c)
@@ -190,11 +193,18 @@ def _llg_grammar(c: Constraint) -> str:
             return llguidance.LLMatcher.grammar_from_regex(
                 "|".join(_REGEX_META.sub(r"\\\1", o) for o in options)
             )
-        return llguidance.LLMatcher.grammar_from_lark(any_to_lark(c.value))
+        return llguidance.LLMatcher.grammar_from_lark(_to_lark(c.value))
     except GrammarError:
         raise
-    except (ValueError, TypeError) as e:
+    except (ValueError, TypeError, RecursionError) as e:
         raise GrammarError(f"invalid {c.kind.value}: {_first_line(str(e))}") from e
+
+
+def _to_lark(text: str) -> str:
+    try:
+        return any_to_lark(text)
+    except Exception as e:  # noqa: BLE001 - llguidance's GBNF reader raises bare Exception
+        raise GrammarError(f"invalid grammar: {_first_line(str(e))}") from e
 
 
 def _first_line(text: str) -> str:
