@@ -114,20 +114,47 @@ def vllm_run(py: Path, url: str, model: str, n: int, out: Path) -> Run:
 def _read_guidellm(out: Path, log: str) -> tuple[int | None, int | None, str]:
     report = json.loads((out / "benchmarks.json").read_text())
     bench = report["benchmarks"][0]
-    totals = bench.get("request_totals") or bench["metrics"]["request_totals"]
-    done, failed = totals["successful"], totals["errored"]
-    return done, failed, f"{bench.get('type_', 'benchmark')} totals {totals}"
+    totals = _find(bench, "request_totals")
+    return totals["successful"], totals["errored"], f"request totals {totals}"
+
+
+def _find(obj: object, key: str) -> dict:
+    """The first dict under `key` anywhere in a report (its nesting moves between versions)."""
+    if isinstance(obj, dict):
+        if isinstance(obj.get(key), dict):
+            return obj[key]
+        children: list = list(obj.values())
+    else:
+        children = list(obj) if isinstance(obj, list) else []
+    for child in children:
+        try:
+            return _find(child, key)
+        except KeyError:
+            pass
+    raise KeyError(key)
 
 
 def guidellm_run(py: Path, url: str, model: str, n: int, out: Path) -> Run:
-    data = f"prompt_tokens={INPUT_TOKENS},output_tokens={OUTPUT_TOKENS}"
-    argv = [
-        str(py.with_name("guidellm")), "benchmark", "run",
-        "--target", url, "--model", model, "--processor", str(MODEL),
-        "--data", data, "--profile", "synchronous", "--max-requests", str(n),
-        "--backend-kwargs", json.dumps({"api_key": KEY}),
-        "--output-dir", str(out), "--outputs", "json",
-    ]  # fmt: skip
+    # guidellm 0.8 takes its settings as `kind=...` specs or a scenario file: the file is plainer.
+    scenario = {
+        "spec": {
+            "backend": {"kind": "openai_http", "target": url, "model": model, "api_key": KEY},
+            "profile": {"kind": "synchronous"},
+            "tokenizer": {"kind": "hf_auto", "model": str(MODEL)},
+            "data": [
+                {
+                    "kind": "synthetic_text",
+                    "prompt_tokens": INPUT_TOKENS,
+                    "output_tokens": OUTPUT_TOKENS,
+                }
+            ],
+            "constraints": [{"kind": "max_requests", "count": n}],
+            "outputs": [{"kind": "json", "path": str(out / "benchmarks.json")}],
+        }
+    }
+    path = out / "scenario.json"
+    path.write_text(json.dumps(scenario, indent=2))
+    argv = [str(py.with_name("guidellm")), "run", "--config", str(path), "--disable-progress"]
     return Run(argv, {}, _read_guidellm)
 
 
@@ -140,7 +167,7 @@ def _read_aiperf(out: Path, log: str) -> tuple[int | None, int | None, str]:
     return (
         int(count) if count is not None else None,
         int(errors or 0),
-        f"mean TTFT {ttft} ms" if ttft is not None else "no TTFT",
+        f"mean TTFT {ttft:.1f} ms" if ttft is not None else "no TTFT",
     )
 
 
