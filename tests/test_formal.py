@@ -143,3 +143,18 @@ def test_cli_exit_codes_and_output(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["--assume-fixed", "all", "--without", "checksum"]) == 1
     out = capsys.readouterr().out
     assert "violated" in out and "trace:" in out and "corrupted" in out
+
+
+def test_the_model_checker_ships_in_the_wheel() -> None:
+    """`kvfence check-protocol` imports formal/: the distribution's package list (pyproject.toml)
+    must take it along with kvfence, or the command fails from an installed wheel."""
+    import tomllib
+    from pathlib import Path
+
+    from setuptools import find_namespace_packages
+
+    repo = Path(__file__).resolve().parent.parent
+    find = tomllib.loads((repo / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"]
+    shipped = find_namespace_packages(str(repo), include=find["find"]["include"])
+    assert "formal" in shipped and "kvfence.tools" in shipped
+    assert not any(p.startswith(("tests", "benchmarks", "scripts")) for p in shipped)

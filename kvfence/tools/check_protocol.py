@@ -9,7 +9,6 @@ import argparse
 import sys
 from collections.abc import Sequence
 from dataclasses import replace
-from pathlib import Path
 from typing import Any
 
 TWINS = (
@@ -26,14 +25,11 @@ HANDSHAKE_TWINS = ("peer_verify", "role_check", "transcript")
 
 
 def _formal() -> tuple[Any, Any]:
-    try:
-        import formal.explorer as explorer
-        import formal.model as model
-    except ImportError:
-        # formal/ sits beside the kvfence package in the repository, outside the wheel.
-        sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-        import formal.explorer as explorer
-        import formal.model as model
+    # formal/ is a package of the kvfence distribution (pyproject.toml), installed beside
+    # kvfence; imported only when asked, so `kvfence serve` never loads the model checker.
+    import formal.explorer as explorer
+    import formal.model as model
+
     return explorer, model
 
 
@@ -146,7 +142,6 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def check_handshake(args: argparse.Namespace) -> int:
-    _formal()  # puts formal/ on the path
     import formal.handshake as hs
 
     off = set(args.without)
