@@ -204,3 +204,21 @@ def test_lm_eval_loglikelihoods_equal_transformers(client, engine, model_dir,
     assert hit["usage"]["prompt_tokens_details"]["cached_tokens"] > 0, "the cache holds them"
     again = loglikelihoods(send, MODEL, pairs, max_tokens=max_tokens)
     assert max(abs(g - w) for g, w in zip(again, want, strict=True)) < TOL
+
+
+def test_echo_max_tokens_0_streams_the_prompt_alone(client, engine) -> None:
+    text = "hello world"
+    with client.stream("POST", "/v1/completions", json={
+        "model": MODEL, "prompt": [text, text], "echo": True, "logprobs": 1, "max_tokens": 0,
+        "n": 2, "stream": True, "stream_options": {"include_usage": True},
+    }) as r:
+        assert r.status_code == 200
+        lines = [line for line in r.iter_lines() if line.startswith("data: ")]
+    assert lines[-1] == "data: [DONE]"
+    events = [json.loads(line[6:]) for line in lines[:-1]]
+    choices = [c for e in events for c in e["choices"]]
+    assert sorted(c["index"] for c in choices) == [0, 1, 2, 3], "one chunk per choice"
+    for c in choices:
+        assert c["text"] == text and c["finish_reason"] == "length"
+        assert len(c["logprobs"]["tokens"]) == len(engine.tokenizer.encode(text))
+    assert events[-1]["usage"]["completion_tokens"] == 0
