@@ -47,6 +47,7 @@ class Option:
     negations: tuple[str, ...] = ()  # a switch on by default: the spellings that turn it off
     required: bool = False
     metavar: str | None = None
+    nargs: str | None = None  # "+": one or more values, parsed as a list
 
     @property
     def flag(self) -> str:
@@ -63,6 +64,8 @@ class Option:
             kw["action"] = "store_true"
         else:
             kw.update(type=o.type, choices=o.choices, required=o.required, metavar=o.metavar)
+            if o.nargs is not None:
+                kw["nargs"] = o.nargs
         parser.add_argument(*o.names, **kw)
         if o.negations:
             off = f"turn {o.flag} off" if o.help != argparse.SUPPRESS else o.help
@@ -74,6 +77,8 @@ class Option:
         """This option with `value` as a child process's command line spells it."""
         if self.switch:
             return [self.flag] if value else list(self.negations[:1])
+        if self.nargs is not None:
+            return [self.flag, *(str(v) for v in value)]
         return [self.flag, str(value)]
 
 
@@ -287,6 +292,27 @@ TP_TIMEOUT = _engine(
     metavar="SECONDS",
     help="a collective that waits longer (a stalled rank) fails the engine closed",
 )
+ENABLE_LORA = _engine(
+    "--enable-lora", "enable_lora", switch=True, help="serve LoRA adapters on the base model"
+)
+LORA_MODULES = _engine(
+    "--lora-modules",
+    "lora_modules",
+    nargs="+",
+    metavar="SPEC",
+    help='adapters to load at start: name=path, or JSON {"name", "path", "tenants": [...]} '
+    "(tenants absent: every tenant may use it); a request selects one by its model field",
+)
+MAX_LORAS = _engine(
+    "--max-loras",
+    "max_loras",
+    type=int,
+    help="adapters resident on the device at once (slots; swapped least recently used first); "
+    "also the most distinct adapters one step runs",
+)
+MAX_LORA_RANK = _engine(
+    "--max-lora-rank", "max_lora_rank", type=int, help="adapters of a higher rank are refused"
+)
 
 ENGINE_OPTIONS: tuple[Option, ...] = (
     MODEL, SERVED_MODEL_NAME, DEVICE, DTYPE, KV_CACHE_DTYPE, CONTEXT_LENGTH, PAGE_SIZE,
@@ -295,13 +321,15 @@ ENGINE_OPTIONS: tuple[Option, ...] = (
     UNSAFE_SKIP_PREFLIGHT, KV_POISON_ON_FREE, ENABLE_PREFIX_CACHING, SHARED_PREFIX_FILE,
     PREFIX_CACHE_TTL, SKIP_TOKENIZER_INIT, MAX_DECODE_STEP_MS, MIN_PREFILL_CHUNK,
     PREFILL_BACKLOG_STEPS, PREFILL_PACE, WIDE_STEP_FACTOR, MAX_RUNNING_REQUESTS_PER_TENANT,
-    SPECIAL_TOKENS_IN_CHAT, TP_SIZE, TP_TIMEOUT,
+    SPECIAL_TOKENS_IN_CHAT, TP_SIZE, TP_TIMEOUT, ENABLE_LORA, LORA_MODULES, MAX_LORAS,
+    MAX_LORA_RANK,
 )  # fmt: skip
 # What sizes a node's pool (kv/sizing.plan_for_engine reads these fields): `kvfence preflight`
 # takes exactly these, so it plans what `serve` would build.
 SIZING_OPTIONS: tuple[Option, ...] = (
     MODEL, CONTEXT_LENGTH, PAGE_SIZE, KV_POOL_TOKENS, MEM_FRACTION_STATIC, DTYPE, KV_CACHE_DTYPE,
-    DEVICE, CHUNKED_PREFILL_SIZE, MAX_RUNNING_REQUESTS, TP_SIZE,
+    DEVICE, CHUNKED_PREFILL_SIZE, MAX_RUNNING_REQUESTS, TP_SIZE, ENABLE_LORA, MAX_LORAS,
+    MAX_LORA_RANK,
 )  # fmt: skip
 
 # ---- an HTTP listener (serve, router, up) -------------------------------------------------------

@@ -9,6 +9,7 @@ from dataclasses import dataclass, fields
 from typing import Any
 
 from kvfence import env
+from kvfence.lora.config import LoraSpecError, parse_lora_module
 from kvfence.tp_layout import pd_tp_problem
 
 DTYPES = ("float32", "bfloat16", "float16")
@@ -80,6 +81,12 @@ class EngineConfig:
     # tp_timeout seconds (a stalled rank) fails the engine closed.
     tp_size: int = 1
     tp_timeout: float = 30.0
+    # Multi-LoRA (kvfence/lora/): adapters from --lora-modules (name=path or JSON with an optional
+    # "tenants" list), at most max_loras resident in device slots, each of rank <= max_lora_rank.
+    enable_lora: bool = False
+    lora_modules: tuple[str, ...] = ()
+    max_loras: int = 4
+    max_lora_rank: int = 16
 
     def __post_init__(self) -> None:
         if self.device != "cpu" and not self.device.startswith("cuda"):
@@ -139,9 +146,27 @@ class EngineConfig:
             raise ConfigError(f"--tp-size {self.tp_size}: must be >= 1")
         if not self.tp_timeout > 0:
             raise ConfigError(f"--tp-timeout {self.tp_timeout}: must be > 0")
+        self._check_lora()
         per_tenant = self.max_running_requests_per_tenant
         if per_tenant is not None and per_tenant < 1:
             raise ConfigError(f"--max-running-requests-per-tenant {per_tenant}: must be >= 1")
+
+    def _check_lora(self) -> None:
+        object.__setattr__(self, "lora_modules", tuple(self.lora_modules or ()))
+        if self.lora_modules and not self.enable_lora:
+            raise ConfigError("--lora-modules needs --enable-lora")
+        if self.max_loras < 1:
+            raise ConfigError(f"--max-loras {self.max_loras}: must be >= 1")
+        if self.max_lora_rank < 1:
+            raise ConfigError(f"--max-lora-rank {self.max_lora_rank}: must be >= 1")
+        if self.enable_lora and self.tp_size > 1:
+            raise ConfigError("--enable-lora with --tp-size above 1 is not supported")
+        try:
+            names = [parse_lora_module(m).name for m in self.lora_modules]
+        except LoraSpecError as e:
+            raise ConfigError(str(e)) from e
+        if len(set(names)) != len(names):
+            raise ConfigError("--lora-modules: two adapters share a name")
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> EngineConfig:
@@ -234,6 +259,11 @@ class NodeConfig:
             problem = pd_tp_problem(self.engine.tp_size, self.pd.disaggregation_transfer_backend)
             if problem is not None:  # refused before any certificate is read or rank started
                 raise ConfigError(problem)
+        if self.engine.enable_lora and self.server.engine_process:
+            # The HTTP process resolves adapter names against the engine's registry in-process.
+            raise ConfigError("--enable-lora with --engine-process is not supported")
+        if self.engine.enable_lora and self.pd.disaggregation_mode != "null":
+            raise ConfigError("--enable-lora with --disaggregation-mode is not supported yet")
 
     @property
     def role(self) -> str:

@@ -33,6 +33,8 @@ GUARDS = frozenset(
         "port_rule",
         # PD decode answers a request that asked for prompt logprobs only with prefill's (I5)
         "prompt_logprobs_whole",
+        "lora_digest",  # a LoRA adapter's content digest is part of its prefix-cache namespace
+        "lora_pd_digest",  # decode commits a transfer only if prefill applied its adapter
     }
 )
 

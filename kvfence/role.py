@@ -17,6 +17,7 @@ from kvfence.engine.request import GenerateRequest, RequestOutput
 
 if TYPE_CHECKING:  # the HTTP layer imports this module; torch loads with the engine, not here
     from kvfence.engine.engine import Engine, EngineStats
+    from kvfence.lora.registry import LoraRegistry
 
 
 class TokenizerLike(Protocol):
@@ -92,6 +93,11 @@ class EngineRole:
 
     def stats(self) -> EngineStats:
         return self.engine.stats()
+
+    @property
+    def loras(self) -> LoraRegistry | None:
+        """The adapters this engine serves (None: --enable-lora is off)."""
+        return self.engine.lora.registry if self.engine.lora is not None else None
 
     @property
     def prefix_caching(self) -> bool:

@@ -36,6 +36,8 @@ def sample(o: Option) -> tuple[list[str], Any]:
     """A command line giving `o` a value other than its default, and the value it parses to."""
     if o.switch:
         return ([o.negations[0]], False) if o.default else ([o.flag], True)
+    if o.nargs is not None:  # several values parse to a list
+        return [o.flag, f"x-{o.dest}", "y"], [f"x-{o.dest}", "y"]
     if o.choices:
         value: Any = next(c for c in o.choices if c != o.default)
     elif o.type is int:

@@ -36,6 +36,7 @@ from kvfence.faults import Faults
 from kvfence.kv.pool import KVPool
 from kvfence.kv.prefix import PrefixCache, PrefixCacheStats, SharedPrefixes, load_shared_prefixes
 from kvfence.kv.sizing import CapacityError, PoolPlan, plan_for_engine, require_fits
+from kvfence.lora.runtime import LoraRuntime
 from kvfence.model.config import ModelConfig
 from kvfence.model.loader import TORCH_DTYPES, load_model
 from kvfence.model.tokenizer import IncrementalDetokenizer, Tokenizer, load_tokenizer
@@ -197,6 +198,13 @@ class Engine:
             install_collectives(self.model, self.tp.group, self.tp.layout)
             self.tp.ready()
             self.tp.on_broken = lambda: self._wake.set()
+        # Multi-LoRA: adapters bound to the fused projections; the scheduler admits no more
+        # distinct adapters than there are slots.
+        self.lora = (LoraRuntime(cfg, self.model_config, self.model, self.model_name, self.device)
+                     if cfg.enable_lora else None)
+        if self.lora is not None:
+            self.runner.lora = self.lora.slots
+            self.scheduler.limits.lora_may_enter = self.lora.may_enter
         self._inbox: queue.SimpleQueue[tuple[str, object]] = queue.SimpleQueue()
         self._wake = threading.Event()
         self._seqs: dict[str, Sequence] = {}

@@ -5,9 +5,12 @@ from __future__ import annotations
 import enum
 from collections.abc import Mapping
 from dataclasses import dataclass, fields
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from kvfence.structured.spec import Constraint
+
+if TYPE_CHECKING:  # the HTTP layer imports this module; torch loads with the engine
+    from kvfence.lora.checkpoint import LoraAdapter
 
 _TUPLES = ("stop", "stop_token_ids")
 
@@ -85,6 +88,9 @@ class GenerateRequest:
     peer: str | None = None  # PD decode: the prefill bootstrap address the router picked
     # vLLM's request field: a sub-namespace of the prefix cache *inside* tenant (narrows only).
     cache_salt: str | None = None
+    # The LoRA adapter the model field named, resolved for this tenant (None: the base model).
+    # The object, not its name: an unload or a reload under the same name never changes it.
+    lora: LoraAdapter | None = None
 
 
 class FinishReason(enum.StrEnum):

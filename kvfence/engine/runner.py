@@ -16,6 +16,7 @@ from kvfence.engine.prompt_logprobs import BLOCK_ROWS, ScoreBlock, score
 from kvfence.engine.scheduler import ScheduledChunk
 from kvfence.faults import Faults
 from kvfence.kv.pool import NULL_PAGE, KVPool, SealedReads
+from kvfence.lora.slots import LoraSlots
 from kvfence.model import kernels
 from kvfence.model.attention import AttentionMetadata, NativeDecodeGroup, build_group
 from kvfence.model.llama import CausalLM
@@ -96,6 +97,7 @@ class ModelRunner:
         if epilogue is not None:  # else torch's F.rms_norm, add and silu
             model.use_epilogue(epilogue, pool.k.dtype)
         self.fused_epilogue = epilogue is not None
+        self.lora: LoraSlots | None = None  # set by the engine with --enable-lora
 
     def run(self, chunks: list[ScheduledChunk]) -> StepResult:
         chunks, rejected = self.check_ownership(chunks)
@@ -125,6 +127,8 @@ class ModelRunner:
         starts = torch.tensor([c.start for c in chunks], dtype=torch.int64)
         lengths = torch.tensor([c.length for c in chunks], dtype=torch.int64)
         self._mark_written(chunks, page_table, starts, lengths)
+        if self.lora is not None:  # rows grouped by adapter slot, once for every site
+            self.lora.prepare([c.seq.lora for c in chunks], lengths)
         flat_offsets = torch.cumsum(lengths, 0) - lengths
         total = int(lengths.sum())
         row = torch.repeat_interleave(torch.arange(len(chunks)), lengths)

@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import logging
 from collections import deque
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from kvfence.engine.fairness import next_waiting
 from kvfence.engine.prompt_logprobs import NO_SCORES, scored_range
@@ -17,7 +19,10 @@ from kvfence.engine.sequence import SeqMode, SeqStatus, Sequence
 from kvfence.engine.step_budget import BudgetPolicy, StepBudget
 from kvfence.faults import Faults
 from kvfence.kv.pool import KVPool, OwnershipError
-from kvfence.kv.prefix import Namespace
+from kvfence.kv.prefix import Namespace, lora_identity
+
+if TYPE_CHECKING:
+    from kvfence.lora.checkpoint import LoraAdapter
 
 log = logging.getLogger("kvfence.engine")
 
@@ -42,6 +47,10 @@ class SchedulerLimits:
     max_running_requests: int
     step: BudgetPolicy  # the prefill budget of a step that also decodes
     max_running_requests_per_tenant: int | None = None
+    # LoRA: whether a sequence's adapter may join the live ones' (slots bound a step's adapters).
+    lora_may_enter: Callable[[LoraAdapter | None, Iterable[LoraAdapter | None]], bool] | None = (
+        None
+    )
 
 
 class Scheduler:
@@ -142,6 +151,8 @@ class Scheduler:
                 break  # its next page is being computed right now; it reuses it next step
             # The hit's pages are shared, not taken; those nobody references yet stop being
             # evictable once this sequence holds them.
+            if not self._adapter_fits(seq):
+                break  # its adapter needs a slot the running ones hold; it waits, in order
             needed = self.pool.pages_for(len(seq.token_ids)) - len(hit)
             if needed > self.pool.num_free - self.pool.num_evictable_among(hit):
                 break  # the pick waits: later arrivals never overtake it
@@ -180,12 +191,21 @@ class Scheduler:
             # decode reserve, and prefill compute and send, the whole prompt.
             return []
         if seq.chain is None:
-            ns = Namespace.of_tenant(seq.tenant, seq.admitted.request.cache_salt)
+            ns = Namespace.of_tenant(
+                seq.tenant, seq.admitted.request.cache_salt, lora_identity(seq.lora, self.faults)
+            )
             seq.chain = prefix.chain(seq.token_ids, ns)
         else:
             prefix.extend(seq.chain, seq.token_ids)  # tokens it generated before a preemption
         max_pages = (len(seq.token_ids) - 1) // self.pool.page_size
         return [e.page for e in prefix.lookup(seq.chain, seq.token_ids, max_pages)]
+
+    def _adapter_fits(self, seq: Sequence) -> bool:
+        gate = self.limits.lora_may_enter
+        if gate is None or seq.lora is None:
+            return True
+        live = [s.lora for s in self.running] + [s.lora for s in self.handoff.values()]
+        return gate(seq.lora, live)
 
     def _awaits_twin(self, seq: Sequence, n_hit: int) -> bool:
         if seq.chain is None or n_hit >= (len(seq.token_ids) - 1) // self.pool.page_size:

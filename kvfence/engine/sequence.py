@@ -5,6 +5,7 @@ from __future__ import annotations
 import enum
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -15,6 +16,9 @@ from kvfence.kv.pool import Grant
 from kvfence.kv.prefix import PageChain
 from kvfence.model.tokenizer import IncrementalDetokenizer
 from kvfence.structured.grammar import Matcher
+
+if TYPE_CHECKING:
+    from kvfence.lora.checkpoint import LoraAdapter
 
 
 class SeqStatus(enum.Enum):
@@ -83,6 +87,10 @@ class Sequence:
     @property
     def tenant(self) -> str:
         return self.admitted.request.tenant
+
+    @property
+    def lora(self) -> LoraAdapter | None:
+        return self.admitted.request.lora
 
     @property
     def prompt_len(self) -> int:

@@ -33,6 +33,10 @@ GUARD_POINTS = {
     "skip_port_rule": "port_rule",
     # PD decode answers 200 without the prompt logprobs its client asked for (I5)
     "skip_prompt_logprobs_check": "prompt_logprobs_whole",
+    # Prefix-cache namespaces leave the LoRA adapter's digest out: adapters share pages (I2).
+    "lora_key_drops_digest": "lora_digest",
+    # PD decode commits a transfer whatever adapter digest prefill says it applied (I3).
+    "lora_skip_pd_digest": "lora_pd_digest",
 }
 # Points that make a component misbehave.
 ACTION_POINTS = frozenset(

@@ -22,6 +22,7 @@ from collections import OrderedDict
 from collections.abc import Callable, Hashable, Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Protocol
 
 from kvfence.faults import Faults
 
@@ -47,25 +48,44 @@ class Namespace:
     kind: NsKind
     tenant: str | None = None  # None only for SHARED
     salt: str | None = None
+    # The LoRA adapter the KV was computed with: its content digest, never its name, so a
+    # reload of other weights under the same name is another namespace (None: the base model).
+    adapter: str | None = None
 
     def __post_init__(self) -> None:
         if (self.kind is NsKind.SHARED) != (self.tenant is None):
             raise ValueError("a tenant namespace names its tenant; the shared one names none")
-        if self.kind is NsKind.SHARED and self.salt is not None:
-            raise ValueError("the shared namespace has no salt")
+        if self.kind is NsKind.SHARED and (self.salt is not None or self.adapter is not None):
+            raise ValueError("the shared namespace has no salt and no adapter")
 
     @staticmethod
-    def of_tenant(tenant: str, salt: str | None = None) -> Namespace:
-        return Namespace(NsKind.TENANT, tenant, salt or None)
+    def of_tenant(tenant: str, salt: str | None = None, adapter: str | None = None) -> Namespace:
+        return Namespace(NsKind.TENANT, tenant, salt or None, adapter)
 
     def encode(self) -> bytes:
-        """Typed, length-prefixed: no (tenant, salt) pair encodes like another, and a salt can
-        never read as a tenant or an adapter name (vLLM #44701)."""
+        """Typed, length-prefixed: no (tenant, salt, adapter) triple encodes like another, and a
+        salt can never read as a tenant or an adapter (vLLM #44701). The adapter field comes last
+        and only when set, so the base model's encoding is what it always was."""
         out = _field(b"K", bytes([self.kind.value]))
         if self.tenant is not None:
             out += _field(b"T", self.tenant.encode("utf-8"))
         out += _field(b"S", self.salt.encode("utf-8")) if self.salt is not None else b"N"
+        if self.adapter is not None:
+            out += _field(b"A", self.adapter.encode("utf-8"))
         return out
+
+
+class _HasDigest(Protocol):
+    @property
+    def digest(self) -> str: ...
+
+
+def lora_identity(adapter: _HasDigest | None, faults: Faults) -> str | None:
+    """What a request's adapter puts in its namespace: the content digest (None: base model).
+    The lora_key_drops_digest twin leaves it out, so two adapters' pages look alike."""
+    if adapter is None or not faults.guards().on("lora_digest"):
+        return None
+    return adapter.digest
 
 
 SHARED = Namespace(NsKind.SHARED)
@@ -262,7 +282,10 @@ class PrefixCache:
     # ---- keys ------------------------------------------------------------------------------
 
     def chain(self, tokens: Sequence[int], tenant_ns: Namespace) -> PageChain:
-        c = PageChain(tenant_ns, node=self.shared.root if self.shared.num_pages else None)
+        # A declared public prefix is shared as the base model computes it; under an adapter
+        # its KV differs, so those pages stay in the tenant's (adapter's) namespace.
+        public = self.shared.num_pages and tenant_ns.adapter is None
+        c = PageChain(tenant_ns, node=self.shared.root if public else None)
         self.extend(c, tokens)
         return c
 

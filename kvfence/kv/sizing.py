@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from kvfence.config import EngineConfig
+from kvfence.lora.sites import slot_table_bytes
 from kvfence.shape import ModelShape
 from kvfence.tp_layout import replicated_extra_params
 
@@ -226,6 +227,8 @@ class PoolPlan:
     max_position_embeddings: int
     max_full_context_requests: int
     fits: bool
+    lora_bytes: int = 0  # the LoRA slot table (--enable-lora): --max-loras at --max-lora-rank
+
 
     @property
     def pool_bytes(self) -> int:
@@ -238,6 +241,7 @@ class PoolPlan:
             int(self.device_memory_bytes * self.mem_fraction_static)
             - self.model_bytes
             - self.activation_reserve_bytes
+            - self.lora_bytes
         )
 
     def problem(self) -> str | None:
@@ -319,6 +323,7 @@ def plan_pool(
     chunked_prefill_size: int = 512,
     max_running_requests: int = 64,
     model_name: str | None = None,
+    lora_bytes: int = 0,
 ) -> PoolPlan:
     """Size one rank's KV pool. An explicit kv_pool_tokens wins over the memory-derived size.
 
@@ -350,7 +355,7 @@ def plan_pool(
     reserve = activation_reserve_bytes(
         mc, dtype, tp_size, chunked_prefill_size, max_running_requests
     )
-    budget = int(device_memory_bytes * mem_fraction_static) - model_bytes - reserve
+    budget = int(device_memory_bytes * mem_fraction_static) - model_bytes - reserve - lora_bytes
     memory_pages = max(budget, 0) // per_token // page_size
     # The allocator hands out whole pages, so a partial page at the end is never usable.
     pages = memory_pages if kv_pool_tokens is None else kv_pool_tokens // page_size
@@ -379,6 +384,7 @@ def plan_pool(
         max_position_embeddings=mc.max_position_embeddings,
         max_full_context_requests=pool_tokens // ctx,
         fits=pool_tokens >= ctx,
+        lora_bytes=lora_bytes,
     )
 
 
@@ -414,7 +420,18 @@ def plan_for_engine(
         chunked_prefill_size=cfg.chunked_prefill_size,
         max_running_requests=cfg.max_running_requests,
         model_name=cfg.served_model_name or Path(cfg.model).name,
+        lora_bytes=lora_slot_bytes(mc, cfg.enable_lora, cfg.max_loras, cfg.max_lora_rank,
+                                   cfg.dtype),
     )
+
+
+def lora_slot_bytes(
+    mc: ModelShape, enable: bool, max_loras: int, max_rank: int, dtype: str
+) -> int:
+    """The LoRA slot table's device bytes (0 without --enable-lora)."""
+    if not enable:
+        return 0
+    return slot_table_bytes(mc, max_loras, max_rank, dtype_bytes(dtype))  # type: ignore[arg-type]
 
 
 def _gib(n: int) -> str:

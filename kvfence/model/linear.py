@@ -12,6 +12,8 @@ weight); a packed projection can still hand out rows of W for a tied embedding.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 from kvfence.model.kernels import PackedGemm
@@ -49,6 +51,8 @@ class Projection:
         self.n = w_t.shape[1]
         self.panels: torch.Tensor | None = None
         self.gemm: PackedGemm | None = None
+        # A LoRA site's update, added to the base output in place (kvfence/lora/slots.py).
+        self.lora: Callable[[torch.Tensor, torch.Tensor], None] | None = None
 
     def pack(self, gemm: PackedGemm) -> None:
         assert self.w_t is not None and self.w_t.dtype == torch.float32
@@ -59,10 +63,14 @@ class Projection:
     def __call__(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         if self.panels is None:
             assert self.w_t is not None
-            return x @ self.w_t if bias is None else torch.addmm(bias, x, self.w_t)
-        assert self.gemm is not None
-        y = self.gemm.matmul(x.contiguous(), self.panels, self.n)
-        return y if bias is None else y.add_(bias)
+            y = x @ self.w_t if bias is None else torch.addmm(bias, x, self.w_t)
+        else:
+            assert self.gemm is not None
+            y = self.gemm.matmul(x.contiguous(), self.panels, self.n)
+            y = y if bias is None else y.add_(bias)
+        if self.lora is not None:
+            self.lora(x, y)
+        return y
 
     def nbytes(self) -> int:
         t = self.w_t if self.panels is None else self.panels

@@ -10,13 +10,16 @@ import secrets
 import signal
 import threading
 from types import FrameType
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel, ValidationError
 
 from kvfence.faults import Faults
+
+if TYPE_CHECKING:
+    from kvfence.lora.checkpoint import LoraAdapter
 from kvfence.role import RoleService, TokenizerLike
 from kvfence.server.app_state import AppState
 from kvfence.server.auth import Authenticator, load_api_keys, single_authorization
@@ -32,6 +35,7 @@ from kvfence.server.errors import (
 from kvfence.server.generate import generate, record
 from kvfence.server.hop import HopVerifier
 from kvfence.server.httpio import read_body, server_config
+from kvfence.server.lora_routes import add_lora_routes, lora_names, resolve_lora
 from kvfence.server.metrics import RequestRecorder, ServerMetrics
 from kvfence.server.operator import OperatorGate, load_operator_key
 from kvfence.server.prompt_echo import PromptAsk, completion_ask, engine_k
@@ -133,21 +137,24 @@ def build_app(
 
     @app.get("/v1/models")
     async def list_models(request: Request) -> JSONResponse:
-        _authenticate(state, request)
-        return JSONResponse({"object": "list", "data": [_model_card(engine)]})
+        tenant = _authenticate(state, request)
+        cards = [_model_card(engine)] + [
+            _model_card(engine, name) for name in lora_names(engine, tenant)
+        ]
+        return JSONResponse({"object": "list", "data": cards})
 
     @app.get("/v1/models/{model_id:path}")
     async def get_model(request: Request, model_id: str) -> JSONResponse:
-        _authenticate(state, request)
-        _check_model(engine, model_id)
-        return JSONResponse(_model_card(engine))
+        tenant = _authenticate(state, request)
+        lora = _check_model(engine, model_id, tenant)
+        return JSONResponse(_model_card(engine, None if lora is None else model_id))
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
         tenant = _authenticate(state, request)
         req = _parse(CompletionRequest, await read_body(request, state.max_body_bytes))
         req.check_supported()
-        _check_model(engine, req.model)
+        lora = _check_model(engine, req.model, tenant)
         _check_choices(len(req.prompts), req.choices_per_prompt)
         if any(isinstance(p, str) for p in req.prompts):
             _require_text(engine, "prompt")
@@ -167,7 +174,7 @@ def build_app(
         ids = _request_ids(len(prompts) * req.choices_per_prompt)
         fmt = CompletionFormat(
             f"cmpl-{ids[0]}",
-            engine.model_name,
+            req.model,  # the base model's name or the adapter's, as the client asked
             req.logprobs is not None,
             _token_text(engine, req.return_tokens_as_token_ids),
         )
@@ -194,6 +201,7 @@ def build_app(
             bool(req.stream),
             req.include_usage,
             req.cache_salt,
+            lora,
         )
 
     async def run_chat(
@@ -205,7 +213,7 @@ def build_app(
         """A chat request through the engine; `responses`: the /v1/responses request it was
         read from, whose answer is then shaped as a `response`."""
         req.check_supported()
-        _check_model(engine, req.model)
+        lora = _check_model(engine, req.model, tenant)
         _require_text(engine, "messages" if responses is None else "input")
         plan = plan_tools(req.tools, req.tool_choice, req.parallel_tool_calls, tool_call_parser)
         constraint = req.constraint()
@@ -225,10 +233,10 @@ def build_app(
         ids = _request_ids(req.choices_per_prompt)
         token_text = _token_text(engine, req.return_tokens_as_token_ids)
         chat = (
-            ChatFormat(f"chatcmpl-{ids[0]}", engine.model_name, bool(req.logprobs), token_text)
+            ChatFormat(f"chatcmpl-{ids[0]}", req.model, bool(req.logprobs), token_text)
             if plan is None
             else ToolChatFormat(
-                f"chatcmpl-{ids[0]}", engine.model_name, bool(req.logprobs), token_text, plan
+                f"chatcmpl-{ids[0]}", req.model, bool(req.logprobs), token_text, plan
             )
         )
         if req.prompt_logprobs is not None:
@@ -248,6 +256,7 @@ def build_app(
             bool(req.stream),
             req.include_usage,
             req.cache_salt,
+            lora,
         )
 
     @app.post("/v1/chat/completions")
@@ -261,17 +270,17 @@ def build_app(
         tenant = _authenticate(state, request)
         req = await _read_json(state, request, ResponsesRequest)
         req.check_supported()
-        _check_model(engine, req.model)
-        chat = req.chat_request()
+        chat = req.chat_request()  # run_chat resolves the model (an adapter) for the tenant
         chat.stream = req.stream
         return await run_chat(request, tenant, chat, req)
 
+    add_lora_routes(app, engine, state.operator)
     add_tokenize_routes(
         app,
         engine,
         authenticate=lambda request: _authenticate(state, request),
         read_json=lambda request, model: _read_json(state, request, model),
-        check_model=lambda name: _check_model(engine, name),
+        check_model=lambda name, tenant: _check_model(engine, name, tenant),
         require_text=lambda param: _require_text(engine, param),
     )
     return app
@@ -385,14 +394,17 @@ def _engine_dead() -> JSONResponse:
     return JSONResponse(body, status_code=503)
 
 
-def _model_card(engine: RoleService) -> dict[str, Any]:
-    return {
-        "id": engine.model_name,
+def _model_card(engine: RoleService, adapter: str | None = None) -> dict[str, Any]:
+    card = {
+        "id": adapter or engine.model_name,
         "object": "model",
         "created": 0,
         "owned_by": "kvfence",
         "max_model_len": engine.context_length,  # vLLM's name; clients read context length here
     }
+    if adapter is not None:  # vLLM's field; never the adapter's path on this host
+        card["parent"] = engine.model_name
+    return card
 
 
 def _authenticate(state: AppState, request: Request) -> str:
@@ -415,14 +427,20 @@ def _parse(model: type[_M], body: bytes) -> _M:
         raise from_validation_error(e) from None
 
 
-def _check_model(engine: RoleService, name: str) -> None:
-    if name != engine.model_name:
+def _check_model(engine: RoleService, name: str, tenant: str) -> LoraAdapter | None:
+    """None for the base model, the adapter for an adapter `tenant` may use; anything else,
+    an adapter it may not use included, is the one 404 (existence is not leaked)."""
+    if name == engine.model_name:
+        return None
+    lora = resolve_lora(engine, name, tenant)
+    if lora is None:
         raise APIError(
             404,
             f"The model `{name}` does not exist. This server serves `{engine.model_name}`.",
             code="model_not_found",
             param="model",
         )
+    return lora
 
 
 def _has_text(engine: RoleService) -> bool:

@@ -7,7 +7,7 @@ from __future__ import annotations
 import time
 from collections import deque
 from collections.abc import AsyncGenerator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
@@ -21,6 +21,9 @@ from kvfence.server.drain import NOT_ADMITTED_HEADER
 from kvfence.server.errors import INVALID_REQUEST, SERVER_ERROR, APIError
 from kvfence.server.metrics import RequestRecord
 from kvfence.server.schemas import AnswerFormat, ChoiceState, Delta, usage
+
+if TYPE_CHECKING:
+    from kvfence.lora.checkpoint import LoraAdapter
 
 _FAILED = (FinishReason.ERROR, FinishReason.ABORT)
 
@@ -112,6 +115,7 @@ async def generate(
     stream: bool,
     include_usage: bool,
     cache_salt: str | None = None,
+    lora: LoraAdapter | None = None,
 ) -> Response:
     rec = record(request)
     rec.request_id = ids[0]
@@ -127,6 +131,7 @@ async def generate(
             sampling=sampling,
             peer=peer,  # set by the router in PD mode; only a decode worker reads it
             cache_salt=cache_salt,
+            lora=lora,  # resolved for this tenant by the model check
         )
         for p, prompt in enumerate(prompts)
         for j in range(n)

@@ -49,9 +49,9 @@ def add_tokenize_routes(
     app: FastAPI,
     engine: RoleService,
     *,
-    authenticate: Callable[[Request], object],
+    authenticate: Callable[[Request], str],
     read_json: Callable[[Request, type[Any]], Any],
-    check_model: Callable[[str], None],
+    check_model: Callable[[str, str], object],
     require_text: Callable[[str], None],
 ) -> None:
     """Registers both routes. The callables are the app's own first door, bounded body parser,
@@ -60,10 +60,10 @@ def add_tokenize_routes(
 
     @app.post("/tokenize")
     async def tokenize(request: Request) -> JSONResponse:
-        authenticate(request)
+        tenant = authenticate(request)
         req: TokenizeRequest = await read_json(request, TokenizeRequest)
         if req.model is not None:
-            check_model(req.model)
+            check_model(req.model, tenant)
         if (req.prompt is None) == (req.messages is None):
             raise bad_request("Send exactly one of `prompt` and `messages`.", param="prompt")
         if req.return_token_strs:
@@ -104,10 +104,10 @@ def add_tokenize_routes(
 
     @app.post("/detokenize")
     async def detokenize(request: Request) -> JSONResponse:
-        authenticate(request)
+        tenant = authenticate(request)
         req: DetokenizeRequest = await read_json(request, DetokenizeRequest)
         if req.model is not None:
-            check_model(req.model)
+            check_model(req.model, tenant)
         require_text("tokens")
         tok = engine.tokenizer
         bad = next((t for t in req.tokens if t >= tok.vocab_size), None)

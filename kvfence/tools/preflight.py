@@ -14,7 +14,7 @@ from typing import NoReturn
 
 from kvfence.args import DEVICE, SIZING_OPTIONS, add_options
 from kvfence.config import DTYPES
-from kvfence.kv.sizing import ROLES, PoolPlan, device_memory_bytes, plan_pool
+from kvfence.kv.sizing import ROLES, PoolPlan, device_memory_bytes, lora_slot_bytes, plan_pool
 from kvfence.model.config import ModelConfig, UnsupportedModelError
 
 EXIT_OK = 0
@@ -98,6 +98,9 @@ def run_preflight(args: argparse.Namespace) -> tuple[PoolPlan, int]:
             chunked_prefill_size=args.chunked_prefill_size,
             max_running_requests=args.max_running_requests,
             model_name=f"{model_dir.name} ({mc.architecture})",
+            lora_bytes=lora_slot_bytes(
+                mc, args.enable_lora, args.max_loras, args.max_lora_rank, dtype
+            ),
         )
     except (ValueError, KeyError, OSError) as e:
         raise BadInput(str(e)) from e
@@ -115,6 +118,7 @@ def format_plan(plan: PoolPlan, memory_from: str) -> str:
         ("parameters", _params(plan)),
         ("model bytes / rank", f"{_gib(plan.model_bytes)} (from {plan.weights_source})"),
         ("activation reserve", _gib(plan.activation_reserve_bytes)),
+        ("LoRA slots", _gib(plan.lora_bytes)),
         ("KV bytes / token / rank", str(plan.kv_bytes_per_token)),
         (
             "KV pool tokens",
