@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Iterator
-from typing import Any
+from typing import Any, Literal
 
 import openai
 import pytest
@@ -14,7 +14,7 @@ from api_client import client_for
 from fake_engine import FakeEngine
 from fastapi.testclient import TestClient
 from openai.types.responses import Response as OpenAIResponse
-from pydantic import ValidationError
+from pydantic import BaseModel, ValidationError
 from tiny_app import MODEL, tiny_app_fixtures
 
 from kvfence.server.responses_schema import ResponsesRequest
@@ -161,6 +161,18 @@ def test_official_client_create_and_stream(client: TestClient) -> None:
         deltas = [e.delta for e in stream if e.type == "response.output_text.delta"]
         final = stream.get_final_response()
     assert "".join(deltas) == final.output_text == resp.output_text
+
+
+class Pick(BaseModel):
+    city: Literal["paris", "rome"]
+
+
+def test_text_format_json_schema_through_the_official_parse(client: TestClient) -> None:
+    oa = openai.OpenAI(base_url="http://testserver/v1", api_key="x", http_client=client)
+    r = oa.responses.parse(
+        model=MODEL, input="city?", text_format=Pick, max_output_tokens=40, temperature=0
+    )
+    assert isinstance(r.output_parsed, Pick)
 
 
 # ---- tools -------------------------------------------------------------------------------------
