@@ -255,8 +255,9 @@ def test_no_healthy_pair_is_503_no_workers(cluster: Cluster) -> None:
     assert r.status_code == 503
     err = r.json()["error"]
     assert (err["message"], err["type"], err["code"]) == (
-        "no healthy prefill/decode workers", "service_unavailable", "no_workers"
+        "no healthy prefill/decode workers", "server_error", "no_workers"
     )
+    assert r.headers["retry-after"] == "1"  # the README's error table: retryable
     h = httpx.get(url + "/health", timeout=5)
     assert h.status_code == 503
     assert h.json()["error"]["code"] == "no_workers"

@@ -21,6 +21,7 @@ from kvfence.faults import Faults
 if TYPE_CHECKING:
     from kvfence.lora.checkpoint import LoraAdapter
 from kvfence.role import RoleService, TokenizerLike
+from kvfence.server import openapi
 from kvfence.server.app_state import AppState
 from kvfence.server.auth import Authenticator, load_api_keys, single_authorization
 from kvfence.server.drain import DEFAULT_DRAIN_TIMEOUT_S, Drain, DrainingServer
@@ -283,6 +284,7 @@ def build_app(
         check_model=lambda name, tenant: _check_model(engine, name, tenant),
         require_text=lambda param: _require_text(engine, param),
     )
+    openapi.install(app)
     return app
 
 

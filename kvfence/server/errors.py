@@ -51,6 +51,44 @@ def bad_request(message: str, *, code: str = "invalid_value", param: str | None 
     return APIError(400, message, code=code, param=param)
 
 
+# What a failed request's status says a client should do, one status per class of failure
+# (README "Errors a client can act on"), as OpenAI's API and its clients read them: a 4xx is the
+# client's to fix and is not retried; a 503 with Retry-After is capacity or a KV transfer that
+# failed closed, so the same request may succeed on a retry (nothing of it was answered); a 500
+# is a bug or a guard that caught corrupt state, for the operator. The engine and the PD
+# protocol report failures by code; the status the client sees is decided here, nowhere else.
+RETRY_AFTER_S = 1
+RETRYABLE = frozenset(
+    {
+        "kv_transfer_incomplete",  # pages missing or failing their checksum: fails closed
+        "kv_transfer_timeout",
+        "kv_prefix_mismatch",  # prefill's cached prefix is not the one decode reused
+        "prefill_unavailable",
+        "room_collision",
+        "request_aborted",  # aborted by the server (a drain, a lost peer), not by the client
+        "engine_failed",
+        "draining",
+        "no_workers",
+    }
+)
+
+
+def server_failure(code: str, message: str, status: int | None) -> APIError:
+    """The client's error for a failure reported by `code` with the reporter's `status`: a 503
+    with Retry-After for a RETRYABLE code, the reporter's 4xx for a client's fault, else 500."""
+    if code in RETRYABLE:
+        return APIError(
+            503,
+            message,
+            code=code,
+            type=SERVER_ERROR,
+            headers={"Retry-After": str(RETRY_AFTER_S)},
+        )
+    if status is not None and 400 <= status < 500:
+        return APIError(status, message, code=code)
+    return APIError(500, message, code=code, type=SERVER_ERROR)
+
+
 # Union members and validators appear in pydantic locations as tags, not as fields.
 _LOC_TAGS = {"body", "str", "int", "float", "bool", "list", "dict", "none", "json-or-python"}
 

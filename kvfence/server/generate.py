@@ -18,7 +18,7 @@ from kvfence.engine.admission import Rejected
 from kvfence.engine.request import FinishReason, GenerateRequest, RequestOutput, SamplingParams
 from kvfence.server.app_state import AppState, Event, Generation
 from kvfence.server.drain import NOT_ADMITTED_HEADER
-from kvfence.server.errors import INVALID_REQUEST, SERVER_ERROR, APIError
+from kvfence.server.errors import APIError, server_failure
 from kvfence.server.metrics import RequestRecord
 from kvfence.server.schemas import AnswerFormat, ChoiceState, Delta, usage
 
@@ -87,19 +87,14 @@ class _Progress:
 def _engine_failure(out: RequestOutput) -> APIError:
     # I5: the client sees the engine's reason, never a 200 with what was produced so far.
     if out.finish_reason is FinishReason.ERROR:
-        status = out.error_status or 500
-        return APIError(
-            status,
+        # A 4xx from another door (e.g. prefill's admission in PD mode) stays the client's.
+        return server_failure(
+            out.error_code or "internal_error",
             out.error or "The engine failed this request.",
-            code=out.error_code or "internal_error",
-            # A 4xx from another door (e.g. prefill's admission in PD mode) keeps its type.
-            type=INVALID_REQUEST if 400 <= status < 500 else SERVER_ERROR,
+            out.error_status,
         )
-    return APIError(
-        503,
-        "The request was aborted by the server before it finished.",
-        code="request_aborted",
-        type=SERVER_ERROR,
+    return server_failure(
+        "request_aborted", "The request was aborted by the server before it finished.", None
     )
 
 
@@ -164,13 +159,9 @@ def _rejection(rejected: Rejected) -> APIError:
             rejected.status, rejected.message, code=rejected.code, param=rejected.param
         )
     # A draining node: this request reached no engine, so the router may send it elsewhere.
-    return APIError(
-        rejected.status,
-        rejected.message,
-        code=rejected.code,
-        type=SERVER_ERROR,
-        headers={NOT_ADMITTED_HEADER: rejected.code},
-    )
+    err = server_failure(rejected.code, rejected.message, rejected.status)
+    err.headers = {**(err.headers or {}), NOT_ADMITTED_HEADER: rejected.code}
+    return err
 
 
 def _client_gone(rec: RequestRecord) -> Response:

@@ -409,7 +409,8 @@ class Relay(Response):
 
     async def _send_error(self, send: Send, err: APIError) -> None:
         body = json.dumps(err.body()).encode()
-        await self._whole(send, err.status, [(b"content-type", b"application/json")], body)
+        extra = [(k.lower().encode(), v.encode()) for k, v in (err.headers or {}).items()]
+        await self._whole(send, err.status, [(b"content-type", b"application/json"), *extra], body)
 
     async def _fail(self, send: Send, err: APIError) -> None:
         """An error whatever has been sent already: a status if we can, else an SSE event."""

@@ -13,7 +13,7 @@ import httpx
 
 from kvfence.faults import Faults
 from kvfence.server.auth import Authenticator
-from kvfence.server.errors import APIError
+from kvfence.server.errors import APIError, server_failure
 from kvfence.server.operator import OperatorGate, operator_headers
 from kvfence.server.router.args import RouterSettings
 from kvfence.server.router.metrics import RouterMetrics
@@ -207,6 +207,4 @@ def _bootstrap_address(w: Worker, info: dict[str, Any]) -> str:
 
 
 def no_workers() -> APIError:
-    return APIError(
-        503, "no healthy prefill/decode workers", code="no_workers", type="service_unavailable"
-    )
+    return server_failure("no_workers", "no healthy prefill/decode workers", 503)
