@@ -36,6 +36,7 @@ from kvfence.server.router import build_router_app
 
 TENANT_KEY = "sk-fuzz-tenant"
 OPERATOR_KEY = "op-fuzz-0123456789abcdef0123"
+OPERATOR_PATHS = ("/metrics", "/pd/info", "/v1/load_lora_adapter", "/v1/unload_lora_adapter")
 CHECKS = [
     not_a_server_error,
     status_code_conformance,
@@ -100,7 +101,7 @@ def run(doc: dict[str, Any], base_url: str, examples: int, seed: int = 47) -> Ta
     tally = Tally()
     for result in schema.get_all_operations():
         op = result.ok()
-        operator = op.path in ("/metrics", "/pd/info")
+        operator = op.path in OPERATOR_PATHS
         headers = {"Authorization": f"Bearer {OPERATOR_KEY if operator else TENANT_KEY}"}
         for mode in (GenerationMode.POSITIVE, GenerationMode.NEGATIVE):
             _run_operation(op, mode, base_url, headers, examples, seed, tally)

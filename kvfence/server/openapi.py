@@ -12,6 +12,7 @@ from fastapi import FastAPI
 from fastapi.openapi.utils import get_openapi
 from pydantic import BaseModel
 
+from kvfence.server.lora_routes import LoadLoraRequest, UnloadLoraRequest
 from kvfence.server.responses_schema import ResponsesRequest
 from kvfence.server.schemas import ChatCompletionRequest, CompletionRequest
 from kvfence.server.tokenize import DetokenizeRequest, TokenizeRequest
@@ -56,6 +57,8 @@ _GENERATION = {
 _BODIES: dict[str, type[BaseModel]] = {
     "/tokenize": TokenizeRequest,
     "/detokenize": DetokenizeRequest,
+    "/v1/load_lora_adapter": LoadLoraRequest,
+    "/v1/unload_lora_adapter": UnloadLoraRequest,
     **{path: model for path, (model, _) in _GENERATION.items()},
 }
 _OK: dict[str, dict[str, Any]] = {
@@ -79,6 +82,8 @@ _OK: dict[str, dict[str, Any]] = {
     "/v1/responses": _answer("response", ["id", "object", "status", "output"]),
     "/tokenize": _answer(None, ["tokens", "count"]),
     "/detokenize": _answer(None, ["prompt"]),
+    "/v1/load_lora_adapter": _answer(None, ["status", "lora_name", "digest"]),
+    "/v1/unload_lora_adapter": _answer(None, ["status", "lora_name"]),
 }
 
 
