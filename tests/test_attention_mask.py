@@ -7,7 +7,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from kvfence.model.attention import build_group
+from kvfence.model.attn.reference import build_group
 
 PS = 4
 NULL = 0

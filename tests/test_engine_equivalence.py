@@ -45,6 +45,7 @@ def test_greedy_token_exact_with_transformers(arch: str, checkpoint_dir) -> None
     model_dir = checkpoint_dir(arch)
     prompts = random_prompts(LENGTHS, vocab=256)
     llm = LLM(str(model_dir), kv_pool_tokens=4096, page_size=PAGE, chunked_prefill_size=24)
+    assert llm.engine.runner.attention.name == "cpu_native"  # chunks read pages in place
     got = run_staggered(llm.engine, prompts, GREEDY)
     want = hf_greedy(model_dir, prompts, 32)
     for n, g, w in zip(LENGTHS, got, want, strict=True):

@@ -55,6 +55,7 @@ def test_moe_unified_token_exact_batching_chunking_preemption_prefix(
     # target (it reads the clock): the chunks, so who runs together, are the same on every machine.
     llm = LLM(str(model_dir), kv_pool_tokens=12 * PAGE, page_size=PAGE, context_length=96,
               chunked_prefill_size=24, max_decode_step_ms=0)
+    assert llm.engine.runner.attention.name == "cpu_native"  # chunks read pages in place
     got = run_staggered(llm.engine, prompts, GREEDY)
     want = reference(arch)
     for i, (g, w) in enumerate(zip(got, want, strict=True)):

@@ -130,7 +130,8 @@ def test_engine_native_and_torch_backends_agree(kernel, checkpoint_dir) -> None:
     out = {}
     for backend in ("native", "torch"):
         llm = LLM(model, kv_pool_tokens=512, context_length=128, attention_backend=backend)
-        assert (llm.engine.runner.decode_kernel is not None) == (backend == "native")
+        want = {"native": "cpu_native", "torch": "reference"}[backend]
+        assert llm.engine.runner.attention.name == want
         out[backend] = [c.token_ids for c in llm.generate(prompts, params)]
     assert out["native"] == out["torch"]
 

@@ -64,6 +64,7 @@ def test_token_exact_with_cache_on_off_and_transformers(arch: str, checkpoint_di
         chunked_prefill_size=24,
         max_decode_step_ms=0,
     )
+    assert on.engine.runner.attention.name == "cpu_native"  # chunks behind cached prefixes
     got_on = run_waves(on.engine, waves_of(prompts), GREEDY)
     off = LLM(
         str(model_dir),

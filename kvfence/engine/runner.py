@@ -18,7 +18,8 @@ from kvfence.faults import Faults
 from kvfence.kv.pool import NULL_PAGE, KVPool, SealedReads
 from kvfence.lora.slots import LoraSlots
 from kvfence.model import kernels
-from kvfence.model.attention import AttentionMetadata, NativeDecodeGroup, build_group
+from kvfence.model.attention import AttentionMetadata
+from kvfence.model.attn import PagedRows, select_backend
 from kvfence.model.llama import CausalLM
 from kvfence.model.sampling import SampleResult, SamplingBatch, sample
 from kvfence.structured.grammar import Grammars
@@ -66,14 +67,8 @@ class ModelRunner:
         self.generator = torch.Generator(device=device).manual_seed(seed)
         cpu = device.type == "cpu"
         dtype = next(model.parameters()).dtype
-        self.dtype = dtype  # the activations' dtype, which an additive attention mask must match
-        self.decode_kernel = _native_kernel(
-            attention_backend,
-            "--attention-backend",
-            cpu and pool.k.dtype == dtype,
-            kernels.paged_decode,
-            "a CPU device, a KV cache in the model's dtype",
-        )  # None: torch's gather + SDPA
+        # Chosen once per device and dtype: every step's groups are planned by it.
+        self.attention = select_backend(attention_backend, device, dtype, pool.k.dtype, NULL_PAGE)
         gemm = _native_kernel(
             linear_backend,
             "--linear-backend",
@@ -142,41 +137,23 @@ class ModelRunner:
             dtype=torch.int64,
         )
         groups = []
+        window = self.sliding_window or 0
         for is_decode in (True, False):
             idx = [i for i, c in enumerate(chunks) if (c.length == 1) == is_decode]
             if idx:
                 sel = torch.tensor(idx, dtype=torch.int64)
-                ctx_t = starts[sel] + lengths[sel]
-                ctx = ctx_t.tolist()
-                pages_needed = max(self.pool.pages_for(n) for n in ctx)
-                if is_decode and self.decode_kernel is not None:
-                    groups.append(
-                        NativeDecodeGroup(
-                            # None: this step is all decode rows, token i = row i
-                            q_index=None
-                            if len(idx) == len(chunks)
-                            else flat_offsets[sel].to(self.device),
-                            page_table=page_table[sel, :pages_needed].contiguous(),
-                            ctx_lens=ctx_t,
-                            kernel=self.decode_kernel,
-                            page_size=ps,
-                            window=self.sliding_window or 0,
-                        )
-                    )
-                    continue
-                groups.append(
-                    build_group(
-                        flat_offsets[sel].tolist(),
-                        lengths[sel].tolist(),
-                        ctx,
-                        page_table[sel, :pages_needed],
-                        ps,
-                        self.sliding_window,
-                        self.device,
-                        NULL_PAGE,
-                        self.dtype,
-                    )
+                ctx = starts[sel] + lengths[sel]
+                pages_needed = self.pool.pages_for(int(ctx.max()))
+                rows = PagedRows(
+                    q_starts=flat_offsets[sel],
+                    q_lens=lengths[sel],
+                    ctx_lens=ctx,
+                    page_table=page_table[sel, :pages_needed].contiguous(),
+                    page_size=ps,
+                    window=window,
+                    covers_step=len(idx) == len(chunks) and is_decode,
                 )
+                groups.append(self.attention.plan(rows))
         meta = AttentionMetadata(positions.to(self.device), slots.to(self.device), groups)
         hidden = self.model(input_ids.to(self.device), meta, self.kv_caches)
         last_rows = [int(flat_offsets[i]) + c.length - 1 for i, c in enumerate(chunks) if c.samples]

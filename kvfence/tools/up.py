@@ -289,6 +289,7 @@ def run_up(args: argparse.Namespace) -> int:
 
         if engine.attention_backend != "torch":
             kernels.paged_decode()
+            kernels.paged_prefill()
         if engine.linear_backend != "torch":
             kernels.packed_gemm()
 

@@ -1,13 +1,14 @@
 """Native CPU kernels, built on first use with torch's C++ extension loader (g++ and ninja).
 
 - paged_decode.cpp: decode attention read in place from the paged KV pool.
+- paged_prefill.cpp: prefill-chunk attention (causal, behind any cached prefix), read the same way.
 - packed_gemm.cpp: float32 `x @ W` with W packed in column panels (every projection on CPU).
 - fused_epilogue.cpp: float32 residual add + RMSNorm, silu(gate) * up, and rope + K/V cache
   write, one call each.
 
 Building is best effort: a host without a compiler gets None from `paged_decode()`,
-`packed_gemm()` and `fused_epilogue()`, and the engine keeps its pure-torch path, which gives
-the same results (to float rounding), only slower.
+`paged_prefill()`, `packed_gemm()` and `fused_epilogue()`, and the engine keeps its pure-torch
+path, which gives the same results (to float rounding), only slower.
 """
 
 from __future__ import annotations
@@ -62,6 +63,13 @@ def paged_decode() -> Callable | None:
     window)`, or None when it cannot be built here."""
     mod = _build("paged_decode")
     return None if mod is None else mod.paged_decode  # type: ignore[attr-defined]
+
+
+def paged_prefill() -> Callable | None:
+    """The compiled `paged_prefill(q, k_cache, v_cache, page_table, ctx_lens, q_starts, q_lens,
+    page_size, scale, window, out)`, or None when it cannot be built here."""
+    mod = _build("paged_prefill")
+    return None if mod is None else mod.paged_prefill  # type: ignore[attr-defined]
 
 
 def packed_gemm() -> PackedGemm | None:

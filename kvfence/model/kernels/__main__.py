@@ -6,10 +6,11 @@ import logging
 import subprocess
 import sys
 
-from kvfence.model.kernels import fused_epilogue, packed_gemm, paged_decode
+from kvfence.model.kernels import fused_epilogue, packed_gemm, paged_decode, paged_prefill
 
 KERNELS = {
     "paged_decode": paged_decode,
+    "paged_prefill": paged_prefill,
     "packed_gemm": packed_gemm,
     "fused_epilogue": fused_epilogue,
 }
