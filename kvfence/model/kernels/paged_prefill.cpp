@@ -93,6 +93,49 @@ void pv_tile(const float* P, int64_t M, const float* V, int64_t Dp, int64_t n, f
     for (; r < M; ++r) pv_cols<1>(P + r * KT, V, Dp, n, O + r * Dp);
 }
 
+// Horizontal max and sum of 16 lanes: a shuffle tree, 4 steps deep instead of 15.
+template <typename Op>
+inline float reduce_lanes(v16 x, Op op) {
+    const i16 by8 = {8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7};
+    const i16 by4 = {4, 5, 6, 7, 0, 1, 2, 3, 12, 13, 14, 15, 8, 9, 10, 11};
+    const i16 by2 = {2, 3, 0, 1, 6, 7, 4, 5, 10, 11, 8, 9, 14, 15, 12, 13};
+    const i16 by1 = {1, 0, 3, 2, 5, 4, 7, 6, 9, 8, 11, 10, 13, 12, 15, 14};
+    x = op(x, __builtin_shuffle(x, by8));
+    x = op(x, __builtin_shuffle(x, by4));
+    x = op(x, __builtin_shuffle(x, by2));
+    return op(x, __builtin_shuffle(x, by1))[0];
+}
+
+// One query's scores for a tile become probabilities, folded into its running max m, sum l
+// and output row o (flash-style: o and l are rescaled when the max grows). Keys outside [a, e)
+// (past the query, before its window, past the tile) get probability 0, in vector lanes.
+inline void online_softmax(float* s, int64_t a, int64_t e, float& m, float& l, float* o,
+                           int64_t Dp) {
+    const v16 ninf = v16{} - std::numeric_limits<float>::infinity();
+    const i16 lane = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
+    const auto vmax = [](v16 x, v16 y) { return x > y ? x : y; };
+    i16 keep[KT / 16];
+    v16 sv[KT / 16], mx = ninf;
+    for (int j = 0; j < KT / 16; ++j) {
+        const i16 idx = lane + 16 * j;
+        keep[j] = (idx >= static_cast<int>(a)) & (idx < static_cast<int>(e));
+        sv[j] = keep[j] ? load16(s + 16 * j) : ninf;
+        mx = vmax(mx, sv[j]);
+    }
+    const float m_new = std::max(m, reduce_lanes(mx, vmax));
+    const float corr = std::exp(m - m_new);  // 0 on the first tile (m = -inf)
+    m = m_new;
+    v16 z = {};
+    for (int j = 0; j < KT / 16; ++j) {
+        const v16 p = keep[j] ? exp16(sv[j] - m_new) : v16{};
+        store16(s + 16 * j, p);
+        z += p;
+    }
+    l = l * corr + reduce_lanes(z, [](v16 x, v16 y) { return x + y; });
+    if (corr != 1.f)
+        for (int64_t d = 0; d < Dp; ++d) o[d] *= corr;
+}
+
 // One worker's scratch: sized by the job (queries x head size x tile), never by the context.
 struct Scratch {
     std::vector<float> q, kt, v, s, o, m, l;
@@ -145,27 +188,7 @@ void run_job(const Job& job, const T* q, const T* kc, const T* vc, const int64_t
                 std::fill(s, s + KT, 0.f);
                 continue;
             }
-            float tmax = -std::numeric_limits<float>::infinity();
-            for (int64_t t = a; t < e; ++t) tmax = std::max(tmax, s[t]);
-            const float m_new = std::max(w.m[mi], tmax);
-            const float corr = std::exp(w.m[mi] - m_new);  // 0 on the first tile (m = -inf)
-            w.m[mi] = m_new;
-            const bool edge = a > 0 || e < KT;  // the diagonal or the window's edge
-            v16 z = {};
-            for (int j = 0; j < KT; j += 16) {
-                v16 p = exp16(load16(s + j) - m_new);
-                for (int k = 0; k < 16 && edge; ++k)
-                    if (j + k < a || j + k >= e) p[k] = 0.f;
-                store16(s + j, p);
-                z += p;
-            }
-            float zs = 0.f;
-            for (int k = 0; k < 16; ++k) zs += z[k];
-            w.l[mi] = w.l[mi] * corr + zs;
-            if (corr != 1.f) {
-                float* o = &w.o[mi * Dp];
-                for (int64_t d = 0; d < Dp; ++d) o[d] *= corr;
-            }
+            online_softmax(s, a, e, w.m[mi], w.l[mi], &w.o[mi * Dp], Dp);
         }
         pv_tile(w.s.data(), M, w.v.data(), Dp, n, w.o.data());
     }
