@@ -146,6 +146,13 @@ KV_CACHE_DTYPE = _engine("--kv-cache-dtype", "kv_cache_dtype", choices=KV_CACHE_
 CONTEXT_LENGTH = _engine(
     "--context-length", "context_length", type=int, help="default: max_position_embeddings"
 )
+ALLOW_CONTEXT_BEYOND_POSITIONS = _engine(
+    "--allow-context-beyond-positions",
+    "allow_context_beyond_positions",
+    switch=True,
+    help="serve a --context-length beyond the checkpoint's positions (max_position_embeddings, "
+    "or what its rope scaling extends it to); answers past them are untrained",
+)
 PAGE_SIZE = _engine("--page-size", "page_size", type=int)
 KV_POOL_TOKENS = _engine(
     "--kv-pool-tokens",
@@ -315,8 +322,9 @@ MAX_LORA_RANK = _engine(
 )
 
 ENGINE_OPTIONS: tuple[Option, ...] = (
-    MODEL, SERVED_MODEL_NAME, DEVICE, DTYPE, KV_CACHE_DTYPE, CONTEXT_LENGTH, PAGE_SIZE,
-    KV_POOL_TOKENS, MEM_FRACTION_STATIC, CHUNKED_PREFILL_SIZE, DECODE_STEP_PREFILL_BUDGET,
+    MODEL, SERVED_MODEL_NAME, DEVICE, DTYPE, KV_CACHE_DTYPE, CONTEXT_LENGTH,
+    ALLOW_CONTEXT_BEYOND_POSITIONS, PAGE_SIZE, KV_POOL_TOKENS, MEM_FRACTION_STATIC,
+    CHUNKED_PREFILL_SIZE, DECODE_STEP_PREFILL_BUDGET,
     ATTENTION_BACKEND, LINEAR_BACKEND, MAX_RUNNING_REQUESTS, THREADS, SEED,
     UNSAFE_SKIP_PREFLIGHT, KV_POISON_ON_FREE, ENABLE_PREFIX_CACHING, SHARED_PREFIX_FILE,
     PREFIX_CACHE_TTL, SKIP_TOKENIZER_INIT, MAX_DECODE_STEP_MS, MIN_PREFILL_CHUNK,

@@ -30,6 +30,9 @@ class EngineConfig:
     dtype: str = "float32"
     kv_cache_dtype: str = "auto"
     context_length: int | None = None  # None: the model's max_position_embeddings
+    # Operator override: serve a context_length beyond the positions the checkpoint supports
+    # (refused at start otherwise; rope past them gives answers the model was never trained on).
+    allow_context_beyond_positions: bool = False
     page_size: int = 16
     kv_pool_tokens: int | None = None  # wins over mem_fraction_static when set
     mem_fraction_static: float = 0.5

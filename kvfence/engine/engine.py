@@ -111,6 +111,11 @@ class Engine:
         if problem is not None:
             raise ConfigError(problem)
         self.plan: PoolPlan = plan_for_engine(cfg, self.model_config)
+        beyond = self.model_config.context_problem(self.plan.context_length)
+        if beyond is not None and not cfg.allow_context_beyond_positions:
+            raise ConfigError(beyond)
+        if beyond is not None:
+            log.warning("--allow-context-beyond-positions: %s", beyond)
         if cfg.unsafe_skip_preflight:
             log.warning("UNSAFE: preflight skipped: %s", self.plan.problem())
         else:

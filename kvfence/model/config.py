@@ -63,6 +63,27 @@ class ModelConfig:
         """Leading dims of each head that rope rotates (the rest pass through)."""
         return int(self.head_dim * self.rope.partial_rotary_factor)
 
+    @property
+    def max_supported_positions(self) -> int:
+        """The positions the checkpoint's rope was trained or scaled for. llama3 scaling's
+        max_position_embeddings is already the extended length; linear scaling stretches the
+        trained one by its factor (vLLM derives its own limit the same way)."""
+        if self.rope.kind == "linear":
+            return int(self.max_position_embeddings * self.rope.factor)
+        return self.max_position_embeddings
+
+    def context_problem(self, context_length: int) -> str | None:
+        """Why a context length is past what this checkpoint's positions support, or None."""
+        limit = self.max_supported_positions
+        if context_length <= limit:
+            return None
+        return (
+            f"--context-length {context_length} exceeds the {limit} positions this checkpoint "
+            f"supports (max_position_embeddings {self.max_position_embeddings}, rope "
+            f"{self.rope.kind!r}): rope past them gives answers the model was never trained on. "
+            "Lower --context-length, or pass --allow-context-beyond-positions to serve it anyway."
+        )
+
     def is_sparse(self, layer: int) -> bool:
         return self.moe is not None and layer in self.moe.sparse_layers
 
