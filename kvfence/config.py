@@ -195,7 +195,7 @@ class ServerConfig:
     port: int = 8000
     api_key_file: str | None = None  # lines of `key tenant`; enables auth
     log_level: str = "info"
-    drain_timeout: float = 30.0  # kvfence.server.drain.DEFAULT_DRAIN_TIMEOUT_S (no FastAPI here)
+    drain_timeout: float = 30.0  # seconds in flight requests get on SIGTERM (server/drain.py)
     admin_api_key_file: str | None = None
     tool_call_parser: str | None = None
     # The engine's step loop in a process of its own (kvfence/role_process.py) or in the HTTP

@@ -9,18 +9,46 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from prometheus_client import CollectorRegistry
-from tls_certs import tls
+from tls_certs import files
 from waiting import poll
 
-from kvfence.config import EngineConfig, RoutingConfig
+from kvfence.config import EngineConfig, NodeConfig, PdConfig, RoutingConfig, ServerConfig
 from kvfence.engine.admission import Rejected
 from kvfence.engine.request import FinishReason, GenerateRequest, RequestOutput, SamplingParams
 from kvfence.faults import Faults
+from kvfence.node import build_role
 from kvfence.pd.decode import DecodeService
 from kvfence.pd.prefill import PrefillService
 from kvfence.pd.transport.tcp import LinkLimits
 from kvfence.server.router.policy import Pair, Routing
 from kvfence.server.router.workers import Role, WorkerPool
+
+
+def pd_node(
+    cfg: EngineConfig,
+    role: str,
+    timeout_s: float,
+    backend: str = "tcp",
+    limits: LinkLimits | None = None,
+) -> NodeConfig:
+    """The NodeConfig of an in-process PD role on this host: the tests' certificates of its
+    role, any free bootstrap port (prefill), the limits given."""
+    f, lim = files(role), limits or LinkLimits()
+    pd = PdConfig(role, 0, backend, timeout_s, lim.handshake_timeout_s,
+                  lim.max_pending_handshakes, lim.idle_timeout_s, f.cert, f.key, f.ca)  # fmt: skip
+    return NodeConfig(cfg, ServerConfig(host="127.0.0.1"), pd)
+
+
+def prefill_service(config: NodeConfig, faults: Faults) -> PrefillService:
+    svc = build_role(config, faults)
+    assert isinstance(svc, PrefillService)
+    return svc
+
+
+def decode_service(config: NodeConfig, faults: Faults) -> DecodeService:
+    svc = build_role(config, faults)
+    assert isinstance(svc, DecodeService)
+    return svc
 
 
 @dataclass
@@ -49,12 +77,10 @@ class PDPair:
         self.faults = faults if faults is not None else Faults()
         pcfg = EngineConfig(model=model, **engine_kwargs)
         dcfg = EngineConfig(model=decode_model, **{**engine_kwargs, **(decode_kwargs or {})})
-        self.prefill = PrefillService(
-            pcfg, "127.0.0.1", 0, timeout_s, backend, tls("prefill"), self.faults, limits
-        )
-        self.decode = DecodeService(
-            dcfg, timeout_s, backend, tls("decode"), self.faults, limits=limits
-        )
+        prefill = pd_node(pcfg, "prefill", timeout_s, backend, limits)
+        decode = pd_node(dcfg, "decode", timeout_s, backend, limits)
+        self.prefill = prefill_service(prefill, self.faults)
+        self.decode = decode_service(decode, self.faults)
         self.prefill.start()
         self.decode.start()
         self.peer = f"127.0.0.1:{self.prefill.port}"
@@ -133,12 +159,11 @@ class PDCluster:
         self.decodes: list[DecodeService] = []
         try:
             for _ in range(n_prefill):
-                svc = PrefillService(cfg, "127.0.0.1", 0, timeout_s, backend, tls("prefill"),
-                                     self.faults)  # fmt: skip
+                svc = prefill_service(pd_node(cfg, "prefill", timeout_s, backend), self.faults)
                 self.prefills.append(svc)
                 svc.start()
             for _ in range(n_decode):
-                dsvc = DecodeService(cfg, timeout_s, backend, tls("decode"), self.faults)
+                dsvc = decode_service(pd_node(cfg, "decode", timeout_s, backend), self.faults)
                 self.decodes.append(dsvc)
                 dsvc.start()
         except BaseException:

@@ -15,12 +15,13 @@ from typing import Protocol
 
 import uvicorn
 
+from kvfence.config import ServerConfig
 from kvfence.role import RoleService
 from kvfence.server.httpio import ReadyServer
 
 logger = logging.getLogger("kvfence.server")
 
-DEFAULT_DRAIN_TIMEOUT_S = 30.0
+DEFAULT_DRAIN_TIMEOUT_S = ServerConfig.drain_timeout  # --drain-timeout's default, one home
 # On an answer whose request this node refused before any engine saw it (it is draining): the
 # router may send that request to another worker, and no other.
 NOT_ADMITTED_HEADER = "X-Kvfence-Not-Admitted"
