@@ -153,7 +153,7 @@ class Timed:
         )
         self.starts: dict[str, float] = {}
         self.ends: dict[str, float] = {}
-        send_pages = self.pair.prefill._send_pages
+        send_pages = self.pair.prefill.sender.send
         on_done = self.pair.decode._on_done
 
         async def timed_send(rid: str, room) -> None:  # type: ignore[no-untyped-def]
@@ -164,7 +164,7 @@ class Timed:
             on_done(done)
             self.ends[done.room] = time.perf_counter()
 
-        self.pair.prefill._send_pages = timed_send  # type: ignore[method-assign]
+        self.pair.prefill.sender.send = timed_send  # type: ignore[method-assign]
         self.pair.decode._on_done = timed_done  # type: ignore[method-assign]
 
     def transfer(self, prompt: list[int]) -> float:

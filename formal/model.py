@@ -311,7 +311,7 @@ class Model:
         owner = w.dpool[pg][0]
         return owner == r or (owner == CACHE and pg in w.reqs[r].dcached)
 
-    # ---- prefill glue: prefill.py _on_reserve / _feed / _execute / _send_pages --------------
+    # ---- prefill glue: prefill.py _on_reserve / _feed, prefill_send.py RoomSender.send -------
 
     def _prefill_reserve(self, w: World, r: int, msg: Msg) -> World:
         _, _, _, dst, n_tokens, skip, claim = msg

@@ -174,10 +174,6 @@ def test_every_action_point_has_one_effect_and_an_unarmed_hook_is_the_identity(
     assert pages == [7, 8, 9]  # the effect rewrote a copy, not the caller's list
 
 
-# Files whose action points still branch on active(); they move to hook() as they are rebuilt.
-_NOT_YET_HOOKED = {"kvfence/pd/decode.py", "kvfence/pd/prefill.py"}
-
-
 def test_production_code_names_action_points_only_through_hooks() -> None:
     """No file outside kvfence/faults branches on an action point or crashes by hand: a reader
     of production code sees real behaviour and one hook line per point."""
@@ -187,4 +183,4 @@ def test_production_code_names_action_points_only_through_hooks() -> None:
         if "faults" not in path.relative_to(REPO).parts[1:2]
         and ("faults.active(" in path.read_text() or "faults.crash(" in path.read_text())
     )
-    assert set(branching) <= _NOT_YET_HOOKED, branching
+    assert branching == [], branching

@@ -15,7 +15,8 @@ from tls_certs import tls
 from kvfence.config import EngineConfig
 from kvfence.pd import kvio, wire
 from kvfence.pd import protocol as p
-from kvfence.pd.decode import DecodeService, _Peer, _Room
+from kvfence.pd.decode import DecodeService, _Room
+from kvfence.pd.peers import Peer
 from kvfence.pd.transport.tcp import Connection, Listener, Placement
 
 # Under a record each: the receiver then wakes for any bytes (the read mark stays at 1), and
@@ -86,7 +87,7 @@ def test_twin_placement_left_valid_takes_the_whole_payload() -> None:
 
 
 async def _decode_reads(svc: DecodeService, frames: list[tuple[wire.Frame, bytes]]) -> None:
-    """Decode's reader (DecodeService._read) over a real TLS connection, fed `frames` by a
+    """Decode's reader (decode_runs.RunReceiver.read) over a real TLS connection, fed `frames` by a
     hand-driven prefill that then hangs up."""
     accepted: asyncio.Queue[Connection] = asyncio.Queue()
     listener = await Listener.start("127.0.0.1", 0, accepted.put, tls("prefill"))
@@ -100,7 +101,7 @@ async def _decode_reads(svc: DecodeService, frames: list[tuple[wire.Frame, bytes
         for msg, payload in frames:
             await prefill.send(msg, payload)
         prefill.close()
-        await asyncio.wait_for(svc._read(("127.0.0.1", listener.port), _Peer(conn=conn)), 30)
+        await asyncio.wait_for(svc.receiver.read(("127.0.0.1", listener.port), Peer(conn=conn)), 30)
     finally:
         listener.close()
 
