@@ -1,0 +1,179 @@
+"""Prefill behind a cached prefix, and a long prompt's memory (issue 44):
+
+  rate    the FLOP rate of one 512-token chunk (the whole model: projections, MLP, attention)
+          whose context holds P cached tokens before it, P in --prefixes, against a fresh
+          512-token chunk (P = 0). FLOPs are counted with attention (2 x active non-embedding
+          params per token, plus 4 x heads x head_dim x the keys each query sees, per layer), so
+          a longer context costs more FLOPs, fairly; the ratio shows what it costs beyond them
+          (a gathered copy of the context, a mask). The cached K/V are random: attention's cost
+          does not depend on the values.
+  memory  the peak resident memory beyond weights and the (pre-touched) KV pool of a whole
+          prompt's chunked prefill, --long against --short tokens, each in a fresh process
+          (VmHWM, reset through /proc/self/clear_refs once the pool is touched).
+
+The checkpoint's positions are exceeded on purpose where the sizes ask for it (random weights:
+only the cost is measured). `--backend torch` measures the reference gather path for contrast.
+
+    .venv/bin/python benchmarks/prefill_attention.py
+    .venv/bin/python benchmarks/prefill_attention.py --tiny --prefixes 256 --short 256 \\
+        --long 1024 --reps 1   # a smoke run
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+sys.path.append(str(Path(__file__).resolve().parent.parent))  # after PYTHONPATH
+
+import torch  # noqa: E402
+
+from benchmarks.common import bench_model, machine, this_command, write_json  # noqa: E402
+from kvfence.engine.llm import LLM  # noqa: E402
+from kvfence.engine.runner import ModelRunner  # noqa: E402
+from kvfence.model.attention import AttentionMetadata  # noqa: E402
+from kvfence.model.attn import PagedRows  # noqa: E402
+
+CHUNK = 512
+
+
+def runner_for(model: Path, tokens: int, backend: str) -> ModelRunner:
+    llm = LLM(
+        str(model),
+        context_length=tokens,
+        kv_pool_tokens=tokens + 64,
+        allow_context_beyond_positions=True,
+        attention_backend=backend,
+        chunked_prefill_size=CHUNK,
+        enable_prefix_caching=False,
+    )
+    return llm.engine.runner
+
+
+def chunk_forward(runner: ModelRunner, start: int, length: int) -> None:
+    """The model over tokens [start, start + length) of one row whose pages are 1, 2, ... (page
+    0 is the pool's null page): what a step of that chunk runs, without the scheduler."""
+    ps = runner.pool.page_size
+    n_pages = runner.pool.pages_for(start + length)
+    table = torch.arange(1, 1 + n_pages, dtype=torch.int64)[None, :]
+    positions = torch.arange(start, start + length)
+    slots = table[0, positions // ps] * ps + positions % ps
+    rows = PagedRows(
+        q_starts=torch.zeros(1, dtype=torch.int64),
+        q_lens=torch.tensor([length]),
+        ctx_lens=torch.tensor([start + length]),
+        page_table=table,
+        page_size=ps,
+        window=runner.sliding_window or 0,
+        covers_step=True,
+    )
+    meta = AttentionMetadata(positions, slots, [runner.attention.plan(rows)])
+    ids = torch.randint(2, runner.model.config.vocab_size, (length,))
+    with torch.inference_mode():
+        runner.model(ids, meta, runner.kv_caches)
+
+
+def chunk_flops(runner: ModelRunner, prefix: int) -> float:
+    mc = runner.model.config
+    dense = 2 * (mc.num_active_params - mc.num_embedding_params) * CHUNK
+    keys = CHUNK * prefix + CHUNK * (CHUNK + 1) // 2  # each query sees the prefix and its past
+    attention = 4 * mc.num_heads * mc.head_dim * keys * mc.num_layers
+    return float(dense + attention)
+
+
+def rate(model: Path, prefixes: list[int], reps: int, backend: str) -> dict:
+    runner = runner_for(model, max(prefixes) + CHUNK, backend)
+    for k, v in runner.kv_caches:  # random cached K/V, finite
+        k.normal_()
+        v.normal_()
+    out: dict = {"attention": runner.attention.name, "cases": []}
+    for prefix in [0, *prefixes]:
+        chunk_forward(runner, prefix, CHUNK)  # warm-up
+        times = []
+        for _ in range(reps):
+            t = time.perf_counter()
+            chunk_forward(runner, prefix, CHUNK)
+            times.append(time.perf_counter() - t)
+        s = statistics.median(times)
+        out["cases"].append(
+            {"prefix": prefix, "seconds": s, "gflops": chunk_flops(runner, prefix) / s / 1e9}
+        )
+    fresh = out["cases"][0]["gflops"]
+    for c in out["cases"]:
+        c["vs_fresh"] = c["gflops"] / fresh
+    return out
+
+
+def rss_kib(field: str) -> int:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith(field + ":"):
+            return int(line.split()[1])
+    raise RuntimeError(f"no {field} in /proc/self/status")
+
+
+def memory_case(model: Path, tokens: int, backend: str) -> dict:
+    """Run in a fresh process: peak RSS growth of one prompt's chunked prefill."""
+    runner = runner_for(model, tokens, backend)
+    runner.pool.k.fill_(0.0)  # touch the whole pool: its pages are counted before the reset
+    runner.pool.v.fill_(0.0)
+    # The baseline is taken before any chunk runs: one chunk's activations (and the first
+    # call's thread stacks and arenas, the same at every size) count in both sizes' peaks.
+    base = rss_kib("VmRSS")
+    Path("/proc/self/clear_refs").write_text("5")  # VmHWM := VmRSS
+    for start in range(0, tokens, CHUNK):
+        chunk_forward(runner, start, min(CHUNK, tokens - start))
+    return {"tokens": tokens, "peak_growth_mib": (rss_kib("VmHWM") - base) / 1024}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--model", help="checkpoint dir (default: SmolLM-135M's shape, random)")
+    ap.add_argument("--tiny", action="store_true", help="a 2-layer stand-in (smoke runs)")
+    ap.add_argument("--prefixes", type=int, nargs="+", default=[2048, 16384])
+    ap.add_argument("--short", type=int, default=4096)
+    ap.add_argument("--long", type=int, default=32768)
+    ap.add_argument("--reps", type=int, default=5)
+    ap.add_argument("--backend", choices=("auto", "native", "torch"), default="auto")
+    ap.add_argument("--out", type=Path, help="write the figures as JSON here")
+    ap.add_argument("--memory-case", type=int, help=argparse.SUPPRESS)  # the child's job
+    args = ap.parse_args()
+    model = bench_model(args.model, args.tiny)
+    if args.memory_case is not None:
+        print(json.dumps(memory_case(model, args.memory_case, args.backend)))
+        return
+    result = {"command": this_command(), "machine": machine(), "chunk": CHUNK}
+    result["rate"] = rate(model, args.prefixes, args.reps, args.backend)
+    print(f"attention backend: {result['rate']['attention']}")
+    for c in result["rate"]["cases"]:
+        print(
+            f"512-token chunk behind {c['prefix']:>6} cached: {c['seconds'] * 1e3:8.1f} ms "
+            f"{c['gflops']:7.1f} GFLOP/s  {c['vs_fresh']:.3f}x fresh"
+        )
+    mem = []
+    for tokens in (args.short, args.long):
+        child = [sys.executable, __file__, "--memory-case", str(tokens), "--backend", args.backend]
+        if args.model:
+            child += ["--model", args.model]
+        if args.tiny:
+            child.append("--tiny")
+        done = subprocess.run(child, check=True, capture_output=True, text=True)
+        mem.append(json.loads(done.stdout.strip().splitlines()[-1]))
+        print(f"prefill of {tokens:>6} tokens: peak {mem[-1]['peak_growth_mib']:8.1f} MiB "
+              "beyond weights and pool")
+    result["memory"] = {
+        "cases": mem,
+        "long_vs_short": mem[1]["peak_growth_mib"] / max(mem[0]["peak_growth_mib"], 1.0),
+    }
+    print(f"peak memory, {args.long} vs {args.short} tokens: "
+          f"{result['memory']['long_vs_short']:.2f}x")
+    if args.out:
+        write_json(args.out, result)
+
+
+if __name__ == "__main__":
+    main()
