@@ -1,0 +1,82 @@
+"""bfloat16 end to end (weights, KV pool, the native attention kernels reading bf16 pages,
+torch's bf16 matmuls, PD transfer checksums over bf16 pages): greedy answers agree at top-1 with
+transformers' bf16 model fed the same tokens (teacher-forced), unified and 1P1D over tcp."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import random_prompts
+from pd_harness import PDPair, finished_ok
+
+from kvfence.engine.llm import LLM
+from kvfence.engine.request import SamplingParams
+
+N_PROMPTS, MAX_NEW = 32, 64
+GREEDY = SamplingParams(max_tokens=MAX_NEW, temperature=0.0, ignore_eos=True)
+# The issue's bar, on real checkpoints: >= 99% of steps. A tiny random model's logits sit near
+# 1.5, where bf16's step is 1/128, so transformers itself ties often; every step that differs
+# must then be such a tie (its token within two bf16 steps of transformers' top logit), and at
+# most 2% of steps may differ at all.
+MIN_AGREEMENT = 0.98
+MAX_GAP_ULPS = 2.0
+
+
+@pytest.fixture(scope="module")
+def prompts() -> list[list[int]]:
+    lengths = [1 + (i * 37) % 90 for i in range(N_PROMPTS)]  # 1..90 tokens, chunks of 32
+    return random_prompts(lengths, vocab=256, seed=21)
+
+
+def agreement(model_dir, prompts: list[list[int]], answers: list[list[int]]) -> tuple[float, float]:
+    """The share of answer tokens that are transformers' bf16 argmax given every token before
+    them (the prompt and the answer so far), and the widest gap, in bf16 steps of the top logit,
+    between transformers' top logit and the answer's where they differ."""
+    import transformers as tf
+
+    model = tf.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16).eval()
+    same = total = 0
+    worst = 0.0
+    with torch.inference_mode():
+        for p, a in zip(prompts, answers, strict=True):
+            assert len(a) == MAX_NEW
+            logits = model(torch.tensor([p + a[:-1]])).logits[0, len(p) - 1 :].float()
+            want = torch.tensor(a)
+            top = logits.max(-1).values
+            gap = top - logits.gather(1, want[:, None])[:, 0]
+            ulp = torch.exp2(torch.floor(torch.log2(top.abs())) - 7)  # bf16: 8 significant bits
+            same += int((logits.argmax(-1) == want).sum())
+            worst = max(worst, float((gap / ulp).max()))
+            total += len(a)
+    return same / total, worst
+
+
+def check(share: float, worst: float, what: str) -> None:
+    assert share >= MIN_AGREEMENT, f"{what}: top-1 agreement {share:.4f}"
+    assert worst <= MAX_GAP_ULPS, f"{what}: a step {worst:.1f} bf16 steps below the top logit"
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+def test_bf16_unified_top1_agrees_with_transformers(arch, checkpoint_dir, prompts) -> None:
+    model_dir = checkpoint_dir(arch)
+    llm = LLM(str(model_dir), dtype="bfloat16", kv_pool_tokens=8192, context_length=256,
+              chunked_prefill_size=32)
+    assert llm.engine.pool.k.dtype == torch.bfloat16
+    assert llm.engine.runner.attention.name == "cpu_native"  # bf16 pages read in place
+    answers = [c.token_ids for c in llm.generate(prompts, GREEDY)]
+    check(*agreement(model_dir, prompts, answers), arch)
+
+
+def test_bf16_1p1d_top1_agrees_with_transformers(checkpoint_dir, prompts) -> None:
+    model_dir = checkpoint_dir("llama")
+    pair = PDPair(str(model_dir), dtype="bfloat16", kv_pool_tokens=8192, context_length=256,
+                  chunked_prefill_size=32)
+    try:
+        got = pair.generate(prompts, GREEDY)
+        assert all(finished_ok(r) for r in got)
+        assert pair.wait_idle()
+        # Every transfer's pages were checked against the sender's checksums (I3).
+        assert pair.decode.transfer_stats.get("transfers_committed") == len(prompts)
+    finally:
+        pair.close()
+    check(*agreement(model_dir, prompts, [r.token_ids for r in got]), "1P1D")
