@@ -24,6 +24,7 @@ from kvfence.tools.leakcheck import (
     EXIT_CLEAN,
     EXIT_FAILED,
     Reply,
+    Report,
     Settings,
     Tenant,
     api_root,
@@ -96,7 +97,7 @@ class FakeServer:
         return httpx.Response(200, json={"id": "x", "choices": [choice], "usage": usage})
 
 
-def run_fake(server: FakeServer, requests: int = 80, **kw: Any) -> dict[str, Any]:
+def run_fake(server: FakeServer, requests: int = 80, **kw: Any) -> Report:
     # The timing probe (default with two tenants) has its own tests against a caching fake.
     kw.setdefault("skip_probes", ("timing",))
     settings = Settings(
@@ -108,7 +109,7 @@ def run_fake(server: FakeServer, requests: int = 80, **kw: Any) -> dict[str, Any
 
 def test_fake_honest_server_is_clean_with_every_request_counted() -> None:
     server = FakeServer()
-    report = run_fake(server, requests=90)
+    report = (rep := run_fake(server, requests=90)).as_dict()
     assert report["exit_code"] == EXIT_CLEAN and report["verdict"] == "clean", report["findings"]
     assert report["totals"]["requests"] == server.seen == 90 == len(report["requests"])
     assert set(report["probes"]) == {
@@ -122,11 +123,11 @@ def test_fake_honest_server_is_clean_with_every_request_counted() -> None:
     assert report["totals"]["echoed_own"] > 30  # the probes could have seen a leak
     assert report["target"]["context_length"] == 512
     assert report["target"]["context_length_source"] == "server"
-    assert "verdict: CLEAN (exit 0)" in render_summary(report)
+    assert "verdict: CLEAN (exit 0)" in render_summary(rep)
 
 
 def test_fake_stale_page_server_is_caught_naming_probe_and_request() -> None:
-    report = run_fake(FakeServer(leak_over=300), requests=90)
+    report = (rep := run_fake(FakeServer(leak_over=300), requests=90)).as_dict()
     assert report["exit_code"] == EXIT_FAILED and report["verdict"] == "leak"
     leaks = [f for f in report["findings"] if f["kind"] == "leak"]
     assert leaks and {f["probe"] for f in leaks} & {"stale_bait", "admission", "cancellation"}
@@ -134,28 +135,28 @@ def test_fake_stale_page_server_is_caught_naming_probe_and_request() -> None:
     ids = {r["request_id"] for r in report["requests"]}
     assert f["request_id"] in ids and f["owner_request_id"] != f["request_id"].split(".")[0]
     assert f["fragment"] in f["canary"] and f["status"] == 200
-    assert "LEAK [" in render_summary(report)
+    assert "LEAK [" in render_summary(rep)
 
 
 def test_fake_server_without_admission_is_a_wrong_status() -> None:
-    report = run_fake(FakeServer(accept_over=True), requests=60)
+    report = run_fake(FakeServer(accept_over=True), requests=60).as_dict()
     assert report["exit_code"] == EXIT_FAILED and report["verdict"] == "wrong_status"
     cases = {f["case"] for f in report["findings"] if f["kind"] == "wrong_status"}
     assert {"N+1", "2N"} <= cases
 
 
 def test_no_context_length_is_exit_2_unless_given() -> None:
-    report = run_fake(FakeServer(ctx_field=False))
+    report = run_fake(FakeServer(ctx_field=False)).as_dict()
     assert report["exit_code"] == EXIT_CANNOT_RUN and "--context-length" in report["reason"]
     # 60, not 30: one pass over every case needs ~45 requests, and fewer is INCOMPLETE now.
-    report = run_fake(FakeServer(ctx_field=False), requests=60, context_length=512)
+    report = run_fake(FakeServer(ctx_field=False), requests=60, context_length=512).as_dict()
     assert report["exit_code"] == EXIT_CLEAN and report["target"]["context_length_source"] == "flag"
 
 
 def test_every_key_refused_is_exit_2() -> None:
     settings = Settings(base_url="http://fake:8000", tenants=(Tenant("x", "nope"),), requests=5)
     transport = httpx.MockTransport(FakeServer().handle)
-    report = asyncio.run(check(settings, transport=transport, err=io.StringIO()))
+    report = asyncio.run(check(settings, transport=transport, err=io.StringIO())).as_dict()
     assert report["exit_code"] == EXIT_CANNOT_RUN and "refused" in report["reason"]
 
 
@@ -187,7 +188,9 @@ def test_redirects_to_other_hosts_are_not_followed() -> None:
         return httpx.Response(307, headers={"location": "http://elsewhere:9/v1/models"})
 
     settings = Settings(base_url="http://fake:8000", tenants=TENANTS, requests=5)
-    report = asyncio.run(check(settings, transport=httpx.MockTransport(handler), err=io.StringIO()))
+    report = asyncio.run(
+        check(settings, transport=httpx.MockTransport(handler), err=io.StringIO())
+    ).as_dict()
     assert report["exit_code"] == EXIT_CANNOT_RUN and set(hosts) == {"fake"}
 
 

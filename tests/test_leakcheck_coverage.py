@@ -23,6 +23,7 @@ from kvfence.tools.canary import (
 from kvfence.tools.leakcheck import (
     EXIT_CANNOT_RUN,
     EXIT_CLEAN,
+    Report,
     Settings,
     Tenant,
     check,
@@ -34,7 +35,7 @@ TENANTS = tuple(Tenant(t, k) for k, t in KEYS.items())
 KNOWN = [s for s in STYLES if s != "unknown"]
 
 
-def run(server: WordingServer, requests: int = 90, **kw: Any) -> dict[str, Any]:
+def run(server: WordingServer, requests: int = 90, **kw: Any) -> Report:
     # The timing probe has its own tests (test_leakcheck_timing.py); these servers answer at once.
     kw.setdefault("skip_probes", ("timing",))
     settings = Settings(
@@ -50,8 +51,8 @@ def cases(report: dict[str, Any]) -> dict[str, dict[str, Any]]:
 
 @pytest.mark.parametrize("style", KNOWN)
 def test_each_wording_is_read_and_every_case_judged_without_a_tokenizer(style: str) -> None:
-    report = run(WordingServer(style, tokenize=False))
-    summary = render_summary(report)
+    report = (rep := run(WordingServer(style, tokenize=False))).as_dict()
+    summary = render_summary(rep)
     assert report["verdict"] == "clean" and report["exit_code"] == EXIT_CLEAN, summary
     assert report["target"]["token_counts"] == "usage"
     by_case = cases(report)
@@ -69,7 +70,7 @@ def test_each_wording_is_read_and_every_case_judged_without_a_tokenizer(style: s
 
 
 def test_unknown_wording_without_a_tokenizer_is_incomplete_not_clean() -> None:
-    report = run(WordingServer("unknown", tokenize=False))
+    report = (rep := run(WordingServer("unknown", tokenize=False))).as_dict()
     assert report["verdict"] == "incomplete" and report["exit_code"] == EXIT_CANNOT_RUN
     not_run = {k for k, c in cases(report).items() if c["state"] in ("skipped", "inconclusive")}
     # N+1 plain and streamed are sized from below (N-1 measured by usage, plus pad tokens); a
@@ -77,17 +78,17 @@ def test_unknown_wording_without_a_tokenizer_is_incomplete_not_clean() -> None:
     assert "admission: N+1 chat" in not_run and "admission: N+1" not in not_run, not_run
     assert cases(report)["admission: N+1"]["state"] == "ran"
     assert any("admission" in line for line in report["incomplete"])
-    assert "verdict: INCOMPLETE (exit 2)" in render_summary(report)
+    assert "verdict: INCOMPLETE (exit 2)" in render_summary(rep)
     # The same run with --allow-incomplete exits 0 and still says INCOMPLETE.
-    report = run(WordingServer("unknown", tokenize=False), allow_incomplete=True)
+    report = (rep := run(WordingServer("unknown", tokenize=False), allow_incomplete=True)).as_dict()
     assert report["verdict"] == "incomplete" and report["exit_code"] == EXIT_CLEAN
-    assert "INCOMPLETE" in render_summary(report)
+    assert "INCOMPLETE" in render_summary(rep)
 
 
 def test_unknown_wording_with_a_tokenizer_is_judged() -> None:
     """The tokenizer gives the counts the refusal does not: every case can be judged."""
-    report = run(WordingServer("unknown", tokenize=True))
-    assert report["verdict"] == "clean", render_summary(report)
+    report = (rep := run(WordingServer("unknown", tokenize=True))).as_dict()
+    assert report["verdict"] == "clean", render_summary(rep)
     assert report["target"]["token_counts"] == "server"
 
 
@@ -108,8 +109,8 @@ def test_over_length_bait_is_over_even_when_the_tokenizer_disagrees(tokenize: bo
         count_tokens=approx_counter(DEFAULT_CHARS_PER_TOKEN),
     )
     assert server.tokens(guess.text) + 32 <= ctx
-    report = run(server, requests=120)
-    assert report["verdict"] == "clean", render_summary(report)
+    report = (rep := run(server, requests=120)).as_dict()
+    assert report["verdict"] == "clean", render_summary(rep)
     bait = [r for r in report["requests"] if r["case"] == "over-length"]
     assert bait and any(r["status"] == 400 for r in bait)
     # The last send of each over-length prompt was refused; none was left under the context.
@@ -121,7 +122,7 @@ def test_over_length_bait_is_over_even_when_the_tokenizer_disagrees(tokenize: bo
 
 
 def test_small_budget_names_the_probes_that_could_not_run() -> None:
-    report = run(WordingServer("vllm-0.32", tokenize=False), requests=30)
+    report = run(WordingServer("vllm-0.32", tokenize=False), requests=30).as_dict()
     assert report["verdict"] == "incomplete" and report["exit_code"] == EXIT_CANNOT_RUN
     states = report["probe_states"]
     assert states["cancellation"]["state"] == "skipped"
@@ -130,8 +131,10 @@ def test_small_budget_names_the_probes_that_could_not_run() -> None:
 
 
 def test_skipped_probes_are_excluded_not_incomplete() -> None:
-    report = run(WordingServer("sglang"), requests=60, skip_probes=("stale_bait", "cancellation"))
-    assert report["verdict"] == "clean", render_summary(report)
+    report = (
+        rep := run(WordingServer("sglang"), requests=60, skip_probes=("stale_bait", "cancellation"))
+    ).as_dict()
+    assert report["verdict"] == "clean", render_summary(rep)
     assert report["probe_states"]["stale_bait"]["state"] == "excluded"
     assert report["totals"]["requests"] <= 60
 

@@ -20,6 +20,7 @@ from kvfence.tools.leakcheck import (
     EXIT_CANNOT_RUN,
     EXIT_CLEAN,
     EXIT_FAILED,
+    Report,
     Settings,
     Tenant,
     check,
@@ -33,7 +34,7 @@ TENANTS = tuple(Tenant(t, k) for k, t in KEYS.items())
 TIMING = {"timing_prefix_tokens": 320, "timing_pairs": 12}
 
 
-def run(server: CachingServer, seed: int = 1, **kw: Any) -> dict[str, Any]:
+def run(server: CachingServer, seed: int = 1, **kw: Any) -> Report:
     kw.setdefault("probes", ("timing",))
     kw.setdefault("requests", 120)
     settings = Settings(base_url="http://fake:8000", tenants=TENANTS, seed=seed, **{**TIMING, **kw})
@@ -46,11 +47,9 @@ def arm(report: dict[str, Any], name: str) -> dict[str, Any]:
 
 
 def test_cache_per_tenant_is_clean_after_a_positive_control() -> None:
-    report = run(CachingServer(per_token_s=0.00025))
+    report = (rep := run(CachingServer(per_token_s=0.00025))).as_dict()
     timing = report["timing"]
-    assert report["exit_code"] == EXIT_CLEAN and report["verdict"] == "clean", render_summary(
-        report
-    )
+    assert report["exit_code"] == EXIT_CLEAN and report["verdict"] == "clean", render_summary(rep)
     assert timing["decision"] == "clean" and timing["control_saw_caching"]
     assert timing["verdict"].startswith("no sharing detected (power:")
     assert timing["power"] >= 0.95
@@ -62,18 +61,20 @@ def test_cache_per_tenant_is_clean_after_a_positive_control() -> None:
 
 
 def test_cache_shared_across_tenants_is_a_finding() -> None:
-    report = run(CachingServer(per_token_s=0.00025, shared=True))
-    assert report["exit_code"] == EXIT_FAILED, render_summary(report)
+    report = (rep := run(CachingServer(per_token_s=0.00025, shared=True))).as_dict()
+    assert report["exit_code"] == EXIT_FAILED, render_summary(rep)
     assert report["verdict"] == "shares_cache_across_tenants"
     assert report["timing"]["decision"] == "finding"
     assert "shares cache across tenants" in report["timing"]["verdict"]
     assert arm(report, "across tenants")["detected"]
     assert any(f["kind"] == "timing" for f in report["findings"])
-    assert "TIMING: shares cache across tenants" in render_summary(report)
+    assert "TIMING: shares cache across tenants" in render_summary(rep)
 
 
 def test_no_cache_is_inconclusive_never_a_pass(tmp_path: Path) -> None:
-    alone = run(CachingServer(per_token_s=0.00025, cache=False), report=str(tmp_path / "r.json"))
+    alone = run(
+        CachingServer(per_token_s=0.00025, cache=False), report=str(tmp_path / "r.json")
+    ).as_dict()
     timing = alone["timing"]
     assert timing["decision"] == "inconclusive" and not timing["control_saw_caching"]
     assert timing["verdict"] == "no prefix caching detected; cross-tenant result inconclusive"
@@ -84,23 +85,25 @@ def test_no_cache_is_inconclusive_never_a_pass(tmp_path: Path) -> None:
 
 def test_no_cache_in_the_default_set_is_reported_not_counted() -> None:
     server = CachingServer(per_token_s=0.00025, cache=False)
-    report = run(server, probes=None, requests=200)
-    assert report["timing"]["decision"] == "inconclusive", render_summary(report)
+    report = (rep := run(server, probes=None, requests=200)).as_dict()
+    assert report["timing"]["decision"] == "inconclusive", render_summary(rep)
     assert report["exit_code"] == EXIT_CLEAN and report["verdict"] == "clean"
-    assert "no prefix caching detected" in render_summary(report)
+    assert "no prefix caching detected" in render_summary(rep)
 
 
 @pytest.mark.parametrize("salt_ignored", [False, True])
 def test_cache_salt_arms(salt_ignored: bool) -> None:
     server = CachingServer(per_token_s=0.00025, salt_field="cache_salt", salt_ignored=salt_ignored)
-    report = run(server, cache_salt_field="cache_salt", requests=160, timing_pairs=10)
+    report = (
+        rep := run(server, cache_salt_field="cache_salt", requests=160, timing_pairs=10)
+    ).as_dict()
     names = {a["name"] for a in report["timing"]["arms"]}
     assert {"same tenant, other salt", "two tenants, same salt"} <= names
     if salt_ignored:  # a salt lost on the way: one tenant's two salts share its cache
-        assert report["exit_code"] == EXIT_FAILED, render_summary(report)
+        assert report["exit_code"] == EXIT_FAILED, render_summary(rep)
         assert arm(report, "same tenant, other salt")["detected"]
     else:
-        assert report["exit_code"] == EXIT_CLEAN, render_summary(report)
+        assert report["exit_code"] == EXIT_CLEAN, render_summary(rep)
         assert not any(a["detected"] for a in report["timing"]["arms"][1:])
 
 
@@ -109,13 +112,13 @@ def test_one_tenant_leaves_timing_out_of_the_default_set() -> None:
         base_url="http://fake:8000", tenants=TENANTS[:1], requests=60, seed=1, **TIMING
     )
     transport = httpx.MockTransport(CachingServer(per_token_s=0.00025).handle)
-    report = asyncio.run(check(settings, transport=transport, err=io.StringIO()))
+    report = asyncio.run(check(settings, transport=transport, err=io.StringIO())).as_dict()
     assert report["probe_states"]["timing"]["state"] == "not_applicable"
     assert report["timing"] is None
 
 
 def test_too_small_a_budget_is_skipped_with_the_reason() -> None:
-    report = run(CachingServer(per_token_s=0.00025), requests=30)
+    report = run(CachingServer(per_token_s=0.00025), requests=30).as_dict()
     assert report["probe_states"]["timing"]["state"] == "skipped"
     assert "pairs" in report["probe_states"]["timing"]["reason"]
     assert report["exit_code"] == EXIT_CANNOT_RUN and report["verdict"] == "incomplete"

@@ -19,7 +19,7 @@ from kvfence.tools.leakcheck.common import (
     Tenant,
 )
 from kvfence.tools.leakcheck.judge import judge_status
-from kvfence.tools.leakcheck.report import render_summary, verdict_of
+from kvfence.tools.leakcheck.report import Report, Verdict, render_summary, verdict_of
 from kvfence.tools.leakcheck.wording import count_from_error
 
 __all__ = [
@@ -29,8 +29,10 @@ __all__ = [
     "PROBES",
     "CannotRun",
     "Reply",
+    "Report",
     "Settings",
     "Tenant",
+    "Verdict",
     "api_root",
     "check",
     "context_length_of",

@@ -106,7 +106,37 @@ class Api:
             body["messages"] = [{"role": "user", "content": text}]
         else:
             body["prompt"] = text
-        for path in ("/tokenize", "/v1/tokenize"):
+        got = await self._post_json(("/tokenize", "/v1/tokenize"), body, tenant)
+        if got is None:
+            return None
+        count, ids = got.get("count"), got.get("tokens")
+        if isinstance(count, int) and not isinstance(count, bool):
+            return count
+        if isinstance(ids, list):
+            return len(ids)
+        return None
+
+    async def token_ids(self, tenant: Tenant, text: str) -> list[int] | None:
+        """`text`'s token ids without the special tokens a prompt gets (vLLM's `/tokenize`
+        with add_special_tokens false), or None when the server has no such endpoint."""
+        body = {"model": self.model, "prompt": text, "add_special_tokens": False}
+        got = await self._post_json(("/tokenize", "/v1/tokenize"), body, tenant)
+        ids = got.get("tokens") if got else None
+        if isinstance(ids, list) and all(isinstance(i, int) for i in ids):
+            return [int(i) for i in ids]
+        return None
+
+    async def detokenize(self, tenant: Tenant, ids: list[int]) -> str | None:
+        """vLLM's `/detokenize`: the text of these token ids, or None (no endpoint, bad ids)."""
+        body = {"model": self.model, "tokens": ids}
+        got = await self._post_json(("/detokenize", "/v1/detokenize"), body, tenant)
+        text = got.get("prompt") if got else None
+        return text if isinstance(text, str) else None
+
+    async def _post_json(
+        self, paths: tuple[str, ...], body: dict[str, Any], tenant: Tenant
+    ) -> dict[str, Any] | None:
+        for path in paths:
             try:
                 r = await self.client.post(path, json=body, headers=self._headers(tenant))
             except httpx.HTTPError:
@@ -114,13 +144,11 @@ class Api:
             if r.status_code != 200:
                 continue
             try:
-                body = r.json()
+                got = r.json()
             except ValueError:
                 continue
-            if isinstance(body.get("count"), int):
-                return int(body["count"])
-            if isinstance(body.get("tokens"), list):
-                return len(body["tokens"])
+            if isinstance(got, dict):
+                return got
         return None
 
     async def timed(
@@ -223,18 +251,32 @@ class Api:
             return reply
 
 
+def _dict(x: Any) -> dict[str, Any]:
+    return x if isinstance(x, dict) else {}
+
+
+def _int(x: Any, default: int | None) -> int | None:
+    return x if isinstance(x, int) and not isinstance(x, bool) else default
+
+
+def _choice_text(choice: Any, chat: bool, key: str) -> str:
+    """A choice's text (completions) or its message / delta content (chat); "" otherwise."""
+    c = _dict(choice)
+    text = _dict(c.get(key)).get("content") if chat else c.get("text")
+    return text if isinstance(text, str) else ""
+
+
 def _apply_event(reply: Reply, event: dict[str, Any], chat: bool) -> None:
-    reply.server_id = reply.server_id or event.get("id")
+    sid = event.get("id")
+    reply.server_id = reply.server_id or (sid if isinstance(sid, str) else None)
     if "error" in event:  # an error inside a 200 stream
         reply.error = str(event["error"])[:300]
-    for choice in event.get("choices") or []:
-        if chat:
-            reply.text += (choice.get("delta") or {}).get("content") or ""
-        else:
-            reply.text += choice.get("text") or ""
-    usage = event.get("usage") or {}
-    reply.prompt_tokens = usage.get("prompt_tokens", reply.prompt_tokens)
-    reply.completion_tokens = usage.get("completion_tokens", reply.completion_tokens)
+    choices = event.get("choices")
+    for choice in choices if isinstance(choices, list) else []:
+        reply.text += _choice_text(choice, chat, "delta")
+    usage = _dict(event.get("usage"))
+    reply.prompt_tokens = _int(usage.get("prompt_tokens"), reply.prompt_tokens)
+    reply.completion_tokens = _int(usage.get("completion_tokens"), reply.completion_tokens)
 
 
 def _parse_reply(r: httpx.Response, chat: bool) -> Reply:
@@ -256,13 +298,12 @@ def _parse_reply(r: httpx.Response, chat: bool) -> Reply:
         if r.is_redirect:
             where = f" (redirect to {r.headers.get('location')!r} not followed)"
         return Reply(r.status_code, error=message + where, error_code=str(code) if code else None)
-    reply = Reply(r.status_code, server_id=body.get("id"))
-    for choice in body.get("choices") or []:
-        if chat:
-            reply.text += (choice.get("message") or {}).get("content") or ""
-        else:
-            reply.text += choice.get("text") or ""
-    usage = body.get("usage") or {}
-    reply.prompt_tokens = usage.get("prompt_tokens")
-    reply.completion_tokens = usage.get("completion_tokens")
+    sid = body.get("id")
+    reply = Reply(r.status_code, server_id=sid if isinstance(sid, str) else None)
+    choices = body.get("choices")
+    for choice in choices if isinstance(choices, list) else []:
+        reply.text += _choice_text(choice, chat, "message")
+    usage = _dict(body.get("usage"))
+    reply.prompt_tokens = _int(usage.get("prompt_tokens"), None)
+    reply.completion_tokens = _int(usage.get("completion_tokens"), None)
     return reply

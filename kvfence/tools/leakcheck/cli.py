@@ -8,16 +8,24 @@ import asyncio
 import json
 import sys
 import time
+import traceback
 from collections.abc import Sequence
 from pathlib import Path
-from typing import IO, Any
+from typing import IO
 
 import httpx
 
 from kvfence.tools.leakcheck.api import Api, api_root
 from kvfence.tools.leakcheck.budget import run_all
-from kvfence.tools.leakcheck.common import ALL_PROBES, CannotRun, Settings, Tenant
-from kvfence.tools.leakcheck.report import build_report, render_summary
+from kvfence.tools.leakcheck.common import (
+    ALL_PROBES,
+    EXIT_CANNOT_RUN,
+    EXIT_FAILED,
+    CannotRun,
+    Settings,
+    Tenant,
+)
+from kvfence.tools.leakcheck.report import Report, build_report, failed_report, render_summary
 from kvfence.tools.leakcheck.run import Run
 
 
@@ -130,12 +138,15 @@ async def check(
     *,
     transport: httpx.AsyncBaseTransport | None = None,
     err: IO[str] | None = None,
-) -> dict[str, Any]:
-    """Run every probe against `settings.base_url`; returns the report (see `build_report`)."""
+) -> Report:
+    """Run every probe against `settings.base_url`; returns the report (see `build_report`).
+    Never raises for what a run or a server does: a failure of leakcheck itself becomes an
+    INCOMPLETE report (exit 2) that names it, next to whatever the run had already seen."""
     started = time.monotonic()
     err = err if err is not None else sys.stderr
     run: Run | None = None
     cannot: str | None = None
+    internal: str | None = None
     try:
         api = Api(api_root(settings.base_url), settings.timeout, transport)
     except CannotRun as e:
@@ -145,18 +156,52 @@ async def check(
         await run_all(run)
     except CannotRun as e:
         cannot = str(e)
+    except Exception as e:  # noqa: BLE001 - the verdict must survive leakcheck's own bugs
+        internal = _internal(e)
     finally:
         if run is not None:
             run.progress.close()
-        await api.close()
-    return build_report(settings, run, started, cannot)
+        try:
+            await api.close()
+        except Exception as e:  # noqa: BLE001
+            internal = internal or _internal(e)
+    try:
+        return build_report(settings, run, started, cannot, internal)
+    except Exception as e:  # noqa: BLE001
+        return failed_report(settings, started, f"internal error: {_internal(e)}")
+
+
+def _internal(e: BaseException) -> str:
+    where = traceback.extract_tb(e.__traceback__)[-1:] if e.__traceback__ else []
+    at = f" at {Path(where[0].filename).name}:{where[0].lineno}" if where else ""
+    return f"{type(e).__name__}: {e}{at}"[:500]
+
+
+def finish(report: Report, out: IO[str]) -> int:
+    """Print the summary and write the JSON report; the exit code. A failure here is leakcheck's
+    own: it exits 2 naming it, never 1 (which a cron job reads as a leak)."""
+    code = report.exit_code
+    try:
+        out.write(render_summary(report) + "\n")
+    except Exception as e:  # noqa: BLE001
+        code = code if code == EXIT_FAILED else EXIT_CANNOT_RUN
+        out.write(f"verdict: INCOMPLETE (exit {code}): internal error: {_internal(e)}\n")
+    path = report.settings.report
+    if path:
+        try:
+            Path(path).write_text(json.dumps(report.as_dict(), indent=2) + "\n")
+            out.write(f"report: {path}\n")
+        except Exception as e:  # noqa: BLE001
+            code = code if code == EXIT_FAILED else EXIT_CANNOT_RUN
+            out.write(f"report not written ({_internal(e)}): exit {code}\n")
+    return code
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     settings = parse_args(argv)
-    report = asyncio.run(check(settings))
-    print(render_summary(report))
-    if settings.report:
-        Path(settings.report).write_text(json.dumps(report, indent=2) + "\n")
-        print(f"report: {settings.report}")
-    return int(report["exit_code"])
+    started = time.monotonic()
+    try:
+        report = asyncio.run(check(settings))
+    except Exception as e:  # noqa: BLE001
+        report = failed_report(settings, started, f"internal error: {_internal(e)}")
+    return finish(report, sys.stdout)

@@ -9,6 +9,7 @@ from typing import Any
 from kvfence.tools.canary import Leak
 from kvfence.tools.leakcheck.api import Reply
 from kvfence.tools.leakcheck.common import NOT_A_VERDICT
+from kvfence.tools.leakcheck.wording import is_length_refusal
 
 
 @dataclass
@@ -89,15 +90,17 @@ def judge_status(
     to the server). Over-length must be refused with a 4xx; a 2xx is tolerated only when the
     server provably computed nothing past the context (a prompt of exactly N answered with an
     empty completion, or max_tokens clamped so prompt + completion <= N). A legal request
-    refused with a 4xx means the advertised context cannot be served (the incident's first
-    fault). `clear` says a length that is only estimated is far enough from N to judge;
-    `lower_bound` that the count is "at least" (then only "over-length" can be concluded)."""
+    refused with a 4xx in words about its size means the advertised context cannot be served
+    (the incident's first fault); refused for anything else (a feature the server does not
+    offer) it is not judged here. `clear` says a length that is only estimated is far enough
+    from N to judge; `lower_bound` that the count is "at least" (then only "over-length" can be
+    concluded)."""
     if status_unjudged(reply, prompt_tokens, max_tokens, context, clear, lower_bound):
         return None
     assert reply.status is not None and prompt_tokens is not None
     legal = prompt_tokens + (max_tokens if max_tokens is not None else 1) <= context
     ok = 200 <= reply.status < 300
-    if legal and 400 <= reply.status < 500:
+    if legal and 400 <= reply.status < 500 and is_length_refusal(reply.error):
         return (
             f"HTTP {reply.status} for a request within the advertised context "
             f"({prompt_tokens} + {max_tokens} <= {context}): {reply.error or ''}"[:300]
@@ -142,11 +145,16 @@ def status_unjudged(
             f"the prompt's length is only leakcheck's estimate ({prompt_tokens} tokens), too "
             f"close to the context ({context}) to judge"
         )
-    if lower_bound and prompt_tokens + (max_tokens if max_tokens is not None else 1) <= context:
+    fits = prompt_tokens + (max_tokens if max_tokens is not None else 1) <= context
+    if lower_bound and fits:
         return (
             f"the server's count is a lower bound (at least {prompt_tokens} tokens), which does "
             "not say whether the request fits"
         )
+    if fits and 400 <= status < 500 and not is_length_refusal(reply.error):
+        # A server declining a feature (no chat template, an unsupported parameter) is right
+        # to: it says nothing about whether a request of this length would be served.
+        return f"HTTP {status} for a reason other than length: {reply.error or ''}"[:300]
     return None
 
 

@@ -9,7 +9,7 @@ import random
 import time
 from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import dataclass, field
-from typing import IO, Any
+from typing import IO
 
 from kvfence.tools.canary import (
     DEFAULT_CHARS_PER_TOKEN,
@@ -23,6 +23,7 @@ from kvfence.tools.leakcheck.cases import Cases, Kind
 from kvfence.tools.leakcheck.common import PROBES, Settings, Tenant
 from kvfence.tools.leakcheck.judge import Outcome, judge_status, read_unjudged, status_unjudged
 from kvfence.tools.leakcheck.tally import ProbeTally, Progress
+from kvfence.tools.leakcheck.timing_result import TimingResult
 from kvfence.tools.leakcheck.wording import parse_refusal
 
 
@@ -61,7 +62,7 @@ class Run:
         if "timing" in (settings.probes or ()) or settings.probes is None:
             self.tallies["timing"] = ProbeTally()  # dropped again if it does not run
         self.cases = Cases()
-        self.timing: dict[str, Any] | None = None  # the timing probe's result, when it ran
+        self.timing: TimingResult | None = None  # the timing probe's result, when it ran
         self.notes: list[str] = []
         self.limit = settings.requests
         self.deadline = time.monotonic() + settings.duration
@@ -249,13 +250,10 @@ class Run:
         tally.errors += out.error is not None
         tally.echoed_own += out.echoed_own
         total = self.totals()
-        self.progress.update(
-            total["requests"], total["leaks"], total["wrong_statuses"], total["errors"]
-        )
+        self.progress.update(total.requests, total.leaks, total.wrong_statuses, total.errors)
 
-    def totals(self) -> dict[str, int]:
-        keys = ("requests", "served", "refused", "leaks", "wrong_statuses", "errors", "echoed_own")
-        return {k: sum(getattr(t, k) for t in self.tallies.values()) for k in keys}
+    def totals(self) -> ProbeTally:
+        return sum(self.tallies.values(), ProbeTally())
 
     async def pool(self, n: int, job: Callable[[int], Awaitable[object]]) -> None:
         """Run job(0..n-1) with at most `concurrency` in flight, stopping once the budget is

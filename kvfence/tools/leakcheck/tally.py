@@ -21,6 +21,9 @@ class ProbeTally:
     def as_dict(self) -> dict[str, int]:
         return dict(self.__dict__)
 
+    def __add__(self, other: ProbeTally) -> ProbeTally:
+        return ProbeTally(**{k: v + getattr(other, k) for k, v in self.__dict__.items()})
+
 
 class Progress:
     """A one-line bar on a terminal; a line per 10% elsewhere (CI logs)."""

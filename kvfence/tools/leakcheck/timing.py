@@ -2,7 +2,8 @@
 across tenants, the leak behind prompt-stealing attacks)? A positive control within one tenant
 comes first; without a measurable hit there, nothing is concluded across tenants.
 
-Each pair: the primer sends a fresh random prefix of P tokens; then the sender sends that prefix
+Each pair: the primer sends a fresh random prefix of P tokens (timing_prompts.py: words of the
+server's own vocabulary, checked to differ as tokens); then the sender sends that prefix
 (a hit if the cache is shared with the primer) and another fresh one of equal length, in random
 order. Pairs of all arms are interleaved in random order and sent one at a time. The time is to
 the first SSE event where the server streams, else the whole (1-token) request."""
@@ -12,15 +13,16 @@ from __future__ import annotations
 import random
 import string
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 
 from kvfence.tools.leakcheck.cases import Kind, State
 from kvfence.tools.leakcheck.common import Tenant
 from kvfence.tools.leakcheck.run import Run
+from kvfence.tools.leakcheck.timing_prompts import fresh_pair, make_prompts
+from kvfence.tools.leakcheck.timing_result import ArmResult, Decision, TimingResult
 from kvfence.tools.leakcheck.timing_stats import ArmStats, arm_stats, power
 
 PROBE = "timing"
@@ -67,18 +69,6 @@ def _nonce(rng: random.Random) -> str:
     return "".join(rng.choice(string.ascii_lowercase + string.digits) for _ in range(12))
 
 
-def _text(rng: random.Random, chars: int) -> str:
-    """Random base32 words: no two prompts share even their first token."""
-    alphabet = "ABCDEFGHJKMNPQRSTVWXYZ0123456789"
-    words: list[str] = []
-    size = 0
-    while size < chars:
-        w = "".join(rng.choice(alphabet) for _ in range(6))
-        words.append(w)
-        size += 7
-    return " ".join(words)
-
-
 async def probe(run: Run, share: int) -> None:
     t = run.target
     assert t is not None
@@ -95,20 +85,33 @@ async def probe(run: Run, share: int) -> None:
             f"per arm need",
         )
         return
-    chars = int(p_tokens * t.chars_per_token)  # errs short: stays within the context
+    made = await make_prompts(run, arm_list[0].primer)
+    if isinstance(made, str):
+        run.cases.set_probe(PROBE, State.INCONCLUSIVE, made)
+        run.timing = TimingResult(
+            p_tokens, "nothing timed", "none", s.timing_alpha, s.timing_auc_floor,
+            Decision.INCONCLUSIVE, made,
+        )  # fmt: skip
+        return
     samples: dict[str, dict[str, list[float]]] = {
         a.name: {"hit": [], "fresh": []} for a in arm_list
     }
     schedule = [a for a in arm_list for _ in range(pairs)]
     run.rng.shuffle(schedule)
     stream = True
+    unchecked = 0
     for arm in schedule:
         if run.left < PER_PAIR or time.monotonic() > run.deadline:
             run.stopped_early = run.stopped_early or (
                 "duration" if time.monotonic() > run.deadline else None
             )
             break
-        prefix, other = _text(run.rng, chars), _text(run.rng, chars)
+        # Sized by the server's own count where it tokenizes; else errs short by characters.
+        pair = await fresh_pair(run, arm.primer, made, p_tokens, t.chars_per_token)
+        if pair is None:
+            unchecked += 1
+            continue
+        prefix, other = pair
         primed = await _timed(run, arm.primer, prefix, stream, arm.prime_salt)
         if primed is None and stream:
             stream = False  # no usable stream here: time whole requests from now on
@@ -125,7 +128,9 @@ async def probe(run: Run, share: int) -> None:
         if len(got) == 2:  # only whole pairs, so both sides of an arm stay balanced
             for kind, dt in got.items():
                 samples[arm.name][kind].append(dt)
-    run.timing = _decide(run, arm_list, samples, p_tokens, stream)
+    if unchecked:
+        run.notes.append(f"timing: {unchecked} pairs left out: their prompts shared a first token")
+    run.timing = _decide(run, arm_list, samples, p_tokens, stream, made.how)
 
 
 async def _timed(
@@ -155,7 +160,8 @@ def _decide(
     samples: dict[str, dict[str, list[float]]],
     p_tokens: int,
     stream: bool,
-) -> dict[str, Any]:
+    prompts: str,
+) -> TimingResult:
     s = run.s
     rng = np.random.default_rng(run.rng.getrandbits(64))
     stats: dict[str, ArmStats | None] = {}
@@ -179,7 +185,7 @@ def _decide(
         pwr = power(
             got["hit"], got["fresh"], n, rng, alpha=s.timing_alpha, auc_floor=s.timing_auc_floor
         )
-    decision, verdict = _verdict(run, arm_list, stats, findings, pwr)
+    decision, verdict = _verdict(arm_list, stats, findings, pwr)
     for arm in arm_list:
         st = stats[arm.name]
         got = samples[arm.name]
@@ -189,32 +195,44 @@ def _decide(
             case.forced, case.reason = State.INCONCLUSIVE, f"fewer than {MIN_PAIRS} pairs timed"
         elif arm.must_share and not st.detected:
             case.forced, case.reason = State.INCONCLUSIVE, "no prefix caching detected"
-        elif decision == "inconclusive" and not arm.must_share:
+        elif decision is Decision.INCONCLUSIVE and not arm.must_share:
             case.forced, case.reason = State.INCONCLUSIVE, verdict
-    result: dict[str, Any] = {
-        "prefix_tokens": p_tokens,
-        "measure": "time to first SSE event" if stream else "whole request (max_tokens 1)",
-        "alpha": s.timing_alpha,
-        "auc_floor": s.timing_auc_floor,
-        "control_saw_caching": bool(control and control.detected),
-        "power": pwr,
-        "decision": decision,
-        "verdict": verdict,
-        "arms": [_arm_dict(a, stats[a.name], samples[a.name]) for a in arm_list],
-        "plot": None,
-    }
+    arms_out = tuple(
+        ArmResult(
+            a.name,
+            a.primer.name,
+            a.sender.name,
+            (a.prime_salt, a.send_salt) if a.prime_salt else None,
+            a.must_share,
+            tuple(samples[a.name]["hit"]),
+            tuple(samples[a.name]["fresh"]),
+            stats[a.name],
+        )
+        for a in arm_list
+    )
+    result = TimingResult(
+        prefix_tokens=p_tokens,
+        measure="time to first SSE event" if stream else "whole request (max_tokens 1)",
+        prompts=prompts,
+        alpha=s.timing_alpha,
+        auc_floor=s.timing_auc_floor,
+        decision=decision,
+        verdict=verdict,
+        arms=arms_out,
+        control_saw_caching=bool(control and control.detected),
+        power=pwr,
+    )
     if s.report:
-        result["plot"] = _plot(result, Path(s.report).parent, run.notes)
+        result = replace(result, plot=_plot(result, Path(s.report).parent, run.notes))
     return result
 
 
 def _verdict(
-    run: Run,
     arm_list: list[Arm],
     stats: dict[str, ArmStats | None],
     findings: list[Arm],
     pwr: float | None,
-) -> tuple[str, str]:
+) -> tuple[Decision, str]:
     if findings:
         what = "; ".join(
             f"{a.name}: AUC {st.auc:.2f} [{st.auc_ci[0]:.2f}, {st.auc_ci[1]:.2f}], KS p "
@@ -222,54 +240,35 @@ def _verdict(
             for a in findings
             if (st := stats[a.name]) is not None
         )
-        return "finding", f"shares cache across tenants ({what})"
+        return Decision.FINDING, f"shares cache across tenants ({what})"
     control = stats[CONTROL]
     if control is None:
-        return "inconclusive", "too few timed pairs for the positive control; nothing concluded"
+        return (
+            Decision.INCONCLUSIVE,
+            "too few timed pairs for the positive control; nothing concluded",
+        )
     if not control.detected:
-        return "inconclusive", "no prefix caching detected; cross-tenant result inconclusive"
+        return Decision.INCONCLUSIVE, "no prefix caching detected; cross-tenant result inconclusive"
     if not any(not a.must_share for a in arm_list):
-        return "inconclusive", "one tenant: the cross-tenant arm needs a second API key"
+        return Decision.INCONCLUSIVE, "one tenant: the cross-tenant arm needs a second API key"
     if any(stats[a.name] is None for a in arm_list):
-        return "inconclusive", "an arm got too few timed pairs; nothing concluded across tenants"
+        return (
+            Decision.INCONCLUSIVE,
+            "an arm got too few timed pairs; nothing concluded across tenants",
+        )
     assert pwr is not None
     if pwr < POWER_WANTED:
-        return "inconclusive", (
+        return Decision.INCONCLUSIVE, (
             f"no sharing detected, but with too little power ({pwr:.2f} < {POWER_WANTED}): a hit "
             "of the size seen within a tenant could have been missed; raise --requests"
         )
-    return "clean", (
+    return Decision.CLEAN, (
         "no sharing detected (power: a hit of the size seen within a tenant would have been "
         f"found with probability {pwr:.2f} >= {POWER_WANTED})"
     )
 
 
-def _arm_dict(arm: Arm, st: ArmStats | None, got: dict[str, list[float]]) -> dict[str, Any]:
-    out: dict[str, Any] = {
-        "name": arm.name,
-        "primer": arm.primer.name,
-        "sender": arm.sender.name,
-        "salts": [arm.prime_salt, arm.send_salt] if arm.prime_salt else None,
-        "expects_sharing": arm.must_share,
-        "samples_ms": {k: [round(v * 1000, 3) for v in vals] for k, vals in got.items()},
-    }
-    if st is None:
-        out.update(pairs=min(len(got["hit"]), len(got["fresh"])), detected=None)
-        return out
-    out.update(
-        pairs=st.pairs,
-        hit_median_ms=round(st.hit_median * 1000, 3),
-        fresh_median_ms=round(st.fresh_median * 1000, 3),
-        auc=round(st.auc, 4),
-        auc_ci=[round(st.auc_ci[0], 4), round(st.auc_ci[1], 4)],
-        ks_d=round(st.ks_d, 4),
-        ks_p=st.ks_p,
-        detected=st.detected,
-    )
-    return out
-
-
-def _plot(result: dict[str, Any], folder: Path, notes: list[str]) -> str | None:
+def _plot(result: TimingResult, folder: Path, notes: list[str]) -> str | None:
     """Hit and fresh time distributions per arm, when matplotlib is installed."""
     try:
         import matplotlib
@@ -279,15 +278,15 @@ def _plot(result: dict[str, Any], folder: Path, notes: list[str]) -> str | None:
     except ImportError:
         notes.append("timing: no plot (matplotlib is not installed: pip install matplotlib)")
         return None
-    arms_ = result["arms"]
+    arms_ = result.arms
     fig, axes = plt.subplots(1, len(arms_), figsize=(4 * len(arms_), 3), squeeze=False)
     for ax, arm in zip(axes[0], arms_, strict=True):
-        for kind in ("hit", "fresh"):
-            ax.hist(arm["samples_ms"][kind], bins=20, alpha=0.6, label=kind)
-        ax.set_title(arm["name"])
+        for kind, values in (("hit", arm.hit_s), ("fresh", arm.fresh_s)):
+            ax.hist([v * 1000 for v in values], bins=20, alpha=0.6, label=kind)
+        ax.set_title(arm.name)
         ax.set_xlabel("ms")
         ax.legend()
-    fig.suptitle(result["verdict"][:100], fontsize=8)
+    fig.suptitle(result.verdict[:100], fontsize=8)
     path = folder / "leakcheck-timing.png"
     fig.tight_layout()
     fig.savefig(path)

@@ -152,3 +152,40 @@ def parse_refusal(message: str) -> Count | None:
 def count_from_error(message: str) -> int | None:
     count = parse_refusal(message)
     return count.tokens if count else None
+
+
+# A refusal that speaks of size. Anything else (no chat template, an unsupported parameter) is
+# the server declining a feature it does not offer: legitimate, and no verdict on admission.
+_LENGTH = re.compile(
+    r"context|too (?:long|large|many)|exceed|maximum|max_model_len|capacity|\bpool\b|"
+    r"input (?:length|tokens?)|\blength\b|\btokens\b",
+    re.I,
+)
+# Feature refusals as servers word them, for tests and the README: none is about length.
+FEATURE_REFUSALS: tuple[tuple[str, str], ...] = (
+    (
+        "vLLM, vllm/entrypoints/chat_utils.py (a tokenizer without a chat template)",
+        "As of transformers v4.44, default chat template is no longer allowed, so you must "
+        "provide a chat template if the tokenizer does not define one.",
+    ),
+    (
+        "transformers apply_chat_template (what vLLM and SGLang pass on)",
+        "Cannot use chat template functions because tokenizer.chat_template is not set and no "
+        "template argument was passed! For information about writing templates and setting the "
+        "tokenizer.chat_template attribute, please see the documentation at "
+        "https://huggingface.co/docs/transformers/main/en/chat_templating",
+    ),
+    (
+        "kvfence, kvfence/model/tokenizer.py",
+        "The chat template rejected these messages: this model has no chat template; use "
+        "/v1/completions",
+    ),
+)
+
+
+def is_length_refusal(message: str | None) -> bool:
+    """Whether a 4xx's message is about the request's size (then a refusal of a request that
+    fits is wrong on its face); False for a server declining a feature it does not offer."""
+    if not message:
+        return False
+    return parse_refusal(message) is not None or _LENGTH.search(message) is not None
