@@ -46,7 +46,7 @@ def one(shared: bool, cache: bool, seed: int, pairs: int) -> str:
     report = asyncio.run(
         check(settings, transport=httpx.MockTransport(server.handle), err=io.StringIO())
     )
-    return str(report["timing"]["decision"])
+    return report.timing.decision.value if report.timing else "not run"
 
 
 def kvfence(runs: int, seed: int) -> None:

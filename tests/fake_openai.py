@@ -11,7 +11,6 @@ from __future__ import annotations
 import asyncio
 import json
 import math
-import re
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -61,6 +60,10 @@ STYLES = {
 # Styles whose servers stop counting past the limit: they state a lower bound.
 TRUNCATING = {"vllm-0.32", "vllm-main"}
 CHAT_TEMPLATE_TOKENS = 6
+NO_CHAT_TEMPLATE = (
+    "As of transformers v4.44, default chat template is no longer allowed, so you must provide "
+    "a chat template if the tokenizer does not define one."
+)
 
 
 def tenant_of(request: httpx.Request) -> str | None:
@@ -84,8 +87,10 @@ class WordingServer:
         chars_per_token: float = 2.0,
         long_chars_per_token: float | None = None,
         sglang_body: bool = False,
+        chat_template: bool = True,
     ) -> None:
         self.style = style
+        self.chat_template = chat_template
         self.ctx = ctx
         self.tokenize_endpoint = tokenize
         self.cpt = chars_per_token
@@ -127,6 +132,9 @@ class WordingServer:
         self.seen += 1
         body = json.loads(request.content)
         chat = "messages" in body
+        if chat and not self.chat_template:  # vLLM's refusal, vllm/entrypoints/chat_utils.py
+            err = {"message": NO_CHAT_TEMPLATE, "type": "BadRequestError", "code": 400}
+            return httpx.Response(400, json={"error": err})
         text = body["messages"][0]["content"] if chat else body["prompt"]
         n = self.tokens(text) + (CHAT_TEMPLATE_TOKENS if chat else 0)
         m = body.get("max_tokens")
@@ -137,8 +145,10 @@ class WordingServer:
 
 def _answer(text: str, chat: bool, body: dict[str, Any], n: int, m: int) -> httpx.Response:
     cue = text.rsplit("\n", 1)[-1].removesuffix(":")
-    found = re.search(rf"^{re.escape(cue)}: (\S+)$", text, re.M)
-    answer = f" {found.group(1)}\n" if found else " nothing\n"
+    # A scan, not a regex per cue: `re` caches compiled patterns across requests, a prompt cache
+    # shared across tenants that the timing probe would rightly report.
+    found = [v for line in text.split("\n") if (v := line.removeprefix(f"{cue}: ")) != line]
+    answer = f" {found[0].split()[0]}\n" if found and found[0].split() else " nothing\n"
     usage = {"prompt_tokens": n, "completion_tokens": min(m, 12)}
     if body.get("stream"):
         key = "delta" if chat else "text"
@@ -150,6 +160,11 @@ def _answer(text: str, chat: bool, body: dict[str, Any], n: int, m: int) -> http
     return httpx.Response(200, json={"id": "x", "choices": [choice], "usage": usage})
 
 
+# A word-level vocabulary: id 0 is the unknown token, then 1,000 words.
+VOCAB = ["<unk>", *(f"w{i}" for i in range(1000))]
+WORDS = {w: i for i, w in enumerate(VOCAB) if i}
+
+
 class CachingServer:
     """A server with a prefix cache: each prompt token not already cached costs `per_token_s`
     of simulated compute before the first token (awaited, so concurrent requests overlap).
@@ -157,7 +172,9 @@ class CachingServer:
     `cache=False`: no cache at all. `shared=True`: one cache for every tenant (the leak);
     False: one namespace per tenant. `salt_field`: a request's salt (that body field) is part of
     the namespace, as vLLM's cache_salt is; `salt_ignored=True` drops it (the salt is lost on
-    the way). Caching is per whole prompt, which is what the probe's prompts need."""
+    the way). Caching is per whole prompt, which is what the probe's prompts need.
+    `word_level=True`: a word-level tokenizer (VOCAB) with `/tokenize` ids and `/detokenize`;
+    the cache keys on token ids, so prompts of words it does not know are all one prompt."""
 
     def __init__(
         self,
@@ -168,7 +185,9 @@ class CachingServer:
         per_token_s: float = 0.0004,
         salt_field: str | None = None,
         salt_ignored: bool = False,
+        word_level: bool = False,
     ) -> None:
+        self.word_level = word_level
         self.ctx = ctx
         self.cache = cache
         self.shared = shared
@@ -178,9 +197,16 @@ class CachingServer:
         self.cached: set[tuple[str, str]] = set()
         self.seen = 0
 
-    @staticmethod
-    def tokens(text: str) -> int:
-        return math.ceil(len(text) / 2)
+    def ids(self, text: str) -> list[int]:
+        """Word level: one id per whitespace word, 0 (unknown) for a word not in WORDS."""
+        return [WORDS.get(w, 0) for w in text.split()]
+
+    def tokens(self, text: str) -> int:
+        return len(self.ids(text)) if self.word_level else math.ceil(len(text) / 2)
+
+    def _key(self, text: str) -> str:
+        # What a cache keys on is tokens: under a word-level vocabulary, unknown words are alike.
+        return " ".join(map(str, self.ids(text))) if self.word_level else text
 
     def _namespace(self, tenant: str, body: dict[str, Any]) -> str:
         ns = "" if self.shared else tenant
@@ -198,7 +224,15 @@ class CachingServer:
         if path == "/tokenize":
             body = json.loads(request.content)
             text = body["messages"][0]["content"] if "messages" in body else body["prompt"]
+            if self.word_level:  # vLLM's shape, token ids included
+                ids = self.ids(text)
+                return httpx.Response(200, json={"count": len(ids), "tokens": ids})
             return httpx.Response(200, json={"count": self.tokens(text)})
+        if path == "/detokenize" and self.word_level:
+            ids = json.loads(request.content)["tokens"]
+            if any(i > len(WORDS) for i in ids):
+                return httpx.Response(400, json={"error": {"message": "token id out of range"}})
+            return httpx.Response(200, json={"prompt": " ".join(VOCAB[i] for i in ids)})
         if path not in ("/v1/completions", "/v1/chat/completions"):
             return httpx.Response(404, json={"error": {"message": "no route"}})
         self.seen += 1
@@ -210,7 +244,7 @@ class CachingServer:
         if n + m > self.ctx:
             msg = f"maximum context length is {self.ctx}. However, your prompt has {n} tokens"
             return httpx.Response(400, json={"error": {"message": msg}})
-        key = (self._namespace(tenant, body), text)
+        key = (self._namespace(tenant, body), self._key(text))
         hit = self.cache and key in self.cached
         if self.cache:
             self.cached.add(key)

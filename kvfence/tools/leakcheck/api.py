@@ -60,6 +60,10 @@ class Reply:
     error_code: str | None = None
     server_id: str | None = None
     cancelled: bool = False
+    # A 2xx body that is an answer (choices, or a stream event that carries them or usage).
+    # A 2xx without one (a proxy's HTML page, a stream cut before its first event) says
+    # nothing about what the server computed.
+    answered: bool = True
 
 
 class Api:
@@ -225,7 +229,7 @@ class Api:
             if r.status_code != 200:
                 await r.aread()
                 return _parse_reply(r, chat)
-            reply = Reply(200)
+            reply = Reply(200, answered=False)
             chunks = 0
             try:
                 async for ev in aiter_events(r.aiter_bytes()):
@@ -272,6 +276,7 @@ def _apply_event(reply: Reply, event: dict[str, Any], chat: bool) -> None:
     if "error" in event:  # an error inside a 200 stream
         reply.error = str(event["error"])[:300]
     choices = event.get("choices")
+    reply.answered = reply.answered or isinstance(choices, list) or "usage" in event
     for choice in choices if isinstance(choices, list) else []:
         reply.text += _choice_text(choice, chat, "delta")
     usage = _dict(event.get("usage"))
@@ -285,7 +290,7 @@ def _parse_reply(r: httpx.Response, chat: bool) -> Reply:
     except ValueError:
         body = None
     if not isinstance(body, dict):
-        return Reply(r.status_code, error=f"non-JSON body: {r.text[:200]!r}")
+        return Reply(r.status_code, error=f"non-JSON body: {r.text[:200]!r}", answered=False)
     if r.status_code >= 300:
         err = body.get("error")
         if isinstance(err, dict):
@@ -301,6 +306,7 @@ def _parse_reply(r: httpx.Response, chat: bool) -> Reply:
     sid = body.get("id")
     reply = Reply(r.status_code, server_id=sid if isinstance(sid, str) else None)
     choices = body.get("choices")
+    reply.answered = isinstance(choices, list)
     for choice in choices if isinstance(choices, list) else []:
         reply.text += _choice_text(choice, chat, "message")
     usage = _dict(body.get("usage"))

@@ -138,6 +138,8 @@ def status_unjudged(
         return f"HTTP {status}: {reply.error or ''}"[:300]
     if 300 <= status < 400:
         return f"HTTP {status}: {reply.error or ''}"[:300]
+    if 200 <= status < 300 and not reply.answered and not reply.cancelled:
+        return f"HTTP {status} without an answer in its body: {reply.error or ''}"[:300]
     if prompt_tokens is None:
         return "the prompt's length is unknown (no usage, no count in the refusal, no tokenizer)"
     if not clear:

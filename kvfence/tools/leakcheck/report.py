@@ -164,7 +164,8 @@ def build_report(
     internal_error: str | None = None,
 ) -> Report:
     duration = round(time.monotonic() - started, 3)
-    reason = cannot_run or internal_error
+    said = (cannot_run, f"internal error: {internal_error}" if internal_error else None)
+    reason = "; ".join(x for x in said if x) or None
     if run is None:
         verdict, code = verdict_of(
             ProbeTally(), cannot_run=cannot_run, internal_error=internal_error
