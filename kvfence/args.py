@@ -383,6 +383,15 @@ TOOL_CALL_PARSER = _server(
     help="how the model writes tool calls (vLLM's names); needed for tool_choice auto",
 )
 
+
+MAX_TOOL_CALLS = _server(
+    ("--max-tool-calls",),
+    "max_tool_calls",
+    type=int,
+    help="the most tool calls one answer may make when parallel_tool_calls is not false "
+    "(false: exactly one)",
+)
+
 # ---- a PD worker (serve; up forwards TRANSFER_OPTIONS to every worker) --------------------------
 
 DISAGGREGATION_MODE = _pd(
@@ -456,6 +465,7 @@ NODE_OPTIONS: tuple[Option, ...] = (
     *ENGINE_OPTIONS,
     *SERVER_OPTIONS,
     TOOL_CALL_PARSER,
+    MAX_TOOL_CALLS,
     ENGINE_PROCESS,
     *PD_OPTIONS,
 )
@@ -473,6 +483,7 @@ def node_argv(config: NodeConfig, options: Iterable[Option] = NODE_OPTIONS) -> l
     """The `kvfence serve` command line that parses back into config (a value at its default
     is left out, so the child resolves it as the parent would)."""
     return command_line(node_values(config), options)
+
 
 # ---- the router's routing policy (router; `up` hands them to its router) ------------------------
 # Each has SGLang's router spelling first (what the router's command line gets) and a --router-*

@@ -53,6 +53,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
             faults=faults,
             drain_timeout=server.drain_timeout,
             tool_call_parser=server.tool_call_parser,
+            max_tool_calls=server.max_tool_calls,
             admin_api_key_file=server.admin_api_key_file,
         )
     except RoleStartFailed as e:

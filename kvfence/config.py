@@ -184,6 +184,8 @@ def _fields_of(cls: type, args: argparse.Namespace) -> dict[str, Any]:
 
 
 TRANSFER_BACKENDS = ("tcp", "mooncake")
+# The most tool calls one answer may make when parallel calls are allowed (server/tools.py).
+DEFAULT_MAX_TOOL_CALLS = 8
 DISAGGREGATION_MODES = ("null", "prefill", "decode")
 
 
@@ -198,6 +200,8 @@ class ServerConfig:
     drain_timeout: float = 30.0  # seconds in flight requests get on SIGTERM (server/drain.py)
     admin_api_key_file: str | None = None
     tool_call_parser: str | None = None
+    # A model that never stops adding calls would otherwise write them until max_tokens.
+    max_tool_calls: int = DEFAULT_MAX_TOOL_CALLS
     # The engine's step loop in a process of its own (kvfence/role_process.py) or in the HTTP
     # server's (the default: on 2 quiet shared cores the split measured ~10% slower, RESULTS.md
     # "Session 9"; its case is hosts with cores to spare for the HTTP process, and isolation).
@@ -206,6 +210,8 @@ class ServerConfig:
     def __post_init__(self) -> None:
         if not self.drain_timeout >= 0:
             raise ConfigError(f"--drain-timeout {self.drain_timeout}: must be >= 0")
+        if self.max_tool_calls < 1:
+            raise ConfigError(f"--max-tool-calls {self.max_tool_calls}: must be >= 1")
 
 
 @dataclass(frozen=True)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import torch
@@ -115,3 +116,27 @@ def write_byte_tokenizer(out: Path, vocab: int) -> None:
             }
         )
     )
+
+
+def word_level_checkpoint(out: Path, tiny: Path) -> Path:
+    """The bundled tiny model's weights under a word-level tokenizer (`w6` ... `w2047`, anything
+    else the unknown token) and no chat template: the kind of checkpoint whose vocabulary makes
+    random words all one token."""
+    import shutil
+
+    from tokenizers import Tokenizer as HFTokenizer
+    from tokenizers import models, pre_tokenizers
+
+    out.mkdir(parents=True, exist_ok=True)
+    for name in ("config.json", "generation_config.json", "model.safetensors"):
+        shutil.copy(tiny / name, out / name)
+    specials = ["<unk>", "<|bos|>", "<|eos|>", "<|system|>", "<|user|>", "<|assistant|>"]
+    vocab = {t: i for i, t in enumerate(specials)}
+    vocab.update({f"w{i}": i for i in range(len(specials), 2048)})
+    tok = HFTokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tok.add_special_tokens(specials)
+    tok.save(str(out / "tokenizer.json"))
+    cfg = {"bos_token": "<|bos|>", "eos_token": "<|eos|>", "unk_token": "<unk>"}
+    (out / "tokenizer_config.json").write_text(json.dumps(cfg))
+    return out

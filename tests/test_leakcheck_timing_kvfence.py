@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from checkpoints import word_level_checkpoint
 from conftest import TINY_MODEL
 from procs import Proc, free_port
 
@@ -46,12 +47,14 @@ PAIRS = 12
 REQUESTS = PAIRS * 3 * 2
 
 
-def serve_unified(tmp: Path, *extra: str, env: dict[str, str] | None = None) -> Proc:
+def serve_unified(
+    tmp: Path, *extra: str, env: dict[str, str] | None = None, model: Path = TINY_MODEL
+) -> Proc:
     """`kvfence serve` (unified) of the tiny model with both tenants' keys, healthy."""
     keyfile = tmp / "keys.txt"
     keyfile.write_text("".join(f"{k} {t}\n" for k, t in KEYS.items()))
     port = free_port()
-    args = ["serve", "--model", str(TINY_MODEL), "--port", str(port)]
+    args = ["serve", "--model", str(model), "--port", str(port)]
     args += ["--context-length", str(CONTEXT), "--kv-pool-tokens", "16384"]
     args += ["--api-key-file", str(keyfile), "--log-level", "warning", *extra]
     node = Proc(args, port, tmp / "serve.log", env)
@@ -148,3 +151,19 @@ def test_2p2d_twin_losing_the_tenant_at_every_hop_is_a_timing_finding(tmp_path: 
     assert code == EXIT_FAILED, summary(report)
     assert report["verdict"] == "shares_cache_across_tenants"
     assert arm(report, "across tenants")["detected"]
+
+
+def test_word_level_checkpoint_without_chat_template_sees_caching(tmp_path: Path) -> None:
+    """The issue's server: a word-level vocabulary (random base32 words are all its unknown
+    token) and no chat template. The prompts come from its vocabulary, differ as tokens, and the
+    control sees the cache; the default probes' chat refusal is no wrong status."""
+    model = word_level_checkpoint(tmp_path / "wordlevel", TINY_MODEL)
+    node = serve_unified(tmp_path, model=model)
+    try:
+        code, report = timing_check(node.url, tmp_path)
+    finally:
+        node.stop()
+    timing = report["timing"]
+    assert "vocabulary" in timing["prompts"], summary(report)
+    assert timing["control_saw_caching"] and timing["decision"] == "clean", summary(report)
+    assert code == EXIT_CLEAN

@@ -13,14 +13,21 @@ import io
 import json
 import random
 import re
+from pathlib import Path
 from typing import Any
 
 import httpx
 import pytest
+from checkpoints import word_level_checkpoint
+from conftest import TINY_MODEL
 from fake_openai import KEYS, NO_CHAT_TEMPLATE, CachingServer, WordingServer
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from kvfence.config import EngineConfig
+from kvfence.engine.engine import Engine
+from kvfence.role import UnifiedService
+from kvfence.server.api import build_app
 from kvfence.tools.canary import Leak
 from kvfence.tools.leakcheck import (
     EXIT_CANNOT_RUN,
@@ -347,3 +354,36 @@ def test_differ_from_first() -> None:
     assert not timing_prompts.differ_from_first([0, 0], [0, 1])  # the unknown token twice
     assert timing_prompts.differ_from_first([1, 5], [1, 7], lead=1)  # past a BOS
     assert not timing_prompts.differ_from_first([], [1])
+
+
+def test_prompts_from_a_word_level_kvfence_differ_as_tokens(tmp_path: Path) -> None:
+    """Against kvfence's own /tokenize and /detokenize (in process) of a word-level checkpoint:
+    base32 words are all the unknown token there, so the prompts come from its vocabulary, and
+    a primed and a fresh prompt differ from their first token on."""
+    model = word_level_checkpoint(tmp_path / "wordlevel", TINY_MODEL)
+    cfg = EngineConfig(model=str(model), kv_pool_tokens=4096, context_length=2048)
+    engine = Engine(cfg)
+    engine.start()
+    try:
+        app = build_app(UnifiedService(engine), api_keys=None)
+
+        async def go() -> tuple[object, list[list[int]]]:
+            api = Api("http://kvfence", 30.0, httpx.ASGITransport(app))
+            s = Settings(base_url="http://kvfence", tenants=TENANTS[:1], progress=False, seed=1)
+            run = Run(s, api, io.StringIO())
+            made = await timing_prompts.make_prompts(run, TENANTS[0])
+            assert isinstance(made, timing_prompts.Prompts), made
+            pair = await timing_prompts.fresh_pair(run, TENANTS[0], made, 256, 1.0)
+            assert pair is not None
+            ids = [await api.token_ids(TENANTS[0], t) or [] for t in pair]
+            base32 = await api.token_ids(TENANTS[0], "AB12CD EF34GH JK56MN")
+            await api.close()
+            return made, [*ids, base32 or []]
+
+        made, (primed, fresh, base32) = asyncio.run(go())
+    finally:
+        engine.shutdown()
+    assert set(base32) == {0}  # the old prompts: every word the unknown token
+    assert isinstance(made, timing_prompts.Prompts) and "vocabulary" in made.how
+    assert primed[0] != fresh[0] and 0 not in primed + fresh
+    assert 200 <= len(primed) <= 300 and len(set(primed)) > 100

@@ -5,6 +5,7 @@ template sees `tools`, and malformed tool requests get a 400."""
 from __future__ import annotations
 
 import json
+import os
 import shutil
 from pathlib import Path
 from typing import Any
@@ -16,11 +17,19 @@ from api_client import sse_json
 from fastapi.testclient import TestClient
 from tiny_app import MODEL, tiny_app_fixtures
 
+from kvfence.cli import build_parser
+from kvfence.config import DEFAULT_MAX_TOOL_CALLS, ConfigError, NodeConfig
 from kvfence.engine.engine import Engine
 from kvfence.model.tokenizer import ChatTemplateError, Tokenizer
 from kvfence.role import UnifiedService
 from kvfence.server.api import build_app
-from kvfence.server.tool_parsers import HermesParser, Llama3JsonParser, ToolCall
+from kvfence.server.tool_parsers import (
+    HermesParser,
+    Llama3JsonParser,
+    ToolCall,
+    parse_call_list,
+    partial_call,
+)
 
 TINY = Path(__file__).resolve().parents[1] / "models" / "kvfence-tiny"
 WEATHER = {
@@ -83,16 +92,18 @@ def test_required_always_yields_well_formed_calls_to_declared_functions(
         assert choice["finish_reason"] == "tool_calls", choice
         (call,) = choice["message"]["tool_calls"]
         assert _check_call(call) in PARAMS
-    # Parallel calls: a model that never stops adding calls runs into max_tokens, and the
-    # answer then says "length" with its text: a cut-off call list is never claimed as calls.
+    # Parallel calls: a model that never stops adding calls runs into max_tokens (or, given
+    # room, into --max-tool-calls). A cut list says "length" and holds the calls as far as they
+    # were written; its text is never the content.
     body = _chat(tools=TOOLS, tool_choice="required", n=4, temperature=1.0, seed=5, max_tokens=80)
     finishes = set()
     for choice in client.post("/v1/chat/completions", json=body).json()["choices"]:
         finishes.add(choice["finish_reason"])
+        assert choice["message"]["content"] is None, choice
+        calls = choice["message"].get("tool_calls") or []
+        assert all(c["function"]["name"] in PARAMS for c in calls)
         if choice["finish_reason"] == "tool_calls":
-            assert all(_check_call(c) in PARAMS for c in choice["message"]["tool_calls"])
-        else:
-            assert choice["finish_reason"] == "length" and "tool_calls" not in choice["message"]
+            assert all(_check_call(c) in PARAMS for c in calls)
     assert finishes <= {"tool_calls", "length"}, finishes
 
 
@@ -274,3 +285,148 @@ def test_parsers_split_calls_from_text() -> None:
         [ToolCall("add", '{"a": 2}'), ToolCall("add", '{"a": 3}')],
     )
     assert Llama3JsonParser().parse("plain {not json}", declared) == ("plain {not json}", [])
+
+
+def test_cut_calls_are_parsed_as_far_as_written() -> None:
+    declared = frozenset({"add", "get_weather"})
+    assert partial_call('{"name": "add", "parameters": {"a": 1', declared) == ToolCall(
+        "add", '{"a": 1'
+    )
+    assert partial_call('{"name": "ad', declared) is None  # the name itself was cut
+    assert partial_call('{"name": "rm", "parameters": {', declared) is None  # not declared
+    text = '[{"name": "add", "parameters": {"a": 1}}, {"name": "get_weather", "parameters": {"ci'
+    assert parse_call_list(text, declared, cut=True) == [
+        ToolCall("add", '{"a": 1}'),
+        ToolCall("get_weather", '{"ci'),
+    ]
+    assert parse_call_list(text, declared, cut=False) == [ToolCall("add", '{"a": 1}')]
+    cut = 'Hi <tool_call>{"name": "add", "arguments": {"a": 2}}</tool_call><tool_call>{"name": "a'
+    assert HermesParser().parse(cut, declared, cut=True) == ("Hi", [ToolCall("add", '{"a": 2}')])
+    cut = '<tool_call>{"name": "add", "arguments": {"a": 2}}</tool_'
+    assert HermesParser().parse(cut, declared, cut=True) == ("", [ToolCall("add", '{"a": 2}')])
+    # A malformed call is not content either.
+    assert HermesParser().parse("ok <tool_call>{nope}</tool_call>", declared) == ("ok", [])
+    assert Llama3JsonParser().parse('{"name": "add", "parameters": {"a"', declared, cut=True) == (
+        "",
+        [ToolCall("add", '{"a"')],
+    )
+
+
+# ---- every tool_choice x parallel_tool_calls, sampled, cut or not ----------------------------
+
+# auto: the tiny model cannot write calls by itself; a regex makes it write one to three in
+# hermes form after an optional word, so the parser has calls to find (and max_tokens to cut).
+AUTO_CALLS = r'(ok )?(<tool_call>\{"name": "add", "arguments": \{"a": [1-9]\}\}</tool_call>){1,3}'
+CHOICES = {
+    "required": {"tool_choice": "required"},
+    "named": {"tool_choice": {"type": "function", "function": {"name": "get_weather"}}},
+    "auto": {"structured_outputs": {"regex": AUTO_CALLS}},
+}
+MAX_TOKENS = (4, 8, 16, 24, 40)  # 10 samples each: 50 per combination, some cut, some not
+# The same requests streamed: all 50 with RUN_SLOW=1, 30 in CI (a loaded 2-core box runs each
+# combination's 50 + 50 in ~90 s).
+STREAMED = MAX_TOKENS if os.environ.get("RUN_SLOW") == "1" else MAX_TOKENS[::2]
+
+
+def _holds_call_text(content: Any) -> bool:
+    """Whether content carries a call's text: a marker, a name key, or JSON of a call list."""
+    if not content:
+        return False
+    if "<tool_call>" in content or '"name"' in content or '"parameters"' in content:
+        return True
+    try:
+        return isinstance(json.loads(content), (list, dict))
+    except ValueError:
+        return False
+
+
+def _streamed(client: TestClient, body: dict[str, Any]) -> list[dict[str, Any]]:
+    """Each choice of a streamed answer put back together: content, calls, finish reason."""
+    r = client.post("/v1/chat/completions", json={**body, "stream": True})
+    assert r.status_code == 200, r.text
+    out: dict[int, dict[str, Any]] = {}
+    for chunk in sse_json(r.text):
+        for ch in chunk["choices"]:
+            got = out.setdefault(ch["index"], {"content": "", "calls": {}, "finish": None})
+            got["content"] += ch["delta"].get("content") or ""
+            for d in ch["delta"].get("tool_calls") or []:
+                slot = got["calls"].setdefault(d["index"], {"name": "", "arguments": ""})
+                slot["name"] += (d.get("function") or {}).get("name") or ""
+                slot["arguments"] += (d.get("function") or {}).get("arguments") or ""
+            got["finish"] = ch["finish_reason"] or got["finish"]
+    return [out[i] for i in sorted(out)]
+
+
+@pytest.mark.parametrize("parallel", [True, False])
+@pytest.mark.parametrize("mode", list(CHOICES))
+def test_no_answer_carries_call_text_as_content(
+    client: TestClient, mode: str, parallel: bool
+) -> None:
+    counts = {"samples": 0, "cut": 0, "call_text_in_content": 0, "calls": 0}
+    for k, max_tokens in enumerate(MAX_TOKENS):
+        body = _chat(
+            tools=TOOLS,
+            parallel_tool_calls=parallel,
+            n=10,
+            temperature=0.9,
+            seed=100 + k,
+            max_tokens=max_tokens,
+            **CHOICES[mode],
+        )
+        r = client.post("/v1/chat/completions", json=body)
+        assert r.status_code == 200, r.text
+        plain = [
+            {
+                "content": c["message"]["content"],
+                "calls": [tc["function"] for tc in c["message"].get("tool_calls") or []],
+                "finish": c["finish_reason"],
+            }
+            for c in r.json()["choices"]
+        ]
+        streamed = []
+        if max_tokens in STREAMED:
+            streamed = [{**c, "calls": list(c["calls"].values())} for c in _streamed(client, body)]
+        for got in plain + streamed:
+            counts["samples"] += 1
+            counts["cut"] += got["finish"] == "length"
+            counts["calls"] += len(got["calls"])
+            counts["call_text_in_content"] += _holds_call_text(got["content"])
+            assert got["finish"] in ("tool_calls", "length", "stop"), got
+            assert all(c["name"] in PARAMS for c in got["calls"]), got
+            assert len(got["calls"]) <= (DEFAULT_MAX_TOOL_CALLS if parallel else 1), got
+            if mode != "auto":
+                assert not got["content"], got  # a forced answer is its call(s), never text
+            if got["finish"] == "tool_calls":
+                for c in got["calls"]:
+                    jsonschema.validate(json.loads(c["arguments"]), PARAMS[c["name"]])
+                if not parallel or mode == "named":
+                    assert len(got["calls"]) == 1, got
+    assert counts["samples"] == 10 * (len(MAX_TOKENS) + len(STREAMED))
+    print(f"{mode} parallel={parallel}: {counts}")  # the figures, with -s
+    assert counts["call_text_in_content"] == 0, counts
+    assert counts["cut"] > 0, counts
+    if not (mode == "required" and parallel):  # that one writes calls up to its bound
+        assert counts["cut"] < counts["samples"], counts  # whole answers too
+    assert counts["calls"] > 0, counts
+
+
+def test_max_tool_calls_bounds_a_required_list(engine: Engine) -> None:
+    app = build_app(UnifiedService(engine), api_keys=None, max_tool_calls=2)
+    with TestClient(app) as c:
+        body = _chat(tools=TOOLS, tool_choice="required", n=6, temperature=1.0, seed=3)
+        body["max_tokens"] = 300
+        r = c.post("/v1/chat/completions", json=body)
+    assert r.status_code == 200, r.text
+    for choice in r.json()["choices"]:
+        calls = choice["message"].get("tool_calls") or []
+        assert 1 <= len(calls) <= 2 and choice["finish_reason"] == "tool_calls", choice
+    assert any(len(ch["message"]["tool_calls"]) == 2 for ch in r.json()["choices"])
+
+
+def test_max_tool_calls_flag() -> None:
+    parser = build_parser()
+    args = parser.parse_args(["serve", "--model", "m"])
+    assert args.max_tool_calls == DEFAULT_MAX_TOOL_CALLS
+    assert parser.parse_args(["serve", "--model", "m", "--max-tool-calls", "3"]).max_tool_calls == 3
+    with pytest.raises(ConfigError, match="--max-tool-calls"):
+        NodeConfig.from_args(parser.parse_args(["serve", "--model", "m", "--max-tool-calls", "0"]))

@@ -20,6 +20,7 @@ from kvfence.faults import Faults
 
 if TYPE_CHECKING:
     from kvfence.lora.checkpoint import LoraAdapter
+from kvfence.config import DEFAULT_MAX_TOOL_CALLS
 from kvfence.role import RoleService, TokenizerLike
 from kvfence.server import openapi
 from kvfence.server.app_state import AppState
@@ -70,11 +71,13 @@ def build_app(
     drain: Drain | None = None,
     tool_call_parser: str | None = None,
     operator_key: str | None = None,
+    max_tool_calls: int = DEFAULT_MAX_TOOL_CALLS,
 ) -> FastAPI:
     """The app for one role. It neither starts nor stops the role (serve() does). faults: the
     process's fault points (the I6 twin's); no request can arm one. drain: the node's graceful
     drain (serve() begins it on SIGTERM). tool_call_parser: how chat answers with tool_choice
-    "auto" are read for calls (server/tool_parsers.py; None: refused). operator_key: the one
+    "auto" are read for calls (server/tool_parsers.py; None: refused); max_tool_calls: the
+    most calls one answer may make (server/tools.py). operator_key: the one
     credential that reads /metrics and /pd/info (server/operator.py) and checks the router's
     signed prefill address (server/hop.py)."""
     if max_body_bytes < 1:
@@ -216,7 +219,9 @@ def build_app(
         req.check_supported()
         lora = _check_model(engine, req.model, tenant)
         _require_text(engine, "messages" if responses is None else "input")
-        plan = plan_tools(req.tools, req.tool_choice, req.parallel_tool_calls, tool_call_parser)
+        plan = plan_tools(
+            req.tools, req.tool_choice, req.parallel_tool_calls, tool_call_parser, max_tool_calls
+        )
         constraint = req.constraint()
         if plan is not None and plan.constraint is not None:
             if constraint is not None:
@@ -321,6 +326,7 @@ def serve(
     drain_timeout: float = DEFAULT_DRAIN_TIMEOUT_S,
     tool_call_parser: str | None = None,
     admin_api_key_file: str | None = None,
+    max_tool_calls: int = DEFAULT_MAX_TOOL_CALLS,
 ) -> None:
     """Run the HTTP server until interrupted. Owns the engine's lifetime: start() before the
     socket opens, shutdown() after the last connection closes. SIGTERM drains first
@@ -347,6 +353,7 @@ def serve(
         drain=drain,
         tool_call_parser=tool_call_parser,
         operator_key=operator_key,
+        max_tool_calls=max_tool_calls,
     )
     # After a drain the connections are idle; the bound is for a second SIGTERM or SIGINT.
     config = server_config(

@@ -28,23 +28,85 @@ def _call(obj: object, declared: frozenset[str], args_keys: tuple[str, ...]) -> 
     return ToolCall(obj["name"], json.dumps(args, ensure_ascii=False))
 
 
+# A call's head as far as it was written: its whole name, then the start of its arguments.
+_HEAD = re.compile(
+    r'\s*\{\s*"name"\s*:\s*"((?:[^"\\]|\\.)*)"\s*(?:,\s*"(?:arguments|parameters)"\s*:\s*)?',
+    re.DOTALL,
+)
+
+
+def partial_call(fragment: str, declared: frozenset[str]) -> ToolCall | None:
+    """A call cut off by max_tokens: its name when that was written whole (and declared), its
+    arguments as far as they were written (JSON that may not parse), as a cut call reaches a
+    client from OpenAI and from vLLM's named and streamed paths."""
+    m = _HEAD.match(fragment)
+    if m is None:
+        return None
+    try:
+        name = json.loads(f'"{m.group(1)}"')
+    except ValueError:
+        return None
+    if name not in declared:
+        return None
+    return ToolCall(name, fragment[m.end() :].rstrip())
+
+
+def parse_call_list(text: str, declared: frozenset[str], *, cut: bool) -> list[ToolCall]:
+    """The calls of a `tool_choice: required` answer, `[{"name": ..., "parameters": {...}}, ...]`
+    as the grammar writes it; when `cut`, the last one as far as it was written."""
+    body = text.strip()
+    if not body.startswith("["):
+        return []
+    dec = json.JSONDecoder()
+    calls: list[ToolCall] = []
+    pos = 1
+    while pos < len(body):
+        while pos < len(body) and body[pos] in " \t\n,":
+            pos += 1
+        if pos >= len(body) or body[pos] == "]":
+            break
+        try:
+            obj, pos = dec.raw_decode(body, pos)
+        except ValueError:
+            part = partial_call(body[pos:], declared) if cut else None
+            return calls + ([part] if part else [])
+        call = _call(obj, declared, ("parameters", "arguments"))
+        if call is not None:
+            calls.append(call)
+    return calls
+
+
 class HermesParser:
     """`<tool_call>{"name": ..., "arguments": {...}}</tool_call>`: Hermes, Qwen 2.5 / Qwen 3."""
 
     START = "<tool_call>"
+    END = "</tool_call>"
     _CALL = re.compile(r"<tool_call>\s*(.*?)\s*(?:</tool_call>|$)", re.DOTALL)
 
-    def parse(self, text: str, declared: frozenset[str]) -> tuple[str, list[ToolCall]]:
+    def parse(
+        self, text: str, declared: frozenset[str], *, cut: bool = False
+    ) -> tuple[str, list[ToolCall]]:
+        """(content, calls). The text from the first marker on is never content: a malformed
+        call yields no call, a cut one (`cut`) what was written of it."""
         if self.START not in text:
             return text, []
         calls = []
-        for m in self._CALL.finditer(text):
+        found = list(self._CALL.finditer(text))
+        for i, m in enumerate(found):
+            fragment = m.group(1)
+            open_end = cut and i == len(found) - 1 and not m.group(0).endswith(self.END)
+            if open_end:  # cut inside the closing marker: drop what was written of it
+                fragment = next(
+                    (fragment[:-k] for k in range(len(self.END), 0, -1)
+                     if fragment.endswith(self.END[:k])),
+                    fragment,
+                ).rstrip()  # fmt: skip
             try:
-                call = _call(json.loads(m.group(1)), declared, ("arguments", "parameters"))
+                call = _call(json.loads(fragment), declared, ("arguments", "parameters"))
             except ValueError:
-                call = None
+                call = partial_call(fragment, declared) if open_end else None
             if call is None:
-                return text, []  # a malformed call: the client gets the text as written
+                break
             calls.append(call)
         return text[: text.index(self.START)].strip(), calls
 
@@ -63,7 +125,9 @@ class Llama3JsonParser:
     """Llama 3.x JSON calls: the whole answer is `{"name": ..., "parameters": {...}}`, several
     joined by `;` (the `<|python_tag|>` before them is a special token, gone from the text)."""
 
-    def parse(self, text: str, declared: frozenset[str]) -> tuple[str, list[ToolCall]]:
+    def parse(
+        self, text: str, declared: frozenset[str], *, cut: bool = False
+    ) -> tuple[str, list[ToolCall]]:
         body = text.strip()
         if not body.startswith("{"):
             return text, []
@@ -74,6 +138,9 @@ class Llama3JsonParser:
             try:
                 obj, end = dec.raw_decode(body, pos)
             except ValueError:
+                part = partial_call(body[pos:], declared) if cut else None
+                if part is not None:  # a call cut off: what was written of it, never content
+                    return "", [*calls, part]
                 return text, []
             call = _call(obj, declared, ("parameters", "arguments"))
             if call is None:

@@ -1,6 +1,16 @@
 """Chat tool calling: `tools`, `tool_choice` and `parallel_tool_calls` read into a plan (a
-grammar for `required` / a named function, a parser for `auto`), and the chat format that turns
-an answer into OpenAI `tool_calls`, in a body or as streamed deltas."""
+grammar for `required` / a named function, a parser for `auto`), `tool_answer` (what a finished
+or cut answer holds: content, calls, finish reason; the one rule every API that serves tools
+uses), and the chat format that sends it as OpenAI `tool_calls`, in a body or as deltas.
+
+Bounds: `parallel_tool_calls: false` allows exactly one call; otherwise at most `max_calls`
+(`--max-tool-calls`), which the `required` grammar enforces and `auto` keeps the first of.
+A forced call (required / named) cut by max_tokens ends as OpenAI's and vLLM's do: finish reason
+"length", content null, and the call(s) as far as they were written (the last one's arguments
+may not parse). vLLM's named path returns the cut arguments the same way
+(vllm/entrypoints/openai/serving_chat.py, chat_completion_full_generator: `arguments=content`,
+finish reason from the output); its non-streamed `required` path fails validating a cut list,
+while its stream sends the calls parsed so far, which is what this does in both."""
 
 from __future__ import annotations
 
@@ -10,10 +20,16 @@ import secrets
 from dataclasses import dataclass, field
 from typing import Any
 
+from kvfence.config import DEFAULT_MAX_TOOL_CALLS
 from kvfence.engine.request import TokenLogprob
 from kvfence.server.errors import APIError, bad_request
 from kvfence.server.schemas import ChatFormat, ChoiceState, Delta, TokenText, chat_logprobs
-from kvfence.server.tool_parsers import ToolCall, ToolParser, parser_named
+from kvfence.server.tool_parsers import (
+    ToolCall,
+    ToolParser,
+    parse_call_list,
+    parser_named,
+)
 from kvfence.structured.spec import Constraint
 
 _NAME = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")
@@ -32,6 +48,11 @@ class ToolPlan:
     parallel: bool = True
     parser: ToolParser | None = None
     constraint: Constraint | None = None  # required / named: the grammar that enforces a call
+    max_calls: int = DEFAULT_MAX_TOOL_CALLS  # 1 when parallel_tool_calls is false
+
+    @property
+    def forced(self) -> bool:
+        return self.mode in ("required", "named")
 
 
 def _parameters(tools: list[Any]) -> dict[str, dict[str, Any]]:
@@ -59,8 +80,10 @@ def plan_tools(
     tool_choice: Any,
     parallel_tool_calls: bool | None,
     parser_name: str | None,
+    max_calls: int = DEFAULT_MAX_TOOL_CALLS,
 ) -> ToolPlan | None:
-    """None: no tools in play. Raises a 400 for every malformed or unservable combination."""
+    """None: no tools in play. Raises a 400 for every malformed or unservable combination.
+    `max_calls`: the most calls one answer may make when parallel calls are allowed."""
     if not tools:
         if tool_choice not in (None, "none"):
             raise _err("tool_choice needs a non-empty `tools`", "tool_choice")
@@ -68,6 +91,7 @@ def plan_tools(
     params = _parameters(tools)
     declared = frozenset(params)
     parallel = parallel_tool_calls is not False
+    limit = max(1, max_calls) if parallel else 1
     choice = "auto" if tool_choice is None else tool_choice
     if choice == "none":
         return ToolPlan("none", declared)
@@ -78,7 +102,9 @@ def plan_tools(
                 '(or send tool_choice "required" or a named function)',
                 "tool_choice",
             )
-        return ToolPlan("auto", declared, parallel=parallel, parser=parser_named(parser_name))
+        return ToolPlan(
+            "auto", declared, parallel=parallel, parser=parser_named(parser_name), max_calls=limit
+        )
     if choice == "required":
         items = [
             {
@@ -89,11 +115,19 @@ def plan_tools(
             }
             for name, schema in params.items()
         ]
-        schema: dict[str, Any] = {"type": "array", "items": {"anyOf": items}, "minItems": 1}
-        if not parallel:
-            schema["maxItems"] = 1
+        # maxItems: without it a model that never closes the list writes calls to max_tokens.
+        schema: dict[str, Any] = {
+            "type": "array",
+            "items": {"anyOf": items},
+            "minItems": 1,
+            "maxItems": limit,
+        }
         return ToolPlan(
-            "required", declared, parallel=parallel, constraint=Constraint.json_schema(schema)
+            "required",
+            declared,
+            parallel=parallel,
+            constraint=Constraint.json_schema(schema),
+            max_calls=limit,
         )
     fn = choice.get("function") if isinstance(choice, dict) else None
     name = fn.get("name") if isinstance(fn, dict) else None
@@ -111,32 +145,42 @@ def plan_tools(
         raise _err(
             f"tool_choice names {name!r}, which is not in tools", "tool_choice", "unknown_function"
         )
-    return ToolPlan("named", declared, named=name, constraint=Constraint.json_schema(params[name]))
+    return ToolPlan(
+        "named", declared, named=name, constraint=Constraint.json_schema(params[name]), max_calls=1
+    )
 
 
-def extract_calls(plan: ToolPlan, text: str) -> tuple[str, list[ToolCall]]:
-    """(content, calls) of a finished answer; calls are empty when it holds none."""
+@dataclass(frozen=True)
+class ToolAnswer:
+    """What an answer given with tools holds, by the rules in this module's docstring."""
+
+    content: str | None  # never a call's text
+    calls: list[ToolCall]
+    finish_reason: str | None
+
+
+def tool_answer(plan: ToolPlan, text: str, finish: str | None) -> ToolAnswer:
+    """The content, calls and finish reason of an answer that ended with `finish` ("stop": it
+    ended by itself; anything else: cut, e.g. "length")."""
+    cut = finish != "stop"
     if plan.mode == "named":
-        try:
-            args = json.loads(text)
-        except ValueError:
-            return text, []
-        return "", [ToolCall(plan.named or "", json.dumps(args, ensure_ascii=False))]
+        args = text
+        if not cut:
+            try:
+                args = json.dumps(json.loads(text), ensure_ascii=False)
+            except ValueError:
+                pass  # the grammar makes this unreachable; the text is still the arguments
+        return ToolAnswer(None, [ToolCall(plan.named or "", args)], finish if cut else "tool_calls")
     if plan.mode == "required":
-        try:
-            items = json.loads(text)
-        except ValueError:
-            return text, []
-        calls = [
-            ToolCall(it["name"], json.dumps(it["parameters"], ensure_ascii=False))
-            for it in items
-            if isinstance(it, dict) and it.get("name") in plan.declared
-        ]
-        return ("", calls) if calls else (text, [])
+        calls = parse_call_list(text, plan.declared, cut=cut)[: plan.max_calls]
+        return ToolAnswer(None, calls, "tool_calls" if calls and not cut else finish)
     if plan.mode == "auto" and plan.parser is not None:
-        content, calls = plan.parser.parse(text, plan.declared)
-        return (content, calls if plan.parallel else calls[:1]) if calls else (text, [])
-    return text, []
+        content, calls = plan.parser.parse(text, plan.declared, cut=cut)
+        calls = calls[: plan.max_calls]
+        if not calls:
+            return ToolAnswer(content, [], finish)
+        return ToolAnswer(content or None, calls, finish if cut else "tool_calls")
+    return ToolAnswer(text, [], finish)
 
 
 def _call_json(call: ToolCall) -> dict[str, Any]:
@@ -169,16 +213,12 @@ class ToolChatFormat(ChatFormat):
     def body(self, choices: list[ChoiceState], use: dict[str, Any]) -> dict[str, Any]:
         out = super().body(choices, use)
         for c, choice in zip(choices, out["choices"], strict=True):
-            if c.finish_reason != "stop":
-                continue
-            content, calls = extract_calls(self.plan, "".join(c.text))
-            if calls:
-                choice["message"] = {
-                    "role": "assistant",
-                    "content": content or None,
-                    "tool_calls": [_call_json(x) for x in calls],
-                }
-                choice["finish_reason"] = "tool_calls"
+            answer = tool_answer(self.plan, "".join(c.text), c.finish_reason)
+            message: dict[str, Any] = {"role": "assistant", "content": answer.content}
+            if answer.calls:
+                message["tool_calls"] = [_call_json(x) for x in answer.calls]
+            choice["message"] = message
+            choice["finish_reason"] = answer.finish_reason
         return out
 
     def _held_from(self, s: _Stream) -> int:
@@ -211,11 +251,16 @@ class ToolChatFormat(ChatFormat):
             return self._named_deltas(c, s, d.text, d.finish)
         if d.finish is None:
             return self._content(c, s, self._held_from(s))
-        content, calls = extract_calls(self.plan, s.text) if d.finish == "stop" else (s.text, [])
-        if not calls:
-            return [*self._content(c, s, len(s.text)), self._chunk(c.index, {}, [], d.finish)]
+        answer = tool_answer(self.plan, s.text, d.finish)
+        # Content the body would hold that is not out yet (held back while it might be a call);
+        # the body's content is a prefix of the text, stripped.
         out = []
-        for i, call in enumerate(calls):
+        if answer.content:
+            at = s.text.find(answer.content)
+            out = self._content(c, s, at + len(answer.content) if at >= 0 else len(s.text))
+        if not answer.calls:
+            return [*out, self._chunk(c.index, {}, [], answer.finish_reason)]
+        for i, call in enumerate(answer.calls):
             head = _call_json(call)
             head["index"] = i
             head["function"] = {"name": call.name, "arguments": ""}
@@ -223,7 +268,7 @@ class ToolChatFormat(ChatFormat):
             args = {"index": i, "function": {"arguments": call.arguments}}
             lps_now, s.lps = s.lps, []
             out.append(self._chunk(c.index, {"tool_calls": [args]}, lps_now, None))
-        out.append(self._chunk(c.index, {}, [], "tool_calls"))
+        out.append(self._chunk(c.index, {}, [], answer.finish_reason))
         return out
 
     def _named_deltas(
@@ -231,7 +276,7 @@ class ToolChatFormat(ChatFormat):
     ) -> list[dict[str, Any]]:
         """A named call's answer is its arguments: stream them as they are written."""
         out = []
-        if not s.call_open and (text or finish == "stop"):
+        if not s.call_open and (text or finish is not None):
             head = _call_json(ToolCall(self.plan.named or "", ""))
             out.append(self._chunk(c.index, {"tool_calls": [{"index": 0, **head}]}, [], None))
             s.call_open = True

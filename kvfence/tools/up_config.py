@@ -20,6 +20,7 @@ from kvfence.args import (
     ENGINE_OPTIONS,
     HOST,
     LOG_LEVEL,
+    MAX_TOOL_CALLS,
     NODE_OPTIONS,
     PORT,
     ROUTING_OPTIONS,
@@ -69,7 +70,7 @@ def add_up_args(p: argparse.ArgumentParser) -> None:
     )
     # The decodes answer the chat requests the router relays; every worker gets it, so any
     # worker's own API reads tool calls as the cluster's does.
-    add_options(p, (TOOL_CALL_PARSER,))
+    add_options(p, (TOOL_CALL_PARSER, MAX_TOOL_CALLS))
     # Certificates are not among them: up makes a cluster CA and one certificate per worker.
     add_options(p, TRANSFER_OPTIONS)
     # The router's policy, as `kvfence router` takes it (--router-policy etc. read better here).

@@ -123,7 +123,7 @@ class Api:
     async def token_ids(self, tenant: Tenant, text: str) -> list[int] | None:
         """`text`'s token ids without the special tokens a prompt gets (vLLM's `/tokenize`
         with add_special_tokens false), or None when the server has no such endpoint."""
-        body = {"model": self.model, "prompt": text, "add_special_tokens": False}
+        body: dict[str, Any] = {"prompt": text, "add_special_tokens": False}
         got = await self._post_json(("/tokenize", "/v1/tokenize"), body, tenant)
         ids = got.get("tokens") if got else None
         if isinstance(ids, list) and all(isinstance(i, int) for i in ids):
@@ -132,7 +132,7 @@ class Api:
 
     async def detokenize(self, tenant: Tenant, ids: list[int]) -> str | None:
         """vLLM's `/detokenize`: the text of these token ids, or None (no endpoint, bad ids)."""
-        body = {"model": self.model, "tokens": ids}
+        body: dict[str, Any] = {"tokens": ids}
         got = await self._post_json(("/detokenize", "/v1/detokenize"), body, tenant)
         text = got.get("prompt") if got else None
         return text if isinstance(text, str) else None
@@ -140,6 +140,8 @@ class Api:
     async def _post_json(
         self, paths: tuple[str, ...], body: dict[str, Any], tenant: Tenant
     ) -> dict[str, Any] | None:
+        if self.model:
+            body = {"model": self.model, **body}
         for path in paths:
             try:
                 r = await self.client.post(path, json=body, headers=self._headers(tenant))
