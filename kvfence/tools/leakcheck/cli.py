@@ -47,9 +47,10 @@ def parse_args(argv: Sequence[str] | None) -> Settings:
     p = argparse.ArgumentParser(
         prog="kvfence leakcheck",
         description="Check an OpenAI-compatible deployment for KV-cache leaks between requests "
-        "and tenants by reading the answers. Exit 0 clean; 1 a leak, a wrong status, or a "
-        "prefix cache shared across tenants; 2 could not run, or INCOMPLETE (a check that was "
-        "not left out could not be judged; --allow-incomplete makes that 0).",
+        "and tenants by reading the answers. Exit 0 clean; 1 only for what was seen: a leak, a "
+        "status wrong on its face, or a prefix cache shared across tenants; 2 could not run, or "
+        "INCOMPLETE (a check that was not left out could not be judged, --allow-incomplete "
+        "makes that 0; or leakcheck itself failed, named in the summary).",
     )
     p.add_argument("--base-url", required=True, help="e.g. http://vllm-host:8000 (or .../v1)")
     p.add_argument(

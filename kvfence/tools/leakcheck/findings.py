@@ -20,6 +20,19 @@ def _excerpt(text: str, fragment: str) -> str:
     return text[max(0, i - _EXCERPT) : i + len(fragment) + _EXCERPT]
 
 
+def _request(kind: str, o: Outcome) -> dict[str, Any]:
+    """What every finding about one request says of it."""
+    return {
+        "kind": kind,
+        "probe": o.probe,
+        "case": o.case,
+        "request_id": o.request_id,
+        "server_id": o.reply.server_id,
+        "status": o.reply.status,
+        "prompt_tokens": o.prompt_tokens,
+    }
+
+
 @dataclass(frozen=True)
 class LeakFinding:
     outcome: Outcome
@@ -28,15 +41,9 @@ class LeakFinding:
     kind = "leak"
 
     def as_dict(self) -> dict[str, Any]:
-        o, r = self.outcome, self.outcome.reply
+        r = self.outcome.reply
         return {
-            "kind": self.kind,
-            "probe": o.probe,
-            "case": o.case,
-            "request_id": o.request_id,
-            "server_id": r.server_id,
-            "status": r.status,
-            "prompt_tokens": o.prompt_tokens,
+            **_request(self.kind, self.outcome),
             **{k: v for k, v in self.leak.as_dict().items() if k != "kind"},
             "leak_kind": self.leak.kind,
             "cross_tenant": self.leak.cross_tenant,
@@ -60,16 +67,9 @@ class StatusFinding:
     kind = "wrong_status"
 
     def as_dict(self) -> dict[str, Any]:
-        o = self.outcome
         return {
-            "kind": self.kind,
-            "probe": o.probe,
-            "case": o.case,
-            "request_id": o.request_id,
-            "server_id": o.reply.server_id,
-            "status": o.reply.status,
-            "prompt_tokens": o.prompt_tokens,
-            "max_tokens": o.max_tokens,
+            **_request(self.kind, self.outcome),
+            "max_tokens": self.outcome.max_tokens,
             "detail": self.detail,
         }
 
