@@ -105,6 +105,20 @@ def test_paged_decode_releases_the_gil() -> None:
     )
 
 
+def test_paged_prefill_releases_the_gil() -> None:
+    k = kernels.paged_prefill()
+    assert k is not None, "the native prefill kernel did not build; see the warning in the log"
+    page, ctx, chunk = 16, 2048, 256
+    kc = torch.randn((ctx // page + 1) * page, 2, 64)
+    vc = torch.randn_like(kc)
+    table = torch.arange(1, ctx // page + 1)[None, :]
+    q, out = torch.randn(chunk, 8, 64), torch.empty(chunk, 8, 64)
+    lens = [torch.tensor([n]) for n in (ctx, 0, chunk)]  # context, q start, q length
+    assert python_ran_during(lambda: k(q, kc, vc, table, *lens, page, 0.125, 0, out)), (
+        "no Python ran while paged_prefill computed: it holds the GIL"
+    )
+
+
 @pytest.mark.parametrize("op", ["add_rms_norm", "silu_mul"])
 def test_fused_epilogue_releases_the_gil(op: str) -> None:
     f = kernels.fused_epilogue()
