@@ -92,14 +92,18 @@ def rate(model: Path, prefixes: list[int], reps: int, backend: str) -> dict:
         k.normal_()
         v.normal_()
     out: dict = {"attention": runner.attention.name, "cases": []}
-    for prefix in [0, *prefixes]:
+    cases = [0, *prefixes]
+    for prefix in cases:
         chunk_forward(runner, prefix, CHUNK)  # warm-up
-        times = []
-        for _ in range(reps):
+    # Interleaved, one of each case per round, so a loaded machine's drift hits every case alike.
+    times: dict[int, list[float]] = {p: [] for p in cases}
+    for _ in range(reps):
+        for prefix in cases:
             t = time.perf_counter()
             chunk_forward(runner, prefix, CHUNK)
-            times.append(time.perf_counter() - t)
-        s = statistics.median(times)
+            times[prefix].append(time.perf_counter() - t)
+    for prefix in cases:
+        s = statistics.median(times[prefix])
         out["cases"].append(
             {"prefix": prefix, "seconds": s, "gflops": chunk_flops(runner, prefix) / s / 1e9}
         )
