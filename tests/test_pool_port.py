@@ -93,6 +93,26 @@ def _room_not_handed_over(pair: PDPair) -> Result:
     return r
 
 
+def _prefill_room_not_handed_over(pair: PDPair) -> Result:
+    """The same on prefill's side: the room's grant is taken back from the port on the IO loop
+    before its pages are sent."""
+    prefill = pair.prefill
+    real = prefill._prefilled
+
+    def prefilled(seq) -> None:
+        prefill.pool_port._drop(seq.grant)
+        real(seq)
+
+    prefill._prefilled = prefilled  # type: ignore[method-assign]
+    try:
+        _, r = pair.submit(random_prompts([20], 256, seed=5)[0], PARAMS)
+        assert isinstance(r, Result) and r.done.wait(WAIT_S), "the request never finished"
+    finally:
+        prefill._prefilled = real  # type: ignore[method-assign]
+    assert pair.wait_idle(WAIT_S), "the pages never went back"
+    return r
+
+
 def test_pool_port_refuses_the_wrong_thread_and_a_grant_it_does_not_hold() -> None:
     pair = _pair()
     try:
@@ -114,6 +134,12 @@ def test_pool_port_a_room_whose_grant_it_does_not_hold_fails_closed() -> None:
         assert r.token_ids == []  # the client heard an error, never a token
         assert pair.decode.transfer_stats.get("port_rule_broken") == 1
         assert pair.decode.transfer_stats.get("transfers_committed") == 0
+        sent = pair.prefill.transfer_stats.get("pages_sent")
+        r = _prefill_room_not_handed_over(pair)
+        assert r.final is not None and r.final.finish_reason is FinishReason.ERROR
+        assert r.token_ids == []
+        assert pair.prefill.transfer_stats.get("port_rule_broken") == 1
+        assert pair.prefill.transfer_stats.get("pages_sent") == sent  # not a page left
     finally:
         pair.close()
 
@@ -124,12 +150,14 @@ def test_pool_port_twin_without_the_rule_every_breach_lands() -> None:
         with pair.faults.injected("skip_port_rule"):
             seen = _breaches(pair)
             r = _room_not_handed_over(pair)
+            sent = _prefill_room_not_handed_over(pair)
         assert seen["engine_thread_call"] is None
         assert seen["after_commit"] is None and seen["landed"]
         assert seen["other_thread_hand_over"] is None
         # The room's pages were written and committed by a side that did not hold them.
-        assert finished_ok(r)
+        assert finished_ok(r) and finished_ok(sent)
         assert pair.decode.transfer_stats.get("port_rule_broken") == 0
+        assert pair.prefill.transfer_stats.get("port_rule_broken") == 0
     finally:
         pair.close()
 

@@ -19,7 +19,7 @@ from kvfence.faults import Faults
 from kvfence.kv.pool import SealedReads
 from kvfence.pd import kvio
 from kvfence.pd import protocol as p
-from kvfence.pd.pool_port import PoolPort
+from kvfence.pd.pool_port import PoolPort, PortRuleBroken
 from kvfence.pd.stats import TransferStats
 from kvfence.pd.transport.page_link import PageSender, RoomSend
 from kvfence.pd.transport.tcp import Connection
@@ -60,6 +60,14 @@ class RoomSender:
         self.feed = feed
 
     async def send(self, rid: str, room: Room) -> None:
+        try:
+            await self._send(rid, room)
+        except PortRuleBroken as e:  # a bug of this service: the room fails closed
+            self.stats.inc("port_rule_broken")
+            log.error("sending room %s: %s", rid, e)
+            self.feed(rid, p.ComputeFailed("kv_integrity_error", "KV source check failed"))
+
+    async def _send(self, rid: str, room: Room) -> None:
         assert room.seq is not None and room.first_token is not None
         assert room.seq.grant is not None
         started = self.stats.mark(rid, "send_start")
