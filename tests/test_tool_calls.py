@@ -432,3 +432,55 @@ def test_max_tool_calls_flag() -> None:
     assert parser.parse_args(["serve", "--model", "m", "--max-tool-calls", "3"]).max_tool_calls == 3
     with pytest.raises(ConfigError, match="--max-tool-calls"):
         NodeConfig.from_args(parser.parse_args(["serve", "--model", "m", "--max-tool-calls", "0"]))
+
+
+# ---- the same rule through the Responses API -----------------------------------------------------
+
+R_TOOLS = [{"type": "function", "name": t["function"]["name"], **t["function"]} for t in TOOLS]
+R_CHOICES = {
+    "required": "required",
+    "named": {"type": "function", "name": "get_weather"},
+    "auto": "auto",
+}
+
+
+@pytest.mark.parametrize("parallel", [True, False])
+@pytest.mark.parametrize("mode", list(R_CHOICES))
+def test_responses_never_carry_call_text_as_output_text(
+    client: TestClient, mode: str, parallel: bool
+) -> None:
+    """/v1/responses turns the chat answer into items: a call is a function_call item, cut or
+    not, and no output_text holds a call's text (seeded samples, some cut)."""
+    seen = {"samples": 0, "cut": 0, "calls": 0}
+    for seed, max_tokens in enumerate((6, 56, 6, 56)):
+        body = {
+            "model": MODEL,
+            "input": "weather?",
+            "tools": R_TOOLS,
+            "tool_choice": R_CHOICES[mode],
+            "parallel_tool_calls": parallel,
+            "temperature": 0.9,
+            "seed": seed,
+            "max_output_tokens": max_tokens,
+        }
+        r = client.post("/v1/responses", json=body)
+        assert r.status_code == 200, r.text
+        resp = r.json()
+        texts = [
+            part["text"]
+            for item in resp["output"]
+            if item["type"] == "message"
+            for part in item["content"]
+        ]
+        calls = [item for item in resp["output"] if item["type"] == "function_call"]
+        seen["samples"] += 1
+        seen["cut"] += resp["status"] == "incomplete"
+        seen["calls"] += len(calls)
+        assert not any(_holds_call_text(t) for t in texts), resp
+        assert all(c["name"] in PARAMS for c in calls), resp
+        if mode != "auto":
+            assert not texts, resp
+        if not parallel:
+            assert len(calls) <= 1, resp
+    if mode != "auto":  # the tiny model, unforced, ends its answers by itself
+        assert seen["cut"] > 0 and seen["calls"] > 0, seen
