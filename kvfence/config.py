@@ -271,8 +271,6 @@ class NodeConfig:
         if self.engine.enable_lora and self.server.engine_process:
             # The HTTP process resolves adapter names against the engine's registry in-process.
             raise ConfigError("--enable-lora with --engine-process is not supported")
-        if self.engine.enable_lora and self.pd.disaggregation_mode != "null":
-            raise ConfigError("--enable-lora with --disaggregation-mode is not supported yet")
 
     @property
     def role(self) -> str:

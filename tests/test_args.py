@@ -115,7 +115,7 @@ def test_up_forwards_every_engine_flag_and_serve_parses_back_the_same_values() -
     for o in ENGINE_OPTIONS:
         if o.dest == "enable_prefix_caching":  # off, a shared-prefix file is refused
             continue
-        if o.dest in ("enable_lora", "lora_modules"):  # LoRA is refused with PD and --tp-size
+        if o.dest in ("enable_lora", "lora_modules"):  # LoRA is refused with --tp-size > 1
             continue
         flags, given[o.dest] = valid_sample(o)
         argv += flags
@@ -180,7 +180,7 @@ def test_a_node_config_round_trips_through_its_command_line(tmp_path) -> None:
     """NodeConfig -> node_argv -> `serve`'s parser -> NodeConfig is the identity, with every
     option at a value other than its default (what `up` relies on to write its workers)."""
     # mooncake with --tp-size > 1 is refused, and a shared-prefix file needs the cache on; so is
-    # LoRA with --tp-size > 1 or a PD mode.
+    # LoRA with --tp-size > 1.
     keep = {"disaggregation_transfer_backend", "enable_prefix_caching", "enable_lora",
             "lora_modules"}
     argv: list[str] = []

@@ -114,6 +114,8 @@ class DecodeService(PdService):
             prefix_digest=self.pool_port.held_digest(seq.pages[:cached], namespaces)
             if cached
             else "",
+            lora_name=req.lora.name if req.lora is not None else "",
+            lora_digest=req.lora.digest if req.lora is not None else "",
         )
         self.loop.call_soon_threadsafe(
             self._reserve, reserve, req.peer, seq.grant, list(seq.pages), cached
@@ -133,7 +135,8 @@ class DecodeService(PdService):
         self.transfer_stats.inc("reserved")
         view = self.pool_port.view
         room = p.DecodeRoom(
-            r.room, len(r.prompt), len(pages), cached_pages=cached, cached_tokens=r.cached_tokens
+            r.room, len(r.prompt), len(pages), cached_pages=cached, cached_tokens=r.cached_tokens,
+            lora_digest=r.lora_digest,
         )
         now = time.monotonic()
         entry = Room(room, None, pages, grant, now + self.timeout_s, now, cached)

@@ -20,7 +20,8 @@ from kvfence.engine.admission import Admitted, Rejected
 from kvfence.engine.request import FinishReason, GenerateRequest, RequestOutput, SamplingParams
 from kvfence.engine.sequence import SeqMode, Sequence
 from kvfence.faults import Faults
-from kvfence.kv.prefix import Namespace, held_digest
+from kvfence.kv.prefix import Namespace, held_digest, lora_identity
+from kvfence.lora.checkpoint import LoraAdapter
 from kvfence.pd import glue, wire
 from kvfence.pd import protocol as p
 from kvfence.pd.peers import Bootstrap, send_after
@@ -144,11 +145,17 @@ class PrefillService(PdService):
         try:
             # max_tokens as decode's admission resolved it (the request's may be None).
             sampling = replace(SamplingParams.from_dict(r.sampling), max_tokens=r.max_tokens)
+            lora = self._lora(r)
             req = GenerateRequest(
-                r.room, r.tenant, r.prompt, sampling, cache_salt=r.cache_salt or None
+                r.room, r.tenant, r.prompt, sampling, cache_salt=r.cache_salt or None, lora=lora
             )
-            problem = self._prefix_problem(r)
-            if problem is not None:
+            problem = self._prefix_problem(r, lora)
+            if r.lora_digest and lora is None:
+                # Decode resolved an adapter this prefill does not serve (or not to this
+                # tenant): its KV would be the wrong model's. The workers' fault: a 500.
+                verdict = Rejected(r.room, "lora_not_held",
+                                   f"this prefill does not hold adapter {r.lora_name}", status=500)
+            elif problem is not None:
                 self.transfer_stats.inc("prefix_mismatches")
                 # The workers' fault, not the client's: a 500, fail-closed.
                 verdict = Rejected(r.room, "kv_prefix_mismatch", problem, status=500)
@@ -186,7 +193,14 @@ class PrefillService(PdService):
 
         return sink
 
-    def _prefix_problem(self, r: p.Reserve) -> str | None:
+    def _lora(self, r: p.Reserve) -> LoraAdapter | None:
+        """The adapter RESERVE names, by content digest, if this prefill serves it to r.tenant."""
+        lora = self.engine.lora
+        if not r.lora_digest or lora is None:
+            return None
+        return lora.registry.by_digest(r.lora_digest, r.tenant)
+
+    def _prefix_problem(self, r: p.Reserve, lora: LoraAdapter | None = None) -> str | None:
         """Why RESERVE's cached-prefix claim cannot be honoured, or None: the count must be
         page-aligned and leave prefill at least the last token, the reserved pages must be the
         rest of the prompt, and what decode's cached pages hold (prefix_digest) must be this
@@ -204,7 +218,8 @@ class PrefillService(PdService):
             return None
         expected = ""
         if k:
-            ns = Namespace.of_tenant(r.tenant, r.cache_salt or None)
+            adapter = lora_identity(lora, self.faults)
+            ns = Namespace.of_tenant(r.tenant, r.cache_salt or None, adapter)
             tokens = r.prompt[: k * ps]
             # Declared public pages are the shared namespace's on both sides (same
             # --shared-prefix-file); without a cache here every page is the tenant's.

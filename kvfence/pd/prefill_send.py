@@ -148,6 +148,7 @@ class RoomSender:
             room.first_token,
             first_lp,
             cached_tokens=room.reserve.cached_tokens,
+            lora_digest=room.seq.lora.digest if room.seq.lora is not None else "",
         )
         self.stats.inc("transfers_done")
         self.stats.inc(

@@ -42,6 +42,10 @@ class Reserve:
     cache_salt: str = ""  # the request's cache_salt ("" for none): prefill's namespace too
     cached_tokens: int = 0
     prefix_digest: str = ""
+    # The LoRA adapter decode resolved for the client ("" both: the base model): prefill computes
+    # with the adapter of this content digest or not at all; the name is for its logs.
+    lora_name: str = ""
+    lora_digest: str = ""
 
 
 @dataclass(frozen=True)
@@ -58,6 +62,7 @@ class Done:
     # The first token's logprob entry when the client asked for logprobs (prefill sampled it).
     first_logprobs: dict = field(default_factory=dict, compare=False)
     cached_tokens: int = 0
+    lora_digest: str = ""  # the adapter prefill computed the KV with ("": the base model)
 
 
 @dataclass(frozen=True)
@@ -162,6 +167,7 @@ class DecodeRoom:
     received: frozenset[int] = frozenset()
     checksums: tuple[tuple[int, int], ...] = ()  # (index, checksum) as declared by prefill
     bad_page: bool = False  # a page failed its checksum or grant check on arrival
+    lora_digest: str = ""  # the adapter decode will decode with, as its RESERVE named it
 
 
 @dataclass(frozen=True)
@@ -328,6 +334,11 @@ def _verify(room: DecodeRoom, event: DoneArrived, guards: Guards) -> str | None:
                 f"decode reserved {sent} of {room.n_pages} pages, prefill reported "
                 f"{d.n_pages}, {len(room.received)} arrived"
             )
+    if guards.on("lora_pd_digest") and d.lora_digest != room.lora_digest:
+        return (
+            f"prefill computed the KV with adapter {d.lora_digest or 'none'}, decode holds "
+            f"{room.lora_digest or 'none'}"
+        )
     if guards.on("checksum"):
         if room.bad_page:
             return "a page failed its checksum or grant check"
