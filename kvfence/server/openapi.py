@@ -41,6 +41,14 @@ _MODEL = {
 }
 
 
+# One server-sent event: its data a JSON chunk (or [DONE]); /v1/responses names its events.
+_EVENT = {
+    "type": "object",
+    "required": ["data"],
+    "properties": {"data": {"type": "string"}, "event": {"type": "string"}},
+}
+
+
 def _answer(obj: str | None, required: list[str]) -> dict[str, Any]:
     props: dict[str, Any] = {k: {} for k in required}
     if obj is not None:
@@ -102,7 +110,7 @@ def _responses(path: str, method: str) -> dict[str, Any]:
     ok: dict[str, Any] = _json(_OK.get(path, {"type": "object"}))
     if path in _GENERATION:
         # stream=true: server-sent events, each a JSON chunk, ended by [DONE] or an error event
-        ok["text/event-stream"] = {"schema": {"type": "string"}}
+        ok["text/event-stream"] = {"schema": _EVENT}
     if path == "/metrics":  # Prometheus' text format
         ok = {"text/plain": {"schema": {"type": "string"}}}
     out: dict[str, Any] = {
