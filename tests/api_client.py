@@ -76,6 +76,18 @@ def sse_data(text: str) -> list[str]:
     return [e[len("data: ") :] for e in events]
 
 
+def typed_events(text: str) -> list[dict[str, Any]]:
+    """A Responses stream's events, each checked to carry its type as the SSE event name."""
+    out = []
+    for block in (b for b in text.split("\n\n") if b.strip()):
+        name, data = block.split("\n", 1)
+        assert name.startswith("event: ") and data.startswith("data: "), block
+        obj = json.loads(data[len("data: ") :])
+        assert obj["type"] == name[len("event: ") :]
+        out.append(obj)
+    return out
+
+
 def sse_json(text: str) -> list[dict[str, Any]]:
     data = sse_data(text)
     assert data[-1] == "[DONE]"

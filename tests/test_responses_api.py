@@ -10,7 +10,7 @@ from typing import Any, Literal
 
 import openai
 import pytest
-from api_client import client_for
+from api_client import client_for, typed_events
 from fake_engine import FakeEngine
 from fastapi.testclient import TestClient
 from openai.types.responses import Response as OpenAIResponse
@@ -35,18 +35,6 @@ RECALL = "name: Ada\ncode: X7qPz91\ncity: Paris\ncode:"
 
 def _body(**kw: Any) -> dict[str, Any]:
     return {"model": MODEL, "input": RECALL, "temperature": 0, "max_output_tokens": 8, **kw}
-
-
-def events(text: str) -> list[dict[str, Any]]:
-    """A Responses stream's events, each checked to carry its type as the SSE event name."""
-    out = []
-    for block in (b for b in text.split("\n\n") if b.strip()):
-        name, data = block.split("\n", 1)
-        assert name.startswith("event: ") and data.startswith("data: "), block
-        obj = json.loads(data[len("data: ") :])
-        assert obj["type"] == name[len("event: ") :]
-        out.append(obj)
-    return out
 
 
 def client_shape(resp: dict[str, Any]) -> None:
@@ -127,7 +115,7 @@ def test_stream_events_in_order_and_the_same_answer(client: TestClient) -> None:
     r = client.post("/v1/responses", json=_body(stream=True))
     assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
     assert "[DONE]" not in r.text  # a Responses stream ends with response.completed
-    evs = events(r.text)
+    evs = typed_events(r.text)
     assert [e["sequence_number"] for e in evs] == list(range(len(evs)))
     kinds = [e["type"] for e in evs]
     assert kinds[:4] == [
@@ -203,7 +191,7 @@ def test_required_tool_choice_calls_a_declared_function(client: TestClient) -> N
 
 def test_streamed_call_arguments_add_up_to_the_done_event(client: TestClient) -> None:
     body = _body(tools=TOOLS, tool_choice={"type": "function", "name": "add"}, stream=True)
-    evs = events(client.post("/v1/responses", json={**body, "max_output_tokens": 40}).text)
+    evs = typed_events(client.post("/v1/responses", json={**body, "max_output_tokens": 40}).text)
     kinds = [e["type"] for e in evs]
     assert kinds[2] == "response.output_item.added" and evs[2]["item"]["type"] == "function_call"
     args = "".join(e["delta"] for e in evs if e["type"] == "response.function_call_arguments.delta")
