@@ -8,7 +8,6 @@ pages held, while the transfer owns them.
 
 from __future__ import annotations
 
-import json
 import logging
 import queue
 import threading
@@ -39,7 +38,12 @@ from kvfence.kv.sizing import CapacityError, PoolPlan, plan_for_engine, require_
 from kvfence.lora.runtime import LoraRuntime
 from kvfence.model.config import ModelConfig
 from kvfence.model.loader import TORCH_DTYPES, load_model
-from kvfence.model.tokenizer import IncrementalDetokenizer, Tokenizer, load_tokenizer
+from kvfence.model.tokenizer import (
+    IncrementalDetokenizer,
+    Tokenizer,
+    load_tokenizer,
+    stop_token_ids,
+)
 from kvfence.model.tp import install_collectives, shard_model
 from kvfence.structured.grammar import GrammarError, Grammars, Matcher
 from kvfence.tp_layout import TpLayout, tp_problem
@@ -177,7 +181,9 @@ class Engine:
             ),
             self.faults,
         )
-        self.eos_token_ids = self._eos_ids(Path(cfg.model))
+        self.eos_token_ids = stop_token_ids(
+            Path(cfg.model), self.model_config.eos_token_ids, self.tokenizer
+        )
         self.grammars = Grammars(
             # None: no tokenizer (--skip-tokenizer-init), so no grammar can be mapped to tokens
             self.tokenizer.backend_json() if isinstance(self.tokenizer, Tokenizer) else None,
@@ -296,19 +302,10 @@ class Engine:
             waiting=len(self.scheduler.waiting),
             preemptions=self.scheduler.num_preemptions,
             handoff=len(self.scheduler.handoff),
-            pages_handoff=self._pages_in_handoff(),
+            pages_handoff=self.scheduler.pages_in_handoff(),
             integrity_failures=self.integrity_failures,
             prefix_cache=self.pool.prefix.stats() if self.pool.prefix is not None else None,
         )
-
-    def _pages_in_handoff(self) -> int:
-        # Read from other threads (metrics): the dict may change mid-iteration; retry.
-        for _ in range(5):
-            try:
-                return sum(len(s.pages) for s in list(self.scheduler.handoff.values()))
-            except RuntimeError:
-                continue
-        return -1
 
     def start(self) -> None:
         # From here on the loop's thread computes; the pool of OpenMP workers the model's load
@@ -596,11 +593,3 @@ class Engine:
         self.scheduler.remove(seq, pages_suspect)
         self._seqs.pop(seq.request_id, None)
         emit(seq, len(seq.text), reason, error, code, status)
-
-    def _eos_ids(self, model_dir: Path) -> frozenset[int]:
-        ids = set(self.model_config.eos_token_ids) | self.tokenizer.eos_token_ids
-        gen_cfg = model_dir / "generation_config.json"
-        if gen_cfg.is_file():
-            eos = json.loads(gen_cfg.read_text()).get("eos_token_id")
-            ids |= set(eos) if isinstance(eos, list) else ({eos} if eos is not None else set())
-        return frozenset(ids)

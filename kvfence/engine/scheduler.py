@@ -77,6 +77,16 @@ class Scheduler:
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
 
+    def pages_in_handoff(self) -> int:
+        """Pages held for KV transfers. Read from other threads (metrics): the dict may change
+        mid-iteration, so retry; -1 if it never held still."""
+        for _ in range(5):
+            try:
+                return sum(len(s.pages) for s in list(self.handoff.values()))
+            except RuntimeError:
+                continue
+        return -1
+
     def hold(self, seq: Sequence) -> None:
         """Running -> handoff: its pages now belong to a transfer, not to the step loop."""
         self.running.remove(seq)

@@ -256,3 +256,16 @@ def load_tokenizer(cfg: EngineConfig, vocab_size: int) -> Tokenizer | NoTokenize
     if cfg.skip_tokenizer_init:
         return NoTokenizer(vocab_size)
     return Tokenizer(cfg.model, special_tokens_in_chat=cfg.special_tokens_in_chat)
+
+
+def stop_token_ids(
+    model_dir: Path, config_ids: tuple[int, ...], tokenizer: Tokenizer | NoTokenizer
+) -> frozenset[int]:
+    """Every id that ends an answer: config.json's, the tokenizer's and generation_config.json's
+    eos ids (checkpoints spread them over all three)."""
+    ids = set(config_ids) | set(tokenizer.eos_token_ids)
+    gen_cfg = model_dir / "generation_config.json"
+    if gen_cfg.is_file():
+        eos = json.loads(gen_cfg.read_text()).get("eos_token_id")
+        ids |= set(eos) if isinstance(eos, list) else ({eos} if eos is not None else set())
+    return frozenset(ids)
