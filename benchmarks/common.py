@@ -3,6 +3,7 @@ logging, machine facts, JSON output and simple statistics. Never downloads anyth
 
 from __future__ import annotations
 
+import argparse
 import datetime as _dt
 import json
 import math
@@ -443,6 +444,26 @@ TINY_SHAPE = {
     "num_key_value_heads": 1,
     "vocab_size": 512,
 }
+
+
+def add_http_ab_args(p: argparse.ArgumentParser, name: str, num_prompts: int) -> None:
+    """The flags of an interleaved A/B of two servers over HTTP (up_threads, pd_before_after)."""
+    p.add_argument("--model", default=None, help="default: the SmolLM-135M-shaped checkpoint")
+    p.add_argument("--tiny", action="store_true", help="a 2-layer model (smoke test)")
+    p.add_argument("--pairs", type=int, default=4)
+    p.add_argument("--num-prompts", type=int, default=num_prompts)
+    p.add_argument("--input-len", type=int, default=256)
+    p.add_argument("--output-len", type=int, default=64)
+    p.add_argument("--concurrency", type=int, default=8)
+    p.add_argument("--context-length", type=int, default=2048)
+    p.add_argument("--kv-pool-tokens", type=int, default=20480)
+    p.add_argument("--out", default=str(RESULTS))
+    p.add_argument("--name", default=name)
+
+
+def http_ab_workload(a: argparse.Namespace, model: Path) -> dict[str, object]:
+    keys = ("num_prompts", "input_len", "output_len", "concurrency", "pairs")
+    return {k: getattr(a, k) for k in keys} | {"model": str(model)}
 
 
 def bench_model(model: str | None, tiny: bool) -> Path:

@@ -18,9 +18,10 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks.common import (  # noqa: E402
-    RESULTS,
     Server,
+    add_http_ab_args,
     bench_model,
+    http_ab_workload,
     interleaved_pairs,
     kvfence_server,
     machine,
@@ -36,17 +37,7 @@ def main(argv: list[str] | None = None) -> int:
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     p.add_argument("--base", required=True, help="a kvfence checkout to compare against")
-    p.add_argument("--model", default=None, help="default: the SmolLM-135M-shaped checkpoint")
-    p.add_argument("--tiny", action="store_true", help="a 2-layer model (smoke test)")
-    p.add_argument("--pairs", type=int, default=4)
-    p.add_argument("--num-prompts", type=int, default=32)
-    p.add_argument("--input-len", type=int, default=256)
-    p.add_argument("--output-len", type=int, default=64)
-    p.add_argument("--concurrency", type=int, default=8)
-    p.add_argument("--context-length", type=int, default=2048)
-    p.add_argument("--kv-pool-tokens", type=int, default=20480)
-    p.add_argument("--out", default=str(RESULTS))
-    p.add_argument("--name", default="pd_before_after")
+    add_http_ab_args(p, "pd_before_after", num_prompts=32)
     a = p.parse_args(argv)
     cmd = this_command()
     out = Path(a.out)
@@ -85,11 +76,7 @@ def main(argv: list[str] | None = None) -> int:
             "machine": machine(),
             "base": base,
             "server_commands": {side: srv.command for side, srv in sides.items()},
-            "workload": {
-                k: getattr(a, k)
-                for k in ("num_prompts", "input_len", "output_len", "concurrency", "pairs")
-            }
-            | {"model": str(model)},
+            "workload": http_ab_workload(a, model),
             "pairs": pairs,
             "ratios_after_over_before": ratios,
             "summary": summary,
