@@ -203,8 +203,8 @@ class ServerConfig:
     # A model that never stops adding calls would otherwise write them until max_tokens.
     max_tool_calls: int = DEFAULT_MAX_TOOL_CALLS
     # The engine's step loop in a process of its own (kvfence/role_process.py) or in the HTTP
-    # server's (the default: on 2 quiet shared cores the split measured ~10% slower, RESULTS.md
-    # "Session 9"; its case is hosts with cores to spare for the HTTP process, and isolation).
+    # server's (the default: on 2 quiet shared cores the split measured ~10% slower; its case is
+    # hosts with cores to spare for the HTTP process, and isolation).
     engine_process: bool = False
 
     def __post_init__(self) -> None:
