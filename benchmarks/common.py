@@ -103,7 +103,7 @@ def random_prompts(n: int, length: int, vocab: int, seed: int) -> list[list[int]
 # --pin: on a host of few cores, two processes streaming to each other over loopback tend to
 # end up on one core taking turns while the other core idles (the receiver's wake-up is a sync
 # one, placed on the sender's core), now and then for a whole transfer (benchmarks/RESULTS.md
-# "Session 17": perf showed it in every slow window). Across hosts, as PD runs, each side has
+# "KV transfer": perf showed it in every slow window). Across hosts, as PD runs, each side has
 # cores of its own: pinned, each side of a pair gets one here too.
 PIN_HELP = (
     "keep each sending side (and this process) on one core and each receiving side on another, "
@@ -335,7 +335,7 @@ def kvfence_server(
     return Server(argv, port, env, log=log)
 
 
-# vLLM's CPU build (its own venv, see RESULTS.md): its KV space in GiB, both cores, loopback.
+# vLLM's CPU build (its own venv, benchmarks/setup_vllm.sh): KV space in GiB, both cores, loopback.
 VLLM_ENV = {
     "VLLM_CPU_KVCACHE_SPACE": "1",
     "VLLM_CPU_OMP_THREADS_BIND": "0-1",

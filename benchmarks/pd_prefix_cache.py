@@ -206,8 +206,8 @@ def summarize_run(result: dict[str, Any], d: dict[str, Any]) -> dict[str, Any]:
     hit_rate = {}
     for role in ("prefill", "decode"):
         # The PD counters: every prompt a role admitted, and the tokens it took from its cache.
-        # (Before session 7 the engine's kvfence_prefix_cache_queries counted only prompts
-        # that hit, a hit rate that barely moved with routing; kept in "cache" for reference.)
+        # (The engine's kvfence_prefix_cache_queries once counted only prompts that
+        # hit, a hit rate that barely moved with routing; kept in "cache" for reference.)
         q = role_sum(role, "counters", "prompt_tokens")
         h = role_sum(role, "counters", "prefix_cached_tokens")
         hit_rate[role] = h / q if q else None

@@ -165,7 +165,7 @@ def main(argv: list[str] | None = None) -> int:
     engines = [e for e in a.engines.split(",") if e and plan.get(e)]
     skipped: dict[str, str] = {}
     if "vllm" in engines and not Path(a.vllm_python).exists():
-        skipped["vllm"] = f"{a.vllm_python} not found (see RESULTS.md for the install commands)"
+        skipped["vllm"] = f"{a.vllm_python} not found (make it with benchmarks/setup_vllm.sh)"
         engines.remove("vllm")
     tmp = Path(tempfile.mkdtemp(prefix="kvfence-prefix-bench-"))
     (tmp / "keys.txt").write_text("".join(f"{k} tenant{i}\n" for i, k in enumerate(KEYS)))

@@ -2,9 +2,10 @@
 the scheduler's prefill policy (FIFO prompts, decodes first, the prefill budget of
 kvfence/engine/step_budget.py itself) on a fixed step cost, with a simulated clock. It prices
 the policy's defaults where the shared 2-core machine cannot (its load moves every real run by
-up to 7x); the step cost is this model's on a quiet session (a 48 ms 8-row decode step, a
-92 ms 32-row one, ~1.1 ms a prefill token: RESULTS.md sessions 4 and 6), and the base policy's
-figures reproduce session 4's measured ones (C=8: 484 vs 491 tok/s, ITL p99 607 vs 590 ms).
+up to 7x); the step cost is this model's on a quiet machine (a 48 ms 8-row decode step, a
+92 ms 32-row one, ~1.1 ms a prefill token, measured on the first Xeon host), and the base
+policy's figures reproduce that host's measured ones (C=8: 484 vs 491 tok/s, ITL p99 607 vs
+590 ms).
 
     .venv/bin/python benchmarks/step_budget_sim.py
 """

@@ -253,7 +253,7 @@ def main(argv: list[str] | None = None) -> int:
         type=int,
         default=1,
         help="fresh processes for every side this many times, the repeats split among them: "
-        "two identical worker pairs differ by up to 10%% (RESULTS.md session 17), so a window "
+        "two identical worker pairs differ by up to 10%% (RESULTS.md, 'KV transfer'), so a window "
         "A/B needs several pairs per side",
     )
     a = p.parse_args(argv)

@@ -282,7 +282,7 @@ def main(argv: list[str] | None = None) -> int:
     pythons = {"kvfence": sys.executable, "hf": sys.executable, "vllm": a.vllm_python}
     skipped: dict[str, str] = {}
     if "vllm" in engines and not Path(a.vllm_python).exists():
-        skipped["vllm"] = f"{a.vllm_python} not found (see RESULTS.md for the install commands)"
+        skipped["vllm"] = f"{a.vllm_python} not found (make it with benchmarks/setup_vllm.sh)"
         engines.remove("vllm")
     rounds: list[dict] = []
     for r in range(a.rounds):

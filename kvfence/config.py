@@ -69,7 +69,8 @@ class EngineConfig:
     prefill_pace: float = 0.0
     # The auto target's multiple of the decode-only step at WIDE_ROWS decode rows or more (2x at
     # NARROW_ROWS or fewer, linear between): kvfence/engine/step_budget.py says why; 6 measured
-    # in benchmarks/RESULTS.md "Session 14" (C=32 TTFT p50 0.33-0.51x vLLM's, ITL p99 0.22-0.29x).
+    # in benchmarks/RESULTS.md "HTTP: TTFT and ITL" (C=32 TTFT p50 0.31-0.44x vLLM's, ITL p99
+    # 0.25x).
     wide_step_factor: float = 6.0
     # vLLM's --skip-tokenizer-init: no tokenizer is loaded (the model dir may have none); only
     # token-id prompts are served and outputs carry token ids with empty text.

@@ -2,11 +2,11 @@
 
 Why a process: behind HTTP the engine's step loop and the server's event loop shared one
 interpreter, so every streamed token waited for a GIL hand-off and the engine thread spent a third
-of each forward off CPU (benchmarks/RESULTS.md, session 8). vLLM runs its EngineCore in its own
-process and SGLang its scheduler; kvfence cuts at the RoleService seam: the child
-(`kvfence/role_child.py`) holds the role, its engine, its pool and (PD) its transfer threads; this
-process holds the HTTP server and a tokenizer. Nothing of the pool crosses the pipe: requests go
-down, each engine step's outputs come up in one message.
+of each forward off CPU (measured behind HTTP against the same engine in one process). vLLM runs
+its EngineCore in its own process and SGLang its scheduler; kvfence cuts at the RoleService seam:
+the child (`kvfence/role_child.py`) holds the role, its engine, its pool and (PD) its transfer
+threads; this process holds the HTTP server and a tokenizer. Nothing of the pool crosses the
+pipe: requests go down, each engine step's outputs come up in one message.
 
 One pipe (a socketpair carrying pickled tuples), both ways:
   down  ("submit", call, handle, req) | ("abort", request_id) | ("call", call, name)

@@ -1,7 +1,7 @@
 """The native kernels' sources share one vector type and one way to load and store it
 (kvfence/model/kernels/vec16.h). Each kernel once had its own, a 64-byte memcpy, which GCC's
 256-bit tuning for some Xeons split through the stack: the packed GEMM ran 4.5x slower than MKL
-there (benchmarks/RESULTS.md, session 13). Speed itself is measured in benchmarks/, not here."""
+there (benchmarks/RESULTS.md "Kernels"). Speed itself is measured in benchmarks/, not here."""
 
 from __future__ import annotations
 

@@ -490,7 +490,7 @@ class Engine:
         """Nothing left to step: give back this thread's OpenMP workers. Left alone, they spin
         on for milliseconds after the last parallel region (GOMP_SPINCOUNT) on a core that the
         server's other threads need, a PD transfer of this step's KV above all (2 cores: 2.4 ms
-        of CPU in a 13 ms transfer window, benchmarks/RESULTS.md "Session 17"). The next step
+        of CPU in a 13 ms transfer window, benchmarks/RESULTS.md "KV transfer"). The next step
         starts them again (tens of microseconds, once per busy spell)."""
         release_thread_pool()
 

@@ -5,8 +5,8 @@ Why: GNU OpenMP keeps a pool of workers per thread that ever opened a parallel r
 its workers outnumber the cores it stops spinning between regions (`gomp_throttled_spin_count`):
 every later region then waits for a futex wake-up. A server loads the model on its main thread
 and steps on the engine's, so the main thread's idle pool made every parallel region of the
-engine thread pay that wake-up: measured on 2 cores (benchmarks/RESULTS.md "Session 14"), a
-`torch.zeros` of 1 MiB took 78 us instead of 12, a batch-1 decode step 36 ms instead of 23.
+engine thread pay that wake-up: measured on 2 cores (benchmarks/RESULTS.md "HTTP: TTFT and
+ITL"), a `torch.zeros` of 1 MiB took 78 us instead of 12, a batch-1 decode step 36 ms instead of 23.
 """
 
 from __future__ import annotations

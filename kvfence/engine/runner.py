@@ -81,7 +81,7 @@ class ModelRunner:
         self.packed_linear = gemm is not None
         # The small ops between the projections (residual add + RMSNorm, silu * up, rope + the
         # K/V cache write) follow the same flag: one native call each instead of a chain of torch
-        # ops (benchmarks/RESULTS.md).
+        # ops (benchmarks/RESULTS.md "Kernels").
         epilogue = _native_kernel(
             linear_backend,
             "--linear-backend",

@@ -41,13 +41,14 @@ from dataclasses import dataclass
 from itertools import product
 
 # The default target: a step that decodes may take this many times the decode-only step of the
-# same rows (measured, benchmarks/RESULTS.md "Session 6": ITL p99 vs throughput and TTFT).
+# same rows (measured: benchmarks/RESULTS.md "HTTP: TTFT and ITL", ITL p99 vs throughput and
+# TTFT).
 AUTO_STEP_FACTOR = 2.0
 # ... up to NARROW_ROWS decode rows; from WIDE_ROWS rows on, BudgetPolicy.wide_factor (linear
 # between). A wide batch's decode-only step is already long and the prompts arriving behind it
 # need more prefill per step than 2x leaves room for: at 32 rows 2x gave ~105 prefill tokens
 # per 165 ms step, fewer than a closed loop's arrivals, so prompts queued for seconds
-# (benchmarks/RESULTS.md "Session 14").
+# (benchmarks/RESULTS.md "HTTP: TTFT and ITL").
 NARROW_ROWS = 8
 WIDE_ROWS = 32
 WINDOW = 64  # recent steps the fit reads

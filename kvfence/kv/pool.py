@@ -90,7 +90,7 @@ class KVPool:
         # pages come out as runs of neighbours rather than scattered over the whole pool (as a
         # FIFO list leaves them once requests churn). Decode attention streams a row's pages:
         # runs of 16 read at 0.75-0.79x the time of scattered ones (benchmarks/RESULTS.md
-        # "Session 12"). Which page a grant gets is no part of safety (I2/I3 check ownership).
+        # "Kernels"). Which page a grant gets is no part of safety (I2/I3 check ownership).
         self._free: list[int] = list(range(1, total))  # sorted, so already a heap
         self._grant_ids = itertools.count(1)
         self._tenant_ids: dict[str, int] = {}

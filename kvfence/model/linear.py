@@ -4,7 +4,8 @@
   `F.linear(x, w)` for decode's few rows (0.65-0.7x the time at 1-32 rows on a 135M model).
 - packed: column panels [P, in, width] for the native float32 kernel
   (kernels/packed_gemm.cpp), which streams each panel once with the rows' sums in registers:
-  0.6-0.9x MKL's time at 1-32 rows on cold weights, equal for prefill (benchmarks/RESULTS.md).
+  0.5-1.0x MKL's time at 1-32 rows on cold weights, equal for prefill (benchmarks/RESULTS.md,
+  "Kernels").
 
 Packing replaces the plain tensor (memory stays the same up to one panel's padding per
 weight); a packed projection can still hand out rows of W for a tied embedding.

@@ -77,8 +77,8 @@ def sample(logits: torch.Tensor, sb: SamplingBatch, shared: torch.Generator) -> 
 def exponential(shape: torch.Size, device: torch.device, gen: torch.Generator) -> torch.Tensor:
     """Exp(1) draws as -log(U), U uniform on [0, 1): `torch.rand` is vectorised, whereas
     `exponential_` draws one double at a time on CPU (24 ms for 32 x 49152 on 2 cores, against
-    4 ms; benchmarks/RESULTS.md "Session 14"). U = 0 (2^-24 per draw) gives +inf, so that token
-    cannot win that draw: a bias below 1e-7."""
+    4 ms; benchmarks/RESULTS.md "HTTP: TTFT and ITL"). U = 0 (2^-24 per draw) gives +inf, so
+    that token cannot win that draw: a bias below 1e-7."""
     return torch.rand(shape, device=device, generator=gen).log_().neg_()
 
 

@@ -2,7 +2,7 @@
 compiled in the submitting thread under size, fuel and time bounds, and the per-sequence
 Matcher whose state advances token by token.
 
-Why llguidance (benchmarks/RESULTS.md, session 6): compiling is lazy (~1 ms for a JSON schema
+Why llguidance (benchmarks/RESULTS.md "Grammar engines"): compiling is lazy (~1 ms for a JSON schema
 where outlines-core builds a whole regex x vocabulary index up front), every resource it may
 spend is capped by explicit fuel limits (a tenant's pathological schema ends in an error, not a
 stall), its per-token mask cost on this CPU is tens of microseconds, and the wheel needs nothing

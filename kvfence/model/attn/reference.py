@@ -113,7 +113,8 @@ def build_group(
     fresh = sliding_window is None and bool((q_len == ctx).all())
     # The mask goes to SDPA additive (0 / -inf), not bool: SDPA turns a bool mask into exactly
     # this tensor anyway, but on CPU its bool path is 1.4-2.4x slower at the shapes of a prompt
-    # chunk behind a cached prefix (128 x 1152: benchmarks/RESULTS.md), with the same output bits.
+    # chunk behind a cached prefix (128 x 1152: benchmarks/RESULTS.md "Shared prefix"), with the
+    # same output bits.
     additive = None
     if not fresh:
         additive = torch.zeros(mask.shape, dtype=dtype).masked_fill_(~mask, float("-inf"))

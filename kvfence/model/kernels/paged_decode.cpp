@@ -22,7 +22,7 @@ namespace {
 // not arithmetic: two blocks ahead into L2 moves the most bytes per second. Into L1 (prefetcht0),
 // a block ahead, as before, the prefetches stall on the few L1 miss buffers and the kernel
 // reached 10-11 GB/s where a plain streaming read gets 26; this gets 14-15, 20-33% less time
-// (benchmarks/RESULTS.md "Session 11").
+// (benchmarks/RESULTS.md "Kernels").
 constexpr int64_t PREFETCH_SLOTS = 32;
 
 inline void prefetch_l2(const void* p) { __builtin_prefetch(p, 0, 1); }

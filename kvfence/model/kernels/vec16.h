@@ -5,7 +5,7 @@
 // the tuning. A 64-byte memcpy into a vector looks the same but is not: under a tuning that
 // prefers 256-bit vectors (GCC's guess for some Xeons) it became two ymm stores to the stack and
 // a zmm reload (a failed store forward) per load, and spilled the accumulators around it: the
-// packed GEMM ran at a fifth of MKL's speed there (benchmarks/RESULTS.md "Session 13").
+// packed GEMM ran at a fifth of MKL's speed there (benchmarks/RESULTS.md "Kernels").
 #pragma once
 
 typedef float v16 __attribute__((vector_size(64)));

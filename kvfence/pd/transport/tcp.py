@@ -6,7 +6,7 @@ TLS runs on memory BIOs (ssl.SSLObject) over a raw non-blocking socket, not on a
   payload is then decrypted view by view (memory the receiver names: a Placement, e.g.
   decode's pool pages) with no system call between records. An SSLSocket pays a recv system
   call, and the kernel's TCP bookkeeping behind it, per 16 KiB record: on the KV transfer that
-  cost more than the BIO's extra copy (benchmarks/RESULTS.md, sessions 15-16);
+  cost more than the BIO's extra copy (benchmarks/RESULTS.md "KV transfer");
 - sending, the frame is encrypted into the outgoing BIO and flushed with one send per _FLUSH
   bytes (a few records).
 The GIL is released inside SSL_read / SSL_write.

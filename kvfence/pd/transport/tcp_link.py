@@ -39,7 +39,7 @@ class TcpSender(PageSender):
     # Runs of 1 MiB: a run hashed in place is still in cache when it is encrypted, and the
     # buffered way pipelines across runs (one 8 MiB run serialised it: 2 shared cores,
     # in-process sweep, best of 8: 8 MiB 39 ms, 1 MiB 23 ms, 512 KiB 23 ms, 256 KiB 31 ms,
-    # 128 KiB 46 ms per 8 MiB prompt; see benchmarks/RESULTS.md).
+    # 128 KiB 46 ms per 8 MiB prompt).
     run_bytes = 1 << 20
 
     def __init__(self) -> None:
