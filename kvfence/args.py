@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 from kvfence.config import (
+    ATTENTION_BACKENDS,
     DISAGGREGATION_MODES,
     DTYPES,
     KERNEL_BACKENDS,
@@ -172,8 +173,9 @@ DECODE_STEP_PREFILL_BUDGET = _engine(
 ATTENTION_BACKEND = _engine(
     "--attention-backend",
     "attention_backend",
-    choices=KERNEL_BACKENDS,
-    help="decode attention: native CPU kernel reading pages in place, or torch gather+SDPA",
+    choices=ATTENTION_BACKENDS,
+    help="attention over the KV pages: auto (native on CPU, flex on CUDA), native CPU kernels, "
+    "flex (torch flex_attention reading pages in place), or torch gather+SDPA (the reference)",
 )
 LINEAR_BACKEND = _engine(
     "--linear-backend",

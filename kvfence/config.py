@@ -17,6 +17,9 @@ KV_CACHE_DTYPES = ("auto", "float32", "bfloat16", "float16")
 # --attention-backend / --linear-backend. auto: the native CPU kernel (paged decode; packed
 # float32 matmuls) when it builds here and fits the model, else torch; native: require it.
 KERNEL_BACKENDS = ("auto", "native", "torch")
+# --attention-backend also takes flex: torch's flex_attention reading the pool's pages in place
+# (kvfence/model/attn/flex.py), auto's choice on CUDA, and forced on CPU by its tests.
+ATTENTION_BACKENDS = ("auto", "native", "flex", "torch")
 
 
 class ConfigError(ValueError):
@@ -116,12 +119,12 @@ class EngineConfig:
             raise ConfigError(
                 f"--decode-step-prefill-budget {self.decode_step_prefill_budget}: must be >= 1"
             )
-        for flag, value in (
-            ("--attention-backend", self.attention_backend),
-            ("--linear-backend", self.linear_backend),
+        for flag, value, allowed in (
+            ("--attention-backend", self.attention_backend, ATTENTION_BACKENDS),
+            ("--linear-backend", self.linear_backend, KERNEL_BACKENDS),
         ):
-            if value not in KERNEL_BACKENDS:
-                raise ConfigError(f"{flag} {value!r}: expected one of {', '.join(KERNEL_BACKENDS)}")
+            if value not in allowed:
+                raise ConfigError(f"{flag} {value!r}: expected one of {', '.join(allowed)}")
             if value == "native" and self.device != "cpu":
                 raise ConfigError(f"{flag} native: the native kernel is CPU-only")
         if self.chunked_prefill_size < 1:

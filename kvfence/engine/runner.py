@@ -69,6 +69,8 @@ class ModelRunner:
         dtype = next(model.parameters()).dtype
         # Chosen once per device and dtype: every step's groups are planned by it.
         self.attention = select_backend(attention_backend, device, dtype, pool.k.dtype, NULL_PAGE)
+        if self.attention.name == "flex":
+            _finite_pool(pool)
         gemm = _native_kernel(
             linear_backend,
             "--linear-backend",
@@ -301,6 +303,18 @@ class ModelRunner:
             max_logprobs=max(lp) if lp else None,
             bitmask=bitmask,
         )
+
+
+def _finite_pool(pool: KVPool) -> None:
+    """flex_attention multiplies the masked keys it loads (a row's last page's tail; unfused on
+    CPU, every slot) by 0 in P.V, and 0 * NaN is NaN: the pool's never-written memory (torch.empty)
+    is zeroed once here, and what later steps leave behind is K/V, finite. Pages stay unzeroed on
+    free: no answer depends on what a masked slot holds, as long as it is finite."""
+    if pool.poison_on_free:
+        raise RuntimeError("--attention-backend flex reads masked slots times 0: it cannot run "
+                           "with --kv-poison-on-free (NaN in freed pages)")
+    pool.k.zero_()
+    pool.v.zero_()
 
 
 def _native_kernel(

@@ -287,7 +287,7 @@ def run_up(args: argparse.Namespace) -> int:
         # Build the native kernels once here, not in N+M workers racing on torch's build lock.
         from kvfence.model import kernels
 
-        if engine.attention_backend != "torch":
+        if engine.attention_backend in ("auto", "native"):
             kernels.paged_decode()
             kernels.paged_prefill()
         if engine.linear_backend != "torch":

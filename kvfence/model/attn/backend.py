@@ -45,6 +45,9 @@ class PagedRows:
     page_size: int
     window: int
     covers_step: bool  # the rows are every token of the step, in order
+    # The longest chunk when the caller knows it (a captured decode step: 1), so a backend that
+    # plans on the device need not read q_lens back; 0: ask q_lens.
+    max_q_len: int = 0
 
     @property
     def decode_only(self) -> bool:
