@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 from conftest import random_prompts
-from test_paged_prefill import NULL, PAGE, random_rows, rows_of
+from test_paged_prefill import NULL, PAGE, allowed_slots, random_rows, rows_of
 
 from kvfence.config import ConfigError, EngineConfig
 from kvfence.engine.llm import LLM
@@ -63,10 +63,7 @@ def test_flex_never_attends_a_slot_no_query_may_see() -> None:
     ctx_lens, q_lens, window = [37, 100, 20], [5, 30, 1], 40
     kc, vc, _, table, g = random_rows(ctx_lens, q_lens, 2, 16, torch.float32)
     q = torch.randn(sum(q_lens), 4, 16, generator=g)
-    allowed = torch.zeros(kc.shape[0], dtype=torch.bool)
-    for b, (n, m) in enumerate(zip(ctx_lens, q_lens, strict=True)):
-        t = torch.arange(max(0, n - m - window + 1), n)
-        allowed[table[b][t // PAGE] * PAGE + t % PAGE] = True
+    allowed = allowed_slots(ctx_lens, q_lens, table, window, kc.shape[0])
     poisoned = [c.clone() for c in (kc, vc)]
     for c in poisoned:
         c[~allowed] = 1e4

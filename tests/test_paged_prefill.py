@@ -47,6 +47,15 @@ def rows_of(ctx_lens, q_lens, table, window):
     )
 
 
+def allowed_slots(ctx_lens, q_lens, table, window, n_slots) -> torch.Tensor:
+    """bool [n_slots]: the slots some query of the rows may see (its context, inside the window)."""
+    allowed = torch.zeros(n_slots, dtype=torch.bool)
+    for b, (n, m) in enumerate(zip(ctx_lens, q_lens, strict=True)):
+        t = torch.arange(max(0, n - m - window + 1), n)
+        allowed[table[b][t // PAGE] * PAGE + t % PAGE] = True
+    return allowed
+
+
 def run_both(kernel, ctx_lens, q_lens, heads, kv_heads, d, window, dtype, seed=0):
     kc, vc, _, table, g = random_rows(ctx_lens, q_lens, kv_heads, d, dtype, seed)
     q = torch.randn(sum(q_lens), heads, d, generator=g).to(dtype)
@@ -91,10 +100,7 @@ def test_kernel_never_reads_a_slot_no_query_may_see(kernel) -> None:
     kc, vc, _, table, g = random_rows(ctx_lens, q_lens, 2, 64, torch.float32)
     q = torch.randn(sum(q_lens), 6, 64, generator=g)
     rows = rows_of(ctx_lens, q_lens, table, window)
-    allowed = torch.zeros(kc.shape[0], dtype=torch.bool)
-    for b, (n, m) in enumerate(zip(ctx_lens, q_lens, strict=True)):
-        t = torch.arange(max(0, n - m - window + 1), n)
-        allowed[table[b][t // PAGE] * PAGE + t % PAGE] = True
+    allowed = allowed_slots(ctx_lens, q_lens, table, window, kc.shape[0])
     poisoned = [c.clone() for c in (kc, vc)]
     for c in poisoned:
         c[~allowed] = float("nan")
