@@ -14,6 +14,7 @@ from typing import Any, Protocol
 
 from kvfence.config import (
     ATTENTION_BACKENDS,
+    CUDA_GRAPH_MODES,
     DISAGGREGATION_MODES,
     DTYPES,
     KERNEL_BACKENDS,
@@ -183,6 +184,19 @@ LINEAR_BACKEND = _engine(
     choices=KERNEL_BACKENDS,
     help="projection matmuls: native packed float32 CPU kernel, or torch (MKL / cuBLAS)",
 )
+CUDA_GRAPH = _engine(
+    "--cuda-graph",
+    "cuda_graph",
+    choices=CUDA_GRAPH_MODES,
+    help="decode steps per batch-size bucket, captured as CUDA graphs: auto (on CUDA), on "
+    "(also on CPU, uncaptured), off",
+)
+CUDA_GRAPH_MAX_BS = _engine(
+    "--cuda-graph-max-bs",
+    "cuda_graph_max_bs",
+    type=int,
+    help="the largest decode batch run from a captured graph (larger ones run eagerly)",
+)
 MAX_RUNNING_REQUESTS = _engine("--max-running-requests", "max_running_requests", type=int)
 THREADS = _engine(
     "--threads",
@@ -327,7 +341,8 @@ ENGINE_OPTIONS: tuple[Option, ...] = (
     MODEL, SERVED_MODEL_NAME, DEVICE, DTYPE, KV_CACHE_DTYPE, CONTEXT_LENGTH,
     ALLOW_CONTEXT_BEYOND_POSITIONS, PAGE_SIZE, KV_POOL_TOKENS, MEM_FRACTION_STATIC,
     CHUNKED_PREFILL_SIZE, DECODE_STEP_PREFILL_BUDGET,
-    ATTENTION_BACKEND, LINEAR_BACKEND, MAX_RUNNING_REQUESTS, THREADS, SEED,
+    ATTENTION_BACKEND, LINEAR_BACKEND, CUDA_GRAPH, CUDA_GRAPH_MAX_BS, MAX_RUNNING_REQUESTS,
+    THREADS, SEED,
     UNSAFE_SKIP_PREFLIGHT, KV_POISON_ON_FREE, ENABLE_PREFIX_CACHING, SHARED_PREFIX_FILE,
     PREFIX_CACHE_TTL, SKIP_TOKENIZER_INIT, MAX_DECODE_STEP_MS, MIN_PREFILL_CHUNK,
     PREFILL_BACKLOG_STEPS, PREFILL_PACE, WIDE_STEP_FACTOR, MAX_RUNNING_REQUESTS_PER_TENANT,

@@ -20,6 +20,7 @@ KERNEL_BACKENDS = ("auto", "native", "torch")
 # --attention-backend also takes flex: torch's flex_attention reading the pool's pages in place
 # (kvfence/model/attn/flex.py), auto's choice on CUDA, and forced on CPU by its tests.
 ATTENTION_BACKENDS = ("auto", "native", "flex", "torch")
+CUDA_GRAPH_MODES = ("auto", "on", "off")
 
 
 class ConfigError(ValueError):
@@ -45,6 +46,10 @@ class EngineConfig:
     decode_step_prefill_budget: int | None = None
     attention_backend: str = "auto"
     linear_backend: str = "auto"
+    # Decode steps per batch-size bucket from static buffers, captured as CUDA graphs (auto: on
+    # CUDA only; on: also on CPU, uncaptured, the path the CPU tests check), up to this many rows.
+    cuda_graph: str = "auto"
+    cuda_graph_max_bs: int = 128
     max_running_requests: int = 64
     # CPU threads for this engine's kernels (None: torch's default, every core). Workers that
     # share a host's cores each want their own share: `kvfence up` splits them.
@@ -127,6 +132,12 @@ class EngineConfig:
                 raise ConfigError(f"{flag} {value!r}: expected one of {', '.join(allowed)}")
             if value == "native" and self.device != "cpu":
                 raise ConfigError(f"{flag} native: the native kernel is CPU-only")
+        if self.cuda_graph not in CUDA_GRAPH_MODES:
+            raise ConfigError(
+                f"--cuda-graph {self.cuda_graph!r}: expected one of {', '.join(CUDA_GRAPH_MODES)}"
+            )
+        if self.cuda_graph_max_bs < 1:
+            raise ConfigError(f"--cuda-graph-max-bs {self.cuda_graph_max_bs}: must be >= 1")
         if self.chunked_prefill_size < 1:
             raise ConfigError(f"--chunked-prefill-size {self.chunked_prefill_size}: must be >= 1")
         if self.unsafe_skip_preflight and not env.fault_injection():

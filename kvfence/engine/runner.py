@@ -3,6 +3,7 @@ runs the model and samples. It owns no scheduling state."""
 
 from __future__ import annotations
 
+import logging
 from array import array
 from collections.abc import Callable
 from concurrent.futures import Future
@@ -12,6 +13,7 @@ from typing import TypeVar
 
 import torch
 
+from kvfence.engine.decode_graphs import DecodeGraphs, DecodeInputs
 from kvfence.engine.prompt_logprobs import BLOCK_ROWS, ScoreBlock, score
 from kvfence.engine.scheduler import ScheduledChunk
 from kvfence.faults import Faults
@@ -25,6 +27,7 @@ from kvfence.model.sampling import SampleResult, SamplingBatch, sample
 from kvfence.structured.grammar import Grammars
 
 T = TypeVar("T")
+log = logging.getLogger(__name__)
 NO_NAMESPACE = -4  # a row outside the prefix cache (PD modes): matches no sealed page
 
 
@@ -95,6 +98,7 @@ class ModelRunner:
             model.use_epilogue(epilogue, pool.k.dtype)
         self.fused_epilogue = epilogue is not None
         self.lora: LoraSlots | None = None  # set by the engine with --enable-lora
+        self.graphs: DecodeGraphs | None = None  # set by use_decode_graphs
 
     def run(self, chunks: list[ScheduledChunk]) -> StepResult:
         chunks, rejected = self.check_ownership(chunks)
@@ -138,6 +142,32 @@ class ModelRunner:
             ),
             dtype=torch.int64,
         )
+        graphs = self.graphs
+        if (graphs is not None and self.lora is None and int(lengths.max()) == 1
+                and graphs.fits(len(chunks), page_table.shape[1])):
+            hidden = graphs.run(DecodeInputs(input_ids, positions, slots, starts + 1, page_table))
+        else:
+            hidden = self._eager(chunks, page_table, starts, lengths, flat_offsets, input_ids,
+                                 positions, slots)
+        last_rows = [int(flat_offsets[i]) + c.length - 1 for i, c in enumerate(chunks) if c.samples]
+        logits = None
+        if last_rows:
+            logits = self.model.logits(hidden[torch.tensor(last_rows, device=self.device)])
+        return Forward(logits, self._score_prompts(chunks, hidden, flat_offsets))
+
+    def _eager(
+        self,
+        chunks: list[ScheduledChunk],
+        page_table: torch.Tensor,
+        starts: torch.Tensor,
+        lengths: torch.Tensor,
+        flat_offsets: torch.Tensor,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        slots: torch.Tensor,
+    ) -> torch.Tensor:
+        """The step's hidden states, each group of rows planned by the attention backend."""
+        ps = self.pool.page_size
         groups = []
         window = self.sliding_window or 0
         for is_decode in (True, False):
@@ -157,12 +187,32 @@ class ModelRunner:
                 )
                 groups.append(self.attention.plan(rows))
         meta = AttentionMetadata(positions.to(self.device), slots.to(self.device), groups)
-        hidden = self.model(input_ids.to(self.device), meta, self.kv_caches)
-        last_rows = [int(flat_offsets[i]) + c.length - 1 for i, c in enumerate(chunks) if c.samples]
-        logits = None
-        if last_rows:
-            logits = self.model.logits(hidden[torch.tensor(last_rows, device=self.device)])
-        return Forward(logits, self._score_prompts(chunks, hidden, flat_offsets))
+        return self.model(input_ids.to(self.device), meta, self.kv_caches)
+
+    def use_decode_graphs(self, mode: str, max_bs: int, max_pages: int) -> None:
+        """--cuda-graph: decode-only steps of up to max_bs rows run per batch-size bucket from
+        static buffers (engine/decode_graphs.py), captured on CUDA when the attention backend
+        plans on the device (flex); `on` runs the same path uncaptured on CPU (tests)."""
+        if mode == "off" or (mode == "auto" and self.device.type != "cuda"):
+            return
+        mc = self.model.config
+        graphs = DecodeGraphs(
+            self.model, self.kv_caches, self.attention, page_size=self.pool.page_size,
+            window=self.sliding_window or 0, null_page=NULL_PAGE, max_bs=max_bs,
+            max_pages=max_pages, hidden_size=mc.hidden_size,
+            dtype=next(self.model.parameters()).dtype, device=self.device,
+        )
+        if self.device.type == "cuda":
+            if self.attention.name != "flex":
+                log.warning("--cuda-graph: the %s attention backend cannot be captured; decode "
+                            "runs eagerly", self.attention.name)
+                return
+            try:
+                graphs.capture()
+            except Exception:  # noqa: BLE001 - a model with a host sync (MoE routing) runs eagerly
+                log.warning("--cuda-graph: capture failed; decode runs eagerly", exc_info=True)
+                return
+        self.graphs = graphs
 
     def _score_prompts(
         self, chunks: list[ScheduledChunk], hidden: torch.Tensor, flat_offsets: torch.Tensor
