@@ -48,3 +48,23 @@ def test_blocks_received_in_place_hash_to_the_senders_checksums() -> None:
         assert kvio.run_pool_checksums(pool, pages, count) == want
         kvio.corrupt_page(pool, pages[-1])  # a changed page no longer matches
         assert kvio.run_pool_checksums(pool, pages, count)[-1] != want[-1]
+
+
+def test_batched_read_back_gives_the_in_place_checksums() -> None:
+    """batched_checksums (a GPU pool's read-back: one gather on the device, one copy to the
+    host) hashes exactly what the in-place host path hashes, a partial last page included, in
+    any dtype; and a page scrambled after the fact changes its checksum and only its."""
+    for dtype in (torch.float32, torch.bfloat16):
+        pool = KVPool(
+            num_layers=3, num_pages=12, page_size=4, num_kv_heads=2, head_dim=8,
+            dtype=dtype, device="cpu",
+        )  # fmt: skip
+        pool.k.normal_()
+        pool.v.normal_()
+        for pages, n_tokens in (([1, 2, 3, 4], 16), ([5, 2, 3, 9], 14), ([7], 3), ([11, 10], 5)):
+            want = kvio.pool_checksums(pool, pages, n_tokens)
+            assert kvio.batched_checksums(pool, pages, n_tokens) == want
+        before = kvio.batched_checksums(pool, [5, 2, 3, 9], 14)
+        kvio.corrupt_page(pool, 3)
+        after = kvio.batched_checksums(pool, [5, 2, 3, 9], 14)
+        assert [a != b for a, b in zip(before, after, strict=True)] == [False, False, True, False]

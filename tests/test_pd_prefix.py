@@ -212,10 +212,14 @@ def test_pd_twin_skipping_the_prefix_digest_commits_another_prompts_kv(
     _disagreeing_prefix(pair, unified, guard_off=True)
 
 
-def _stale_cached_page(pair: PDPair, unified: LLM, guard_off: bool) -> Result:
+def _stale_cached_page(
+    pair: PDPair, unified: LLM, guard_off: bool, batched: bool = False
+) -> Result:
     """A decode cache page changes under a room after its RESERVE: the read-back before commit
-    covers the cached prefix too and refuses; without checksums the wrong KV is committed."""
+    covers the cached prefix too and refuses; without checksums the wrong KV is committed.
+    batched: the read-back a GPU pool takes (one gather on the device, one sync)."""
     flush(pair)
+    pair.decode.pool_port.batched_checksums = batched
     first = random_prompts([40], vocab=256, seed=17)[0]
     assert finished_ok(ask(pair, first, "A"))
     second = first + random_prompts([5], vocab=256, seed=18)[0]
@@ -244,6 +248,22 @@ def test_i3_twin_without_checksums_the_stale_cached_page_is_committed(
     pair: PDPair, unified: LLM
 ) -> None:
     _stale_cached_page(pair, unified, guard_off=True)
+
+
+def test_i3_batched_read_back_catches_the_stale_cached_page(pair: PDPair, unified: LLM) -> None:
+    try:
+        _stale_cached_page(pair, unified, guard_off=False, batched=True)
+    finally:
+        pair.decode.pool_port.batched_checksums = False
+
+
+def test_i3_twin_without_checksums_the_batched_read_back_commits_the_stale_page(
+    pair: PDPair, unified: LLM
+) -> None:
+    try:
+        _stale_cached_page(pair, unified, guard_off=True, batched=True)
+    finally:
+        pair.decode.pool_port.batched_checksums = False
 
 
 def test_pd_eviction_racing_a_transfer_never_takes_a_pinned_page(

@@ -164,12 +164,34 @@ def pool_checksums(pool: PageTensors, pages: list[int], n_tokens: int) -> list[i
     """Per-page checksums of the first n_tokens held in `pages`, read from the pool itself (a
     CPU pool is hashed in place, without a copy)."""
     counts = page_token_counts(n_tokens, pool.page_size)
-    if pool.k.is_cuda:
-        out: list[int] = []
-        for first, n, count in runs(pool, n_tokens):
-            out += run_checksums(gather(pool, pages[first : first + n], count))
-        return out
+    if pool.k.device.type != "cpu":
+        return batched_checksums(pool, pages, n_tokens)
     return _hash_pages(pool, pages, counts)
+
+
+def batched_checksums(pool: PageTensors, pages: list[int], n_tokens: int) -> list[int]:
+    """pool_checksums for a pool on a device (any device: CPU tests run this very code): every
+    page of the transfer gathered on the device by one index_select per K and V, then one copy
+    to the host, the only sync of the whole read-back (none per page or per run), then xxh3 of
+    each page's valid bytes in _hash_pages' order (K's layers, then V's): the same numbers."""
+    counts = page_token_counts(n_tokens, pool.page_size)
+    if not counts:
+        return []
+    tb = token_bytes(pool)
+    idx = torch.tensor(pages[: len(counts)], dtype=torch.int64, device=pool.k.device)
+    blocks = torch.stack([
+        t.view(torch.uint8).view(pool.num_layers, -1, pool.page_size * tb).index_select(1, idx)
+        for t in (pool.k, pool.v)
+    ])  # [2, layers, pages, page bytes]
+    host = blocks.cpu().numpy()
+    out = []
+    for i, count in enumerate(counts):
+        h = xxhash.xxh3_64()
+        for kv in host:
+            for layer in kv:
+                h.update(layer[i, : count * tb])
+        out.append(h.intdigest())
+    return out
 
 
 def run_pool_checksums(pool: PageTensors, pages: list[int], count: int) -> list[int]:

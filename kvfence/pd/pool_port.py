@@ -74,6 +74,9 @@ class PoolPort:
             assert isinstance(engine.runner, LeaderRunner)
             self.slices = RankSlices(engine.tp, engine.runner.mirror, self.view, follow)
         self._held: dict[int, Grant] = {}  # grant id -> the grant the PD side holds
+        # The read-back (I3) gathers a transfer's pages on the device and syncs once: a GPU
+        # pool's way, which a CPU test turns on to check that very code.
+        self.batched_checksums = pool.device.type != "cpu"
         self._lock = threading.Lock()  # the engine thread adds, the PD side removes
 
     # ---- the rule ---------------------------------------------------------------------------
@@ -145,6 +148,8 @@ class PoolPort:
         self._check("checksums", False, grant)
         if self.slices is not None:
             return self.slices.checksums(pages, n_tokens)
+        if self.batched_checksums:
+            return kvio.batched_checksums(self.view, pages, n_tokens)
         return kvio.pool_checksums(self.view, pages, n_tokens)
 
     def check_source(
