@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import subprocess
 import sys
@@ -73,12 +74,15 @@ def row(
     src: dict[str, str],
     note: str = "",
 ) -> Row:
+    def number(x: float | None) -> float | None:
+        return None if x is None or math.isnan(x) else x  # a run that failed: no figure
+
     return {
         "workload": workload,
         "metric": metric,
         "better": better,
-        "kvfence": kv,
-        "peer": peer,
+        "kvfence": number(kv),
+        "peer": number(peer),
         "peer_label": label,
         "note": note,
         "source": src,
@@ -92,7 +96,7 @@ def offline_rows(path: Path, d: dict) -> list[Row]:
     eq = d.get("ratios", {}).get("kvfence_equals_vllm_sequences", "")
     return [
         row(
-            "Offline, 32 x 256 -> 64 random",
+            f"Offline, {str(d.get('workload', '')).split(',')[0]} random",
             "throughput, tok/s",
             "higher",
             om["kvfence"]["total_tokens_per_s"],
@@ -148,41 +152,20 @@ def http_rows(path: Path, d: dict) -> list[Row]:
 
 
 def shared_prefix_rows(path: Path, d: dict) -> list[Row]:
-    src, s = source(path, d), d["summary"]
+    src, s, c = source(path, d), d["summary"], d.get("config", {})
     kv = s["kvfence-cache|shared-prefix/none"]
-    salted = s.get("vllm|shared-prefix/per-tenant")
-    bare = s.get("vllm|shared-prefix/none")
-    label = vllm_label(d)
-    w = "Shared prefix, 8 tenants, 1,024-token system prompt each"
-    return [
-        row(
-            w,
-            "throughput, tok/s",
-            "higher",
-            kv["throughput"],
-            salted and salted["throughput"],
-            f"{label}, cache_salt per tenant",
-            src,
-        ),
-        row(
-            w,
-            "TTFT p50, ms",
-            "lower",
-            kv["ttft_p50_ms"],
-            salted and salted["ttft_p50_ms"],
-            f"{label}, cache_salt per tenant",
-            src,
-        ),
-        row(
-            w,
-            "throughput, tok/s",
-            "higher",
-            kv["throughput"],
-            bare and bare["throughput"],
-            f"{label}, no salt (shares across tenants)",
-            src,
-        ),
-    ]
+    sp, q, o = c.get("system_prompt_len", 1024), c.get("question_len", 128), c.get("output_len", 64)
+    w = f"Shared prefix: a {sp:,}-token system prompt per tenant + {q} -> {o}, C={c['concurrency']}"
+    out = []
+    for metric, key, better, peer_key, how in (
+        ("throughput, tok/s", "throughput", "higher", "per-tenant", "cache_salt per tenant"),
+        ("TTFT p50, ms", "ttft_p50_ms", "lower", "per-tenant", "cache_salt per tenant"),
+        ("throughput, tok/s", "throughput", "higher", "none", "no salt: shares across tenants"),
+    ):
+        peer = s.get(f"vllm|shared-prefix/{peer_key}")
+        label = f"{vllm_label(d)}, {how}" if peer else "vLLM not run"
+        out.append(row(w, metric, better, kv[key], peer and peer[key], label, src))
+    return out
 
 
 def pd_rows(path: Path, d: dict) -> list[Row]:
@@ -209,10 +192,10 @@ def transfer_rows(conn: tuple[Path, dict], window: tuple[Path, dict]) -> list[Ro
     (cp, c), (wp, w) = conn, window
     cs, ws = c["summary"], w["summary"]
     floor = "I3 floor: the bare TLS pair keeping and checking the bytes, same run"
-    mib = w.get("kv_bytes", 8 << 20) / (1 << 20)
+    mib, cmib = w.get("kv_bytes", 8 << 20) / (1 << 20), c.get("bytes", 8 << 20) / (1 << 20)
     return [
         row(
-            f"KV transfer, {mib:.0f} MiB over TLS: kvfence's connection with I3's checks",
+            f"KV transfer, {cmib:.0f} MiB over TLS: kvfence's connection with I3's checks",
             "ms, median",
             "lower",
             cs["after_ms"]["median"],
@@ -345,8 +328,6 @@ def steps(quick: bool, vllm: bool, model_long: Path) -> list[tuple[str, list[str
     if quick:
         offline += "--num-prompts 4 --input-len 32 --output-len 8".split()
         http += "--num-prompts 8 --input-len 32 --output-len 8 --concurrency 2 4".split()
-        prefix += "--system-prompt-len 64 --question-len 16 --output-len 8".split()
-        prefix += "--context-length 256 --pool-tokens 4096".split()
         conn += ["--warmup", "1"]
         window += ["--prompt-len", "256"]
     return [

@@ -38,6 +38,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--num-prompts", type=int, default=6, help="per length and server, in turn")
     p.add_argument("--output-len", type=int, default=32)
     p.add_argument("--rounds", type=int, default=2)
+    p.add_argument(
+        "--warmup", type=int, default=2, help="untimed requests per server first (cold paths)"
+    )
     p.add_argument("--out", default=str(RESULTS))
     p.add_argument("--name", default="pd_vs_unified")
     a = p.parse_args(argv)
@@ -63,6 +66,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         for s in servers.values():
             s.wait_ready()
+            if a.warmup:  # a fresh PD pair's first hand-off dials, handshakes and warms its pages
+                run_bench(s.url, a.warmup, min(lengths), a.output_len, 1, a.vocab_size, seed=7)
         for r in range(a.rounds):
             for n in lengths:
                 order = list(servers) if (r + lengths.index(n)) % 2 == 0 else list(servers)[::-1]

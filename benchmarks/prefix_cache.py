@@ -153,7 +153,7 @@ def main(argv: list[str] | None = None) -> int:
     if a.tiny:
         a.prompts_per_group, a.system_prompt_len, a.question_len, a.output_len = 2, 64, 16, 4
         a.chats, a.turns, a.chat_input_len, a.chat_question_len = 2, 2, 32, 8
-        a.random_prompts, a.random_input_len, a.context_length = 4, 32, 256
+        a.random_prompts, a.random_input_len, a.context_length = 4, 32, 512
         a.pool_tokens = 4096
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
