@@ -280,6 +280,23 @@ WIDE_STEP_FACTOR = _engine(
     "(default 6; higher: prompts behind a wide batch wait less, its streams' steps are longer; "
     "2: the same 2x at every width)",
 )
+TARGET_TPOT_MS = _engine(
+    "--target-tpot-ms",
+    "target_tpot_ms",
+    type=float,
+    metavar="MS",
+    help="hold each stream's mean time per output token within MS: a step that decodes takes "
+    "prefill tokens only up to the slack of its tightest stream, never beyond MS (default: "
+    "the step-time budget alone)",
+)
+TARGET_TTFT_MS = _engine(
+    "--target-ttft-ms",
+    "target_ttft_ms",
+    type=float,
+    metavar="MS",
+    help="hold each prompt's time to first token within MS: steps take at least the prompt "
+    "tokens that keep every waiting prompt on time (wins over --target-tpot-ms)",
+)
 SKIP_TOKENIZER_INIT = _engine(
     "--skip-tokenizer-init",
     "skip_tokenizer_init",
@@ -345,7 +362,8 @@ ENGINE_OPTIONS: tuple[Option, ...] = (
     THREADS, SEED,
     UNSAFE_SKIP_PREFLIGHT, KV_POISON_ON_FREE, ENABLE_PREFIX_CACHING, SHARED_PREFIX_FILE,
     PREFIX_CACHE_TTL, SKIP_TOKENIZER_INIT, MAX_DECODE_STEP_MS, MIN_PREFILL_CHUNK,
-    PREFILL_BACKLOG_STEPS, PREFILL_PACE, WIDE_STEP_FACTOR, MAX_RUNNING_REQUESTS_PER_TENANT,
+    PREFILL_BACKLOG_STEPS, PREFILL_PACE, WIDE_STEP_FACTOR, TARGET_TPOT_MS, TARGET_TTFT_MS,
+    MAX_RUNNING_REQUESTS_PER_TENANT,
     SPECIAL_TOKENS_IN_CHAT, TP_SIZE, TP_TIMEOUT, ENABLE_LORA, LORA_MODULES, MAX_LORAS,
     MAX_LORA_RANK,
 )  # fmt: skip
@@ -463,8 +481,17 @@ DISAGGREGATION_TIMEOUT = _pd(
     help="seconds a KV transfer may take before it is aborted, from RESERVE (so a prompt's "
     "queueing at a busy prefill counts); SGLang's waiting timeout is also 300 s",
 )
+DECODE_LOCAL_PREFILL = _pd(
+    ("--decode-local-prefill",),
+    "decode_local_prefill",
+    type=float,
+    metavar="FACTOR",
+    help="a decode worker computes a prompt itself, beside its decodes, when the prefill "
+    "worker's queue of its prompts is FACTOR times its own (0: never; `kvfence up`: 2)",
+)
 TRANSFER_OPTIONS: tuple[Option, ...] = (
     TRANSFER_BACKEND,
+    DECODE_LOCAL_PREFILL,
     DISAGGREGATION_TIMEOUT,
     TLS_HANDSHAKE_TIMEOUT,
     MAX_PENDING_HANDSHAKES,

@@ -80,6 +80,11 @@ class EngineConfig:
     # in benchmarks/RESULTS.md "HTTP: TTFT and ITL" (C=32 TTFT p50 0.31-0.44x vLLM's, ITL p99
     # 0.25x).
     wide_step_factor: float = 6.0
+    # Latency targets the steps are sized to hold together (kvfence/engine/deadlines.py): a
+    # decoding stream's mean time per output token, a prompt's time to its first token (None:
+    # not held; the step-time budget above decides alone).
+    target_tpot_ms: float | None = None
+    target_ttft_ms: float | None = None
     # vLLM's --skip-tokenizer-init: no tokenizer is loaded (the model dir may have none); only
     # token-id prompts are served and outputs carry token ids with empty text.
     skip_tokenizer_init: bool = False
@@ -156,6 +161,12 @@ class EngineConfig:
             raise ConfigError(f"--prefill-pace {self.prefill_pace}: must be >= 0")
         if not self.wide_step_factor >= 1:
             raise ConfigError(f"--wide-step-factor {self.wide_step_factor}: must be >= 1")
+        for flag, target in (
+            ("--target-tpot-ms", self.target_tpot_ms),
+            ("--target-ttft-ms", self.target_ttft_ms),
+        ):
+            if target is not None and not target > 0:
+                raise ConfigError(f"{flag} {target}: must be > 0")
         if self.min_prefill_chunk < 1:
             raise ConfigError(f"--min-prefill-chunk {self.min_prefill_chunk}: must be >= 1")
         if self.max_running_requests < 1:
@@ -241,6 +252,10 @@ class PdConfig:
     tls_handshake_timeout: float = 10.0  # an unauthenticated peer's time to finish TLS
     max_pending_handshakes: int = 64  # connections the bootstrap port lets handshake at once
     pd_idle_timeout: float = 300.0  # how long a decode keeps a prefill connection with no room
+    # A decode computes a prompt itself when it would wait this many times longer at the prefill
+    # worker (kvfence/pd/local_prefill.py). None: `kvfence up` on one host picks UP_FACTOR, a
+    # worker started alone never does (0).
+    decode_local_prefill: float | None = None
     # I8: this worker's certificate, key and the cluster CA (None: KVFENCE_TLS_DIR's).
     tls_cert: str | None = None
     tls_key: str | None = None
@@ -266,6 +281,9 @@ class PdConfig:
                 raise ConfigError(f"{flag} {value}: must be > 0")
         if self.max_pending_handshakes < 1:
             raise ConfigError(f"--max-pending-handshakes {self.max_pending_handshakes}: >= 1")
+        local = self.decode_local_prefill
+        if local is not None and not local >= 0:
+            raise ConfigError(f"--decode-local-prefill {local}: must be >= 0")
 
 
 @dataclass(frozen=True)

@@ -40,7 +40,8 @@ def build_role(config: NodeConfig, faults: Faults) -> RoleService:
     from kvfence.pd.decode import DecodeService
 
     host = "127.0.0.1" if host in ("0.0.0.0", "") else host
-    return DecodeService(cfg, timeout, backend, tls, faults, host, limits)
+    local = pd.decode_local_prefill or 0.0
+    return DecodeService(cfg, timeout, backend, tls, faults, host, limits, local)
 
 
 def startup_error(e: BaseException) -> int | None:

@@ -306,3 +306,11 @@ def test_wait_healthy_reports_the_last_health_answer() -> None:
     assert str(e.value) == (
         "not healthy after 0 s: prefill-0 (/health 503: pairing refused: page_size differs)"
     )
+
+
+def test_the_decode_local_prefill_factor_reaches_the_workers(tmp_path: Path) -> None:
+    from kvfence.cli import build_parser
+
+    up = up_config("--model", str(tmp_path)).with_pd(decode_local_prefill=2.0)
+    back = build_parser().parse_args(["serve", *worker_args(up, "decode")])
+    assert back.decode_local_prefill == 2.0

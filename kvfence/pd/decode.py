@@ -24,6 +24,7 @@ from kvfence.kv.pool import Grant
 from kvfence.pd import glue, kvio, wire
 from kvfence.pd import protocol as p
 from kvfence.pd.decode_runs import Room, RunReceiver
+from kvfence.pd.local_prefill import PendingPrompts
 from kvfence.pd.peers import UNAVAILABLE, Dialer
 from kvfence.pd.pool_port import PortRuleBroken
 from kvfence.pd.service import PdService
@@ -50,9 +51,13 @@ class DecodeService(PdService):
         faults: Faults | None = None,
         host: str = "127.0.0.1",
         limits: LinkLimits | None = None,
+        local_prefill: float = 0.0,
     ) -> None:
-        """host: where this worker is reachable (a Mooncake peer's one-sided writes go there)."""
+        """host: where this worker is reachable (a Mooncake peer's one-sided writes go there);
+        local_prefill: --decode-local-prefill, how much slower a prompt computed here may be than
+        at the prefill worker and still go here (pd/local_prefill.py; 0: never)."""
         super().__init__(cfg, backend, tls, faults, timeout_s, limits)
+        self.pending = PendingPrompts(local_prefill)
         self.ranks = cfg.tp_size  # a run's payload carries every rank's slice
         # One-sided writes land anywhere in the registered pool: no grant to check them by (I3
         # and I4 carry those); the tcp receiver writes only through the port.
@@ -78,7 +83,15 @@ class DecodeService(PdService):
                 "pd_route_required",
                 "This is a decode worker: send requests through the kvfence router.",
             )
-        return self.engine.submit(req, sink, SeqMode.DECODE_ONLY)
+        n = len(req.prompt_token_ids)
+        local = self.pending.claim(n)
+        mode = SeqMode.FULL if local else SeqMode.DECODE_ONLY
+        verdict = self.engine.submit(req, self.pending.sink(local, n, sink), mode)
+        if isinstance(verdict, Rejected):
+            self.pending.settle(local, n)
+        elif local:
+            self.transfer_stats.inc("prefilled_here")
+        return verdict
 
     def info(self) -> dict[str, Any]:
         return {

@@ -28,6 +28,7 @@ from kvfence.env import admin_api_key
 from kvfence.lifetime import DIE_WITH_ENV
 from kvfence.pd import certs
 from kvfence.pd.certs import TlsFiles
+from kvfence.pd.local_prefill import UP_FACTOR
 from kvfence.server.operator import load_operator_key, new_operator_key, operator_headers
 from kvfence.tools.ports import free_port
 from kvfence.tools.up_config import (
@@ -283,6 +284,9 @@ def run_up(args: argparse.Namespace) -> int:
     if engine.device == "cpu" and engine.threads is None:
         up = up.with_engine(threads=threads_per_worker(up.prefill + up.decode))
         say(f"kvfence up: {up.node.engine.threads} CPU thread(s) per worker (--threads to change)")
+    if up.node.pd.decode_local_prefill is None:
+        # Every worker of `up` shares this host: decode's spare step time is the prefill's too.
+        up = up.with_pd(decode_local_prefill=UP_FACTOR)
     if engine.device == "cpu":
         # Build the native kernels once here, not in N+M workers racing on torch's build lock.
         from kvfence.model import kernels

@@ -144,6 +144,10 @@ class UpConfig:
         cfg = dataclasses.replace(self.node.engine, **engine)  # type: ignore[arg-type]
         return dataclasses.replace(self, node=dataclasses.replace(self.node, engine=cfg))
 
+    def with_pd(self, **pd: object) -> UpConfig:
+        cfg = dataclasses.replace(self.node.pd, **pd)  # type: ignore[arg-type]
+        return dataclasses.replace(self, node=dataclasses.replace(self.node, pd=cfg))
+
     def worker(
         self,
         role: str,
