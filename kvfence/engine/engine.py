@@ -176,6 +176,8 @@ class Engine:
                     backlog_steps=cfg.prefill_backlog_steps,
                     pace=cfg.prefill_pace,
                     wide_factor=cfg.wide_step_factor,
+                    target_tpot_ms=cfg.target_tpot_ms,
+                    target_ttft_ms=cfg.target_ttft_ms,
                 ),
                 cfg.max_running_requests_per_tenant,
             ),
@@ -388,7 +390,7 @@ class Engine:
         if self.tp is not None and self.tp.broken is not None:
             raise TpBroken(self.tp.broken)
         self._drain_inbox()
-        chunks = self.scheduler.schedule()
+        chunks = self.scheduler.schedule(time.monotonic())
         self._hand_off_reserved()
         if not chunks:
             return
@@ -441,7 +443,7 @@ class Engine:
         if req.sampling.seed is not None:
             gen = torch.Generator(device=self.device).manual_seed(req.sampling.seed)
         detok = IncrementalDetokenizer(self.tokenizer)
-        seq = Sequence(admitted, sink, mode, detok, gen, matcher=matcher)
+        seq = Sequence(admitted, sink, mode, detok, gen, matcher=matcher, arrived=time.monotonic())
         if req.request_id in self._seqs:
             emit(seq, 0, FinishReason.ERROR, "duplicate request id", "duplicate_request_id", 400)
             return
@@ -574,6 +576,8 @@ class Engine:
         )
 
     def _after_token(self, seq: Sequence, tok: int) -> None:
+        if seq.first_token_at is None:
+            seq.first_token_at = time.monotonic()
         reason = advance(seq, tok, self.eos_token_ids)
         if reason is not None:
             self._finish(seq, reason)

@@ -13,10 +13,11 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from kvfence.engine.deadlines import tpot_slack_ms
 from kvfence.engine.fairness import next_waiting
 from kvfence.engine.prompt_logprobs import NO_SCORES, scored_range
 from kvfence.engine.sequence import SeqMode, SeqStatus, Sequence
-from kvfence.engine.step_budget import BudgetPolicy, StepBudget
+from kvfence.engine.step_budget import BudgetPolicy, Deadlines, StepBudget
 from kvfence.faults import Faults
 from kvfence.kv.pool import KVPool, OwnershipError
 from kvfence.kv.prefix import Namespace, lora_identity
@@ -118,7 +119,8 @@ class Scheduler:
             self.waiting.remove(seq)
         seq.status = SeqStatus.FINISHED
 
-    def schedule(self) -> list[ScheduledChunk]:
+    def schedule(self, now: float = 0.0) -> list[ScheduledChunk]:
+        """This step's chunks; `now` (the engine's clock) is only read for latency targets."""
         self.pool.expire_prefix()
         chunks: list[ScheduledChunk] = []
         preempted_before = self.num_preemptions
@@ -131,7 +133,11 @@ class Scheduler:
         # Prefill tokens to compute this step: the whole chunk size when nothing decodes, else
         # what the step-time target leaves beside these decodes. Only computed tokens are
         # charged: a prompt's cached prefix is skipped by _enter before its chunk is sized.
-        budget = self.step_budget.for_step(len(chunks), self._backlog() if chunks else 0)
+        budget = self.step_budget.for_step(
+            len(chunks),
+            self._backlog() if chunks else 0,
+            self._deadlines(decoding, now) if chunks else None,
+        )
         for seq in self.running:
             if budget == 0:
                 break
@@ -187,6 +193,38 @@ class Scheduler:
         waiting prompts whole (their cached prefix is only looked up when they enter)."""
         running = sum(s.num_uncomputed for s in self.running if not s.in_decode)
         return running + sum(len(s.token_ids) for s in self.waiting)
+
+    def _deadlines(self, decoding: list[Sequence], now: float) -> Deadlines | None:
+        """Where the decoding streams and the waiting prompts stand against the latency
+        targets (None: neither is set)."""
+        tpot, ttft = self.limits.step.target_tpot_ms, self.limits.step.target_ttft_ms
+        if tpot is None and ttft is None:
+            return None
+        slack = None
+        if tpot is not None:
+            rows = (
+                (s.first_token_at, s.num_output)
+                for s in decoding
+                if s.status is SeqStatus.RUNNING and s.first_token_at is not None
+            )
+            slack = tpot_slack_ms(tpot, rows, now)
+        prompts: list[tuple[int, float]] = []
+        if ttft is not None:
+            cum = 0
+            for s in self._in_service_order():
+                cum += s.num_uncomputed if s.status is SeqStatus.RUNNING else len(s.token_ids)
+                prompts.append((cum, (s.arrived - now) * 1000.0 + ttft))
+        return Deadlines(slack, tuple(prompts))
+
+    def _in_service_order(self) -> Iterable[Sequence]:
+        """The prompts still to compute here, in the order their chunks are served: the
+        running ones, then the queue (a preempted stream has no first-token deadline left)."""
+        for s in self.running:
+            if not s.in_decode and s.status is SeqStatus.RUNNING and not s.output_ids:
+                yield s
+        for s in self.waiting:
+            if s.mode is not SeqMode.DECODE_ONLY and not s.output_ids:
+                yield s
 
     def _lookup(self, seq: Sequence) -> list[int]:
         """The cached pages seq may start from (none without a cache). At least its last token

@@ -67,6 +67,10 @@ class Sequence:
     # Prompt logprobs, when asked for: scored as its prompt is computed here, or (decode) as
     # prefill computed them.
     prompt_scores: PromptScores | None = None
+    # The engine's clock (time.monotonic) when it took the request in and when its first token
+    # came out: what the latency targets are measured from (kvfence/engine/deadlines.py).
+    arrived: float = 0.0
+    first_token_at: float | None = None
 
     @property
     def own_pages(self) -> list[int]:

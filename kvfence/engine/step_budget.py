@@ -40,6 +40,8 @@ from collections import deque
 from dataclasses import dataclass
 from itertools import product
 
+from kvfence.engine.deadlines import tpot_step_ms, ttft_floor
+
 # The default target: a step that decodes may take this many times the decode-only step of the
 # same rows (measured: benchmarks/RESULTS.md "HTTP: TTFT and ITL", ITL p99 vs throughput and
 # TTFT).
@@ -82,6 +84,19 @@ class BudgetPolicy:
     backlog_steps: int | None = None  # --prefill-backlog-steps: drain the backlog in about this
     pace: float = 0.0  # --prefill-pace: take this times the arrival rate (0: no such floor)
     wide_factor: float = AUTO_STEP_FACTOR  # --wide-step-factor: the auto factor at WIDE_ROWS
+    # --target-tpot-ms / --target-ttft-ms (kvfence/engine/deadlines.py): None, not held
+    target_tpot_ms: float | None = None
+    target_ttft_ms: float | None = None
+
+
+@dataclass(frozen=True)
+class Deadlines:
+    """What the scheduler measured against the targets this step: the tightest decoding
+    stream's slack (ms), and the waiting prompts in serving order as (tokens to compute up to
+    and including it, ms left to its TTFT target). None / empty: no such target."""
+
+    tpot_slack_ms: float | None = None
+    prompts: tuple[tuple[int, float], ...] = ()
 
 
 def auto_factor(policy: BudgetPolicy, decode_rows: int) -> float:
@@ -96,11 +111,14 @@ def prefill_budget(
     decode_rows: int,
     backlog: int = 0,
     arrival_rate: float = 0.0,
+    deadlines: Deadlines | None = None,
 ) -> int:
     """Prefill tokens a step with `decode_rows` decodes may add, `backlog` prompt tokens waiting
     to be computed, `arrival_rate` prompt tokens arriving per step. The floors (minimum chunk,
-    share of the backlog, pace of arrivals) win over the time target (prefills progress), the
-    token cap over everything (an operator's hard limit)."""
+    share of the backlog, pace of arrivals, the prompts' TTFT deadlines) win over the time
+    target (prefills progress), the token cap over everything (an operator's hard limit).
+    With a TPOT target the time target is the decoding streams' slack (deadlines.py), and an
+    absolute --max-decode-step-ms still bounds it."""
     cap = policy.max_chunk if policy.token_cap is None else min(policy.token_cap, policy.max_chunk)
     if decode_rows == 0:
         return policy.max_chunk
@@ -115,14 +133,30 @@ def prefill_budget(
     if cost is None or cost.b <= 0:
         return floor  # nothing measured yet: the smallest step that still makes progress
     decode_ms = cost.predict(0, decode_rows)
-    target = (
-        auto_factor(policy, decode_rows) * decode_ms
-        if policy.max_decode_step_ms is None
-        else policy.max_decode_step_ms
-    )
+    if deadlines is not None and deadlines.prompts:
+        floor = max(floor, ttft_floor(decode_ms, cost.b, deadlines.prompts, cap))
+    target = step_target_ms(policy, decode_rows, decode_ms, deadlines)
     room = (target - decode_ms) / cost.b
     tokens = math.floor(room) if math.isfinite(room) else cap
     return max(floor, min(cap, tokens))
+
+
+def step_target_ms(
+    policy: BudgetPolicy, decode_rows: int, decode_ms: float, deadlines: Deadlines | None
+) -> float:
+    """How long a step that decodes may take: the TPOT target's slack when one is set, the
+    absolute --max-decode-step-ms when given (the smaller of the two when both), else the auto
+    multiple of the decode-only step."""
+    targets = []
+    if policy.max_decode_step_ms is not None:
+        targets.append(policy.max_decode_step_ms)
+    if policy.target_tpot_ms is not None and deadlines is not None:
+        slack = deadlines.tpot_slack_ms
+        slack = policy.target_tpot_ms if slack is None else slack
+        targets.append(tpot_step_ms(policy.target_tpot_ms, slack, decode_ms))
+    if not targets:
+        return auto_factor(policy, decode_rows) * decode_ms
+    return min(targets)
 
 
 def fit_nonnegative(rows: list[tuple[int, int, float]]) -> StepCost | None:
@@ -255,10 +289,13 @@ class StepBudget:
     def arrive(self, prompt_tokens: int) -> None:
         self.pace.arrive(prompt_tokens)
 
-    def for_step(self, decode_rows: int, backlog: int = 0) -> int:
+    def for_step(
+        self, decode_rows: int, backlog: int = 0, deadlines: Deadlines | None = None
+    ) -> int:
         """Called once per step (it also advances the arrival rate)."""
         rate = self.pace.tick()
-        return prefill_budget(self.policy, self.model.cost(), decode_rows, backlog, rate)
+        cost = self.model.cost()
+        return prefill_budget(self.policy, cost, decode_rows, backlog, rate, deadlines)
 
     def observe(self, prefill_tokens: int, decode_rows: int, ms: float) -> None:
         self.model.observe(prefill_tokens, decode_rows, ms)

@@ -1,0 +1,57 @@
+"""The latency targets a step is sized for (`--target-tpot-ms`, `--target-ttft-ms`): how long the
+next step may take before a decoding stream falls behind its TPOT target, and how many prompt
+tokens it must compute so every waiting prompt can still get its first token within the TTFT
+target. Arithmetic only: the scheduler hands in the times, the step-time budget
+(kvfence/engine/step_budget.py) turns them into a step's prefill tokens.
+
+TPOT side (goodput counts a request whose mean time per output token is within the target): a
+stream that got its first token at f and has n tokens out is on pace while its next token comes
+by f + n * target, so the step may take the smallest such slack among the rows, never more than
+one target (a stream ahead of pace does not bank a long stall: the inter-token latency tail
+stays within a target) and never less than the decode-only step (a row behind its pace is
+helped by a step without prefill, not by none).
+
+TTFT side: prompts are computed in the order they are served (FIFO), so prompt j is done once
+the C_j tokens up to and including it are. With d the decode-only step and b the cost of a
+prefill token, a step of t prompt tokens takes d + b * t, and within its L_j ms left
+L_j / (d + b * t) steps compute t tokens each: on time when t >= C_j * d / (L_j - C_j * b). The
+floor is the largest of these; a prompt that cannot be on time at any chunk size asks for the
+largest chunk (it is late: catch up as fast as the steps allow).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable
+
+
+def tpot_slack_ms(target_ms: float, rows: Iterable[tuple[float, int]], now: float) -> float:
+    """The smallest slack (ms) before a decoding stream's next token is late for its TPOT
+    target, capped at one target. rows: (first token time in s, tokens out so far)."""
+    slack = target_ms
+    for first_at, n_out in rows:
+        slack = min(slack, (first_at - now) * 1000.0 + target_ms * n_out)
+    return slack
+
+
+def tpot_step_ms(target_ms: float, slack_ms: float, decode_ms: float) -> float:
+    """The step time the TPOT target leaves: the tightest slack, at least the decode-only step."""
+    return max(decode_ms, min(target_ms, slack_ms))
+
+
+def ttft_floor(
+    decode_ms: float, token_ms: float, prompts: Iterable[tuple[int, float]], cap: int
+) -> int:
+    """Prompt tokens a step must compute so each waiting prompt meets its TTFT target, a step
+    costing decode_ms plus token_ms per prompt token. prompts: in the order they are served,
+    (tokens to compute up to and including it, ms left to its target). At most `cap`: a prompt
+    that cannot be on time takes the whole of it."""
+    floor = 0
+    for cum, left_ms in prompts:
+        room = left_ms - cum * token_ms
+        if room <= 0:
+            return cap
+        floor = max(floor, math.ceil(cum * decode_ms / room))
+        if floor >= cap:
+            return cap
+    return floor
