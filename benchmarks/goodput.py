@@ -14,7 +14,9 @@ How each peer runs, and why:
   comparison, --max-model-len of the checkpoint, VLLM_CPU_OMP_THREADS_BIND=0-1 (all cores),
   VLLM_CPU_KVCACHE_SPACE (enough for the workload), loopback. The random workload shares no
   prefix, so its prefix caching (on by default) is left as it is.
-- kvfence serve and kvfence up (1 prefill + 1 decode, the cores split by `up`): their defaults.
+- kvfence serve and kvfence up (1 prefill + 1 decode, the cores split by `up`): their defaults,
+  plus --kvfence-args when given (the latency targets an operator would set:
+  `--kvfence-args "--target-tpot-ms 50 --target-ttft-ms 1000"`), recorded in the JSON.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
+import shlex
 import statistics
 import subprocess
 import sys
@@ -149,6 +152,7 @@ def main(argv: list[str] | None = None) -> int:
         help="benchmarks/setup_vllm.sh makes it; its `vllm` is the client for all",
     )
     p.add_argument("--kv-pool-tokens", type=int, default=65536)
+    p.add_argument("--kvfence-args", default="", help="more flags for both kvfence sides")
     p.add_argument("--out", default=str(RESULTS))
     p.add_argument("--name", default="goodput")
     a = p.parse_args(argv)
@@ -157,7 +161,7 @@ def main(argv: list[str] | None = None) -> int:
     ctx = shape_ctx(model)
     sides = [s for s in a.sides.split(",") if s]
     work = Path(tempfile.mkdtemp(prefix="kvfence-goodput-"))
-    extra = ["--dtype", a.dtype, "--served-model-name", SERVED]
+    extra = ["--dtype", a.dtype, "--served-model-name", SERVED, *shlex.split(a.kvfence_args)]
     servers: dict[str, Server] = {}
     for side in sides:
         log = work / f"{side}.log"

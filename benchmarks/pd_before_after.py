@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import shlex
 import statistics
 import sys
 from pathlib import Path
@@ -38,6 +39,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     p.add_argument("--base", required=True, help="a kvfence checkout to compare against")
     add_http_ab_args(p, "pd_before_after", num_prompts=32)
+    p.add_argument("--after-args", default="", help="more `kvfence up` flags for this tree's side")
     a = p.parse_args(argv)
     cmd = this_command()
     out = Path(a.out)
@@ -53,6 +55,7 @@ def main(argv: list[str] | None = None) -> int:
             a.kv_pool_tokens,
             out / f"{a.name}-{side}.log",
             env={"PYTHONPATH": base} if side == "before" else None,
+            extra=shlex.split(a.after_args) if side == "after" else (),
         )
         for side in ("after", "before")
     }

@@ -28,6 +28,11 @@ chunks swing between the minimum and a burst's share, and the big ones are the I
 sized from the arrival rate stays about the same size every step (smooth ITL) and still keeps up
 (no starvation at high concurrency), leaving the backlog floor to drain bursts only.
 
+With latency targets (`--target-tpot-ms`, `--target-ttft-ms`) the time target and a fourth
+floor come from where the decoding streams and the waiting prompts stand against them
+(kvfence/engine/deadlines.py): the step's time is the tightest stream's slack, the floor the
+tokens that keep every waiting prompt on time.
+
 Tokens served from the prefix cache are never computed, so they never count: the scheduler
 charges a chunk's computed tokens only. This module is arithmetic only (no clock, no engine):
 the engine measures steps and feeds them in.

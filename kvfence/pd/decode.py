@@ -57,7 +57,9 @@ class DecodeService(PdService):
         local_prefill: --decode-local-prefill, how much slower a prompt computed here may be than
         at the prefill worker and still go here (pd/local_prefill.py; 0: never)."""
         super().__init__(cfg, backend, tls, faults, timeout_s, limits)
-        self.pending = PendingPrompts(local_prefill)
+        # Waived preflight (tests only) lets the two roles' pools differ (the incident's fault
+        # 1): a prompt's fate must not then depend on which side computes it.
+        self.pending = PendingPrompts(0.0 if cfg.unsafe_skip_preflight else local_prefill)
         self.ranks = cfg.tp_size  # a run's payload carries every rank's slice
         # One-sided writes land anywhere in the registered pool: no grant to check them by (I3
         # and I4 carry those); the tcp receiver writes only through the port.
