@@ -252,14 +252,14 @@ class PdConfig:
     tls_handshake_timeout: float = 10.0  # an unauthenticated peer's time to finish TLS
     max_pending_handshakes: int = 64  # connections the bootstrap port lets handshake at once
     pd_idle_timeout: float = 300.0  # how long a decode keeps a prefill connection with no room
-    # A decode computes a prompt itself when it would wait this many times longer at the prefill
-    # worker (kvfence/pd/local_prefill.py). None: `kvfence up` on one host picks UP_FACTOR, a
-    # worker started alone never does (0).
-    decode_local_prefill: float | None = None
     # I8: this worker's certificate, key and the cluster CA (None: KVFENCE_TLS_DIR's).
     tls_cert: str | None = None
     tls_key: str | None = None
     tls_ca: str | None = None
+    # A decode computes a prompt itself when it would wait this many times longer at the prefill
+    # worker (kvfence/pd/local_prefill.py). None: `kvfence up` on one host picks UP_FACTOR, a
+    # worker started alone never does (0).
+    decode_local_prefill: float | None = None
 
     def __post_init__(self) -> None:
         if self.disaggregation_mode not in DISAGGREGATION_MODES:

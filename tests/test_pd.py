@@ -141,3 +141,21 @@ def test_pd_unreachable_prefill_fails_with_503_and_frees_pages(pair: PDPair) -> 
     assert isinstance(r, Result) and r.done.wait(30)
     assert r.final.finish_reason is FinishReason.ERROR and r.final.error_status == 503
     assert pair.wait_idle()
+
+
+def test_pd_decode_computes_a_prompt_itself_when_the_prefill_queue_is_long(
+    pair: PDPair, model_dir: str
+) -> None:
+    # A prefill queue far longer than decode's own: every prompt is computed at decode, with
+    # the same answer as unified and nothing sent between the workers.
+    pair.decode.pending.factor = 2.0
+    pair.decode.pending.there = 10**6
+    prompts = random_prompts([5, 40, 100], vocab=256, seed=3)
+    got = pair.generate(prompts, GREEDY)
+    unified = LLM(model_dir, kv_pool_tokens=1024, context_length=CTX).generate(prompts, GREEDY)
+    assert [r.token_ids for r in got] == [u.token_ids for u in unified]
+    assert pair.wait_idle()
+    assert pair.decode.transfer_stats.get("prefilled_here") == len(prompts)
+    assert pair.decode.transfer_stats.get("transfers_committed") == 0
+    assert pair.decode.transfer_stats.get("reserved") == 0
+    assert (pair.decode.pending.here, pair.decode.pending.there) == (0, 10**6)
