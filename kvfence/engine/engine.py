@@ -443,7 +443,7 @@ class Engine:
         if req.sampling.seed is not None:
             gen = torch.Generator(device=self.device).manual_seed(req.sampling.seed)
         detok = IncrementalDetokenizer(self.tokenizer)
-        seq = Sequence(admitted, sink, mode, detok, gen, matcher=matcher, arrived=time.monotonic())
+        seq = Sequence(admitted, sink, mode, detok, gen, matcher=matcher)
         if req.request_id in self._seqs:
             emit(seq, 0, FinishReason.ERROR, "duplicate request id", "duplicate_request_id", 400)
             return
@@ -576,8 +576,6 @@ class Engine:
         )
 
     def _after_token(self, seq: Sequence, tok: int) -> None:
-        if seq.first_token_at is None:
-            seq.first_token_at = time.monotonic()
         reason = advance(seq, tok, self.eos_token_ids)
         if reason is not None:
             self._finish(seq, reason)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import time
+
 from kvfence.engine.request import FinishReason, RequestOutput, TokenLogprob
 from kvfence.engine.sequence import Sequence
 
@@ -9,6 +11,8 @@ from kvfence.engine.sequence import Sequence
 def advance(seq: Sequence, tok: int, eos_token_ids: frozenset[int]) -> FinishReason | None:
     """Account for seq's newest token `tok` (already appended): update its text and return the
     finish reason if a stop rule fires (a complete structured answer is one). Sends nothing."""
+    if seq.first_token_at is None:
+        seq.first_token_at = time.monotonic()  # the TPOT target's pace starts here
     sp = seq.admitted.request.sampling
     reason: FinishReason | None = None
     if (tok in eos_token_ids and not sp.ignore_eos) or tok in sp.stop_token_ids:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import enum
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
@@ -69,7 +70,7 @@ class Sequence:
     prompt_scores: PromptScores | None = None
     # The engine's clock (time.monotonic) when it took the request in and when its first token
     # came out: what the latency targets are measured from (kvfence/engine/deadlines.py).
-    arrived: float = 0.0
+    arrived: float = field(default_factory=time.monotonic)
     first_token_at: float | None = None
 
     @property
