@@ -2,7 +2,13 @@
 
 Prints, for `--device cuda` (one GPU) or `--device cpu` (a tiny size, run by the suite):
 - greedy token-exactness against transformers on the same device, float32, for a dense (llama),
-  a Qwen3 and a MoE (qwen3_moe) checkpoint, tiny and random, built here;
+  a Qwen3 and a MoE (qwen3_moe) checkpoint, tiny and random, built here, on the device's default
+  path (cuda: the flex attention backend and decode captured as CUDA graphs per bucket), with
+  the attention backend and graph buckets it used;
+- the CUDA path forced (--attention-backend flex, --cuda-graph on, 4 rows per graph at most, so
+  the batch crosses buckets and rows finish mid-batch) against transformers: on cpu the very
+  code uncaptured; and the I3 read-back of a device pool (one gather, one copy) against the
+  host's checksums of the same bytes;
 - 1P1D over tcp: `kvfence up` with one prefill and one decode process on the device, its greedy
   answers against the unified engine's;
 - decode step ms at batch 1 / 32 / 128 against the memory floor (bytes read per step over the
@@ -167,8 +173,52 @@ def check_exact(rep: Report, device: str, work: Path) -> None:
         got = [c.token_ids for c in llm.generate(prompts, GREEDY)]
         want = hf_greedy_on(model_dir, prompts, GREEDY.max_tokens, device)
         same = sum(g == w for g, w in zip(got, want, strict=True))
-        rep.add(f"exact {arch}", same == len(prompts), prompts=len(prompts), token_exact=same)
+        rep.add(f"exact {arch}", same == len(prompts), prompts=len(prompts), token_exact=same,
+                **_path(llm))
         del llm
+
+
+def _path(llm: LLM) -> dict:
+    """The attention backend a run took and the decode buckets it ran (captured on cuda)."""
+    runner = llm.engine.runner
+    graphs = runner.graphs
+    return {
+        "attention": runner.attention.name,
+        "graph_buckets": sorted(graphs.steps_by_bucket) if graphs is not None else "off",
+        "captured": sorted(graphs.graphs) if graphs is not None else [],
+    }
+
+
+def check_cuda_path(rep: Report, device: str, work: Path) -> None:
+    from kvfence.kv.pool import KVPool
+    from kvfence.pd import kvio
+
+    model_dir = work / "llama"
+    if not model_dir.exists():
+        build("llama", model_dir)
+    prompts = random_prompts([3, 17, 30, 9, 22, 5], 256, seed=9)
+    steps = (3, 12, 7, 14, 5, 9)  # rows finish mid-batch: 6 rows (eager), then buckets 4, 2, 1
+    llm = LLM(str(model_dir), device=device, kv_pool_tokens=1024, chunked_prefill_size=16,
+              attention_backend="flex", cuda_graph="on", cuda_graph_max_bs=4)
+    params = [SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True) for n in steps]
+    got = [c.token_ids for c in llm.generate(prompts, params)]
+    want = [hf_greedy_on(model_dir, [p], n, device)[0] for p, n in zip(prompts, steps, strict=True)]
+    same = sum(g == w for g, w in zip(got, want, strict=True))
+    rep.add("flex + decode buckets llama", same == len(prompts), prompts=len(prompts),
+            token_exact=same, **_path(llm))
+    del llm
+    pool = KVPool(num_layers=4, num_pages=64, page_size=16, num_kv_heads=2, head_dim=64,
+                  dtype=torch.bfloat16, device=device)
+    pool.k.normal_()
+    pool.v.normal_()
+    host = KVPool(num_layers=4, num_pages=64, page_size=16, num_kv_heads=2, head_dim=64,
+                  dtype=torch.bfloat16, device="cpu")
+    host.k.copy_(pool.k.cpu())
+    host.v.copy_(pool.v.cpu())
+    pages = torch.randperm(64)[:20].add(1).tolist()
+    same_sums = kvio.batched_checksums(pool, pages, 20 * 16 - 5) == kvio.pool_checksums(
+        host, pages, 20 * 16 - 5)
+    rep.add("read-back checksums", same_sums, pages=len(pages), pool=str(pool.k.device))
 
 
 def check_pd(rep: Report, device: str, work: Path) -> None:
@@ -402,6 +452,7 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory(prefix="kvfence-device-check-") as tmp:
         work = Path(tmp)
         rep.section("exactness", lambda: check_exact(rep, a.device, work))
+        rep.section("cuda path", lambda: check_cuda_path(rep, a.device, work))
         rep.section("1P1D", lambda: check_pd(rep, a.device, work))
         perf_dir = work / "perf"
         rep.section("perf model", lambda: build("llama", perf_dir, size.vocab, **size.perf_model))

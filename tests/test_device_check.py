@@ -40,6 +40,10 @@ def test_device_check_cpu_tiny_runs_every_section(tmp_path: Path) -> None:
         assert lines[f"exact {arch}"]["ok"] is True
         assert lines[f"exact {arch}"]["token_exact"] == lines[f"exact {arch}"]["prompts"]
     assert lines["1P1D tcp"]["ok"] is True
+    cuda_path = lines["flex + decode buckets llama"]
+    assert cuda_path["ok"] is True and cuda_path["attention"] == "flex"
+    assert {1, 2, 4} <= set(cuda_path["graph_buckets"]) and cuda_path["captured"] == []
+    assert lines["read-back checksums"]["ok"] is True
     for name in ("decode batch 1", "decode batch 8", "prefill", "guards"):
         assert name in lines, f"{name} did not run: {sorted(lines)}"
         assert lines[name]["ok"] is None  # goals are judged on cuda only
