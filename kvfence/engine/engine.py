@@ -204,8 +204,7 @@ class Engine:
         )
         if self.tp is None:
             self.runner = ModelRunner(*runner_args)
-            self.runner.use_decode_graphs(cfg.cuda_graph, min(cfg.cuda_graph_max_bs,
-                cfg.max_running_requests), self.pool.pages_for(self.context_length))
+            self.runner.use_decode_graphs(cfg, self.pool.pages_for(self.context_length))
         else:
             self.runner = LeaderRunner(
                 *runner_args, group=self.tp.group, send=self.tp.send, lock=self.tp.lock

@@ -13,6 +13,7 @@ from typing import TypeVar
 
 import torch
 
+from kvfence.config import EngineConfig
 from kvfence.engine.decode_graphs import DecodeGraphs, DecodeInputs
 from kvfence.engine.prompt_logprobs import BLOCK_ROWS, ScoreBlock, score
 from kvfence.engine.scheduler import ScheduledChunk
@@ -189,10 +190,11 @@ class ModelRunner:
         meta = AttentionMetadata(positions.to(self.device), slots.to(self.device), groups)
         return self.model(input_ids.to(self.device), meta, self.kv_caches)
 
-    def use_decode_graphs(self, mode: str, max_bs: int, max_pages: int) -> None:
-        """--cuda-graph: decode-only steps of up to max_bs rows run per batch-size bucket from
-        static buffers (engine/decode_graphs.py), captured on CUDA when the attention backend
-        plans on the device (flex); `on` runs the same path uncaptured on CPU (tests)."""
+    def use_decode_graphs(self, cfg: EngineConfig, max_pages: int) -> None:
+        """--cuda-graph: decode-only steps of up to --cuda-graph-max-bs rows run per batch-size
+        bucket from static buffers (engine/decode_graphs.py), captured on CUDA when the attention
+        backend plans on the device (flex); `on` runs the same path uncaptured on CPU (tests)."""
+        mode, max_bs = cfg.cuda_graph, min(cfg.cuda_graph_max_bs, cfg.max_running_requests)
         if mode == "off" or (mode == "auto" and self.device.type != "cuda"):
             return
         mc = self.model.config
