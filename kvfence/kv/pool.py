@@ -236,13 +236,15 @@ class KVPool:
             cols < self.pages_for(n_tokens),
             sealed,
         )
-        if bad[0]:
-            return False
         if sealed is None or self.prefix is None:
-            return True
+            return not bool(bad[0])
+        # The verdict and which pages are sealed cross to the host together: on a GPU pool the
+        # check of a whole transfer costs one sync, not one per question.
+        flags = torch.cat([bad, self._owner_grant[idx[0]] == CACHE_OWNER]).tolist()
+        if flags[0]:
+            return False
         held = set(self.prefix.held(grant.grant_id))
-        cached = (self._owner_grant[idx[0]] == CACHE_OWNER).tolist()
-        return all(p in held for p, c in zip(pages, cached, strict=True) if c)
+        return all(p in held for p, c in zip(pages, flags[1:], strict=True) if c)
 
     def check_destination(self, grant: Grant, pages: Sequence[int]) -> list[bool]:
         """A transfer's destination: per page, True where grant and its tenant still own it (a
