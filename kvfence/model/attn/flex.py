@@ -26,9 +26,11 @@ from torch.nn.attention.flex_attention import BlockMask, flex_attention
 
 from kvfence.model.attn.backend import PagedRows
 
-# Query block of the block mask: the granularity flex_attention's GPU kernel skips at (the KV
-# block is the page). 16 lets one block hold a short chunk without listing pages for nothing.
+# Query block of the block mask (the KV block is the page): 16 for decode rows and short
+# chunks, as vLLM's flex backend; a longer chunk lists the same pages in every query block, so
+# bigger blocks only shrink the [rows, q blocks, pages] index the step builds.
 Q_BLOCK = 16
+Q_BLOCK_LONG = 128
 
 # CPU runs flex_attention unfused on purpose (exactness, not speed): its warning says so each run.
 warnings.filterwarnings("ignore", message="flex_attention called without torch.compile")
@@ -109,11 +111,13 @@ def paged_block_mask(
     dev = page_table.device
     cols = torch.arange(p, device=dev).expand(b, p)
     # Invalid entries (the null page past a row's context) scatter into a dump column.
-    logical = torch.full((b, n_pages + 1), -1, dtype=torch.int64, device=dev)
+    logical = torch.full((b, n_pages + 1), -1, dtype=torch.int32, device=dev)
     dest = torch.where(page_valid, page_table, n_pages)
-    logical.scatter_(1, dest, torch.where(page_valid, cols, -1))
+    logical.scatter_(1, dest, torch.where(page_valid, cols, -1).to(torch.int32))
     logical = logical[:, :n_pages]
-    q_blocks = (q_pos.shape[1] + Q_BLOCK - 1) // Q_BLOCK
+    lq = q_pos.shape[1]
+    q_block = Q_BLOCK if lq <= Q_BLOCK else Q_BLOCK_LONG
+    q_blocks = (lq + q_block - 1) // q_block
     kv_indices = torch.zeros((b, 1, q_blocks, n_pages), dtype=torch.int32, device=dev)
     kv_indices[:, 0, :, :p] = torch.where(page_valid, page_table, 0).to(torch.int32)[:, None, :]
     kv_num = page_valid.sum(1, dtype=torch.int32)[:, None, None].expand(b, 1, q_blocks)
@@ -132,7 +136,7 @@ def paged_block_mask(
     return BlockMask.from_kv_blocks(
         kv_num.contiguous(),
         kv_indices,
-        BLOCK_SIZE=(Q_BLOCK, page_size),
+        BLOCK_SIZE=(q_block, page_size),
         mask_mod=mask_mod,
         seq_lengths=(q_pos.shape[1], slots),
         compute_q_blocks=False,
