@@ -129,3 +129,20 @@ def test_the_scheduler_measures_streams_and_prompts_against_the_targets() -> Non
     )
     off = Scheduler(None, SchedulerLimits(512, 8, BudgetPolicy(512, 1)))  # type: ignore[arg-type]
     assert off._deadlines([stream], now=9.45) is None  # type: ignore[list-item]
+
+
+def test_streams_whose_kv_is_arriving_bound_a_step_as_decoding_ones() -> None:
+    from types import SimpleNamespace
+
+    from kvfence.engine.scheduler import Scheduler, SchedulerLimits
+    from kvfence.engine.sequence import SeqMode
+
+    pool = SimpleNamespace(expire_prefix=lambda: None)
+    sched = Scheduler(pool, SchedulerLimits(512, 8, BudgetPolicy(512, 1)))  # type: ignore[arg-type]
+    asked: list[int] = []
+    sched.step_budget.for_step = lambda rows, *_: asked.append(rows) or 0  # type: ignore[method-assign]
+    arriving = SimpleNamespace(mode=SeqMode.DECODE_ONLY, output_ids=[])
+    sent = SimpleNamespace(mode=SeqMode.PREFILL_ONLY, output_ids=[7])  # prefill's, never decodes
+    sched.handoff = {"a": arriving, "b": sent}  # type: ignore[dict-item]
+    sched.schedule()
+    assert asked == [1]

@@ -133,10 +133,14 @@ class Scheduler:
         # Prefill tokens to compute this step: the whole chunk size when nothing decodes, else
         # what the step-time target leaves beside these decodes. Only computed tokens are
         # charged: a prompt's cached prefix is skipped by _enter before its chunk is sized.
+        # Streams whose KV is on its way from prefill (a decode that also computes prompts,
+        # pd/local_prefill.py) count as decoding: they join at the next step, and a whole-chunk
+        # step would hold their second token.
+        rows = len(chunks) + sum(_by_transfer(s) for s in self.handoff.values())
         budget = self.step_budget.for_step(
-            len(chunks),
-            self._backlog() if chunks else 0,
-            self._deadlines(decoding, now) if chunks else None,
+            rows,
+            self._backlog() if rows else 0,
+            self._deadlines(decoding, now) if rows else None,
         )
         for seq in self.running:
             if budget == 0:
