@@ -422,7 +422,7 @@ def plot(h: dict, path: Path) -> None:
     ]
     pd = [r for r in h["rows"] if str(r["workload"]).startswith("PD hand-off")]
     fig, (ax0, ax1) = plt.subplots(
-        1, 2, figsize=(14, 0.45 * max(len(cmp), 8) + 1.5), gridspec_kw={"width_ratios": [3, 1]}
+        1, 2, figsize=(16, 0.45 * max(len(cmp), 8) + 1.5), gridspec_kw={"width_ratios": [3, 1]}
     )
     # Every bar reads "above 1: kvfence ahead", whichever way its metric points.
     adv = [(r["kvfence"] / r["peer"]) ** (1 if r["better"] == "higher" else -1) for r in cmp]
@@ -440,7 +440,7 @@ def plot(h: dict, path: Path) -> None:
     ax1.set_xlabel("prompt tokens")
     ax1.set_ylabel("PD hand-off, % of TTFT")
     fig.suptitle(h["title"], fontsize=9)
-    fig.tight_layout()
+    fig.tight_layout(rect=(0.02, 0, 1, 0.97))
     fig.savefig(path, dpi=110)
     plt.close(fig)
 
