@@ -315,11 +315,14 @@ def steps(quick: bool, vllm: bool, model_long: Path) -> list[tuple[str, list[str
     ctx = 512 if quick else PD_CONTEXT
     vocab = "512" if quick else "49152"
 
-    def pd(lengths: tuple[int, ...], prompts: int) -> list[str]:
+    # The 16k step's client probes with a full-length prompt (a whole prefill), so it skips the
+    # per-length warm-up (another); the script still warms each server with a short request.
+    def pd(lengths: tuple[int, ...], prompts: int, warmup: int = 1) -> list[str]:
         return ["pd_vs_unified.py", "--lengths", ",".join(map(str, lengths)), "--model",
                 str(model_long), "--vocab-size", vocab, "--context-length", str(ctx),
                 "--kv-pool-tokens", str(ctx + 2048), "--num-prompts", str(prompts),
-                "--rounds", "1", "--output-len", str(PD_OUTPUT)]  # fmt: skip
+                "--rounds", "1", "--output-len", str(PD_OUTPUT),
+                "--warmup", str(warmup)]  # fmt: skip
 
     short, long_ = ((64,), (256,)) if quick else (PD_LENGTHS[:-1], PD_LENGTHS[-1:])
     conn = ["tls_connection.py", "--pin", "--repeats", "3" if quick else "30"]
@@ -335,7 +338,7 @@ def steps(quick: bool, vllm: bool, model_long: Path) -> list[tuple[str, list[str
         ("http", http),
         ("shared_prefix", prefix),
         ("pd_handoff", pd(short, 1 if quick else 3)),
-        ("pd_handoff_long", pd(long_, 1)),
+        ("pd_handoff_long", pd(long_, 1, warmup=0)),
         ("transfer_connection", conn),
         ("transfer_window", window),
     ]

@@ -39,7 +39,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--output-len", type=int, default=32)
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument(
-        "--warmup", type=int, default=2, help="untimed requests per server first (cold paths)"
+        "--warmup",
+        type=int,
+        default=1,
+        help="untimed requests of each length before its timed ones (0: none; a short one per "
+        "server still goes first, so a fresh PD pair's dial and handshake are never timed)",
     )
     p.add_argument("--out", default=str(RESULTS))
     p.add_argument("--name", default="pd_vs_unified")
@@ -66,8 +70,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         for s in servers.values():
             s.wait_ready()
-            if a.warmup:  # a fresh PD pair's first hand-off dials, handshakes and warms its pages
-                run_bench(s.url, a.warmup, min(lengths), a.output_len, 1, a.vocab_size, seed=7)
+            run_bench(s.url, 1, min(64, *lengths), 4, 1, a.vocab_size, seed=7, warmup=0)
         for r in range(a.rounds):
             for n in lengths:
                 order = list(servers) if (r + lengths.index(n)) % 2 == 0 else list(servers)[::-1]
@@ -80,6 +83,7 @@ def main(argv: list[str] | None = None) -> int:
                         1,
                         a.vocab_size,
                         seed=r * 100 + n,
+                        warmup=a.warmup,
                     )
                     raw[k][n].append(res)
                     print(
