@@ -461,6 +461,17 @@ def add_http_ab_args(p: argparse.ArgumentParser, name: str, num_prompts: int) ->
     p.add_argument("--name", default=name)
 
 
+def add_lora_workload_args(p: argparse.ArgumentParser) -> None:
+    """The offline mixed-adapter workload of lora_mixed.py and lora_vs_vllm.py (issue 46)."""
+    p.add_argument("--model", help="model directory (default: a SmolLM-135M-shaped one)")
+    p.add_argument("--tiny", action="store_true", help="a 2-layer stand-in (smoke runs)")
+    p.add_argument("--prompts", type=int, default=32)
+    p.add_argument("--prompt-len", type=int, default=256)
+    p.add_argument("--max-tokens", type=int, default=64)
+    p.add_argument("--adapters", type=int, default=4)
+    p.add_argument("--rank", type=int, default=8)
+
+
 def http_ab_workload(a: argparse.Namespace, model: Path) -> dict[str, object]:
     keys = ("num_prompts", "input_len", "output_len", "concurrency", "pairs")
     return {k: getattr(a, k) for k in keys} | {"model": str(model)}

@@ -117,6 +117,10 @@ SMOKE = {
         "4096",
     ],
     "step_budget_sim": [],
+    "lora_mixed": ["--tiny", "--prompts", "2", "--prompt-len", "16", "--max-tokens", "4",
+                   "--pairs", "1"],
+    "lora_vs_vllm": ["--tiny", "--engines", "kvfence", "--prompts", "2", "--prompt-len", "16",
+                     "--max-tokens", "4", "--rounds", "1"],
     "decode_floor": [
         "--tiny",
         "--prompt-len",

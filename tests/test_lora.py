@@ -1,6 +1,8 @@
 """Multi-LoRA on the unified engine: greedy answers token-exact with transformers + PEFT (float32)
-for a mixed batch of four adapters and the base model, prefix-cache hits included; the slot table
-swaps adapters LRU when they outnumber the slots; bad checkpoints are refused at load."""
+for a mixed batch of four adapters and the base model, prefix-cache hits included, on attention
+and MLP projections (on an MoE family: the routed experts as PEFT targets them, and the dense
+MLP and shared experts); the slot table swaps adapters LRU when they outnumber the slots; bad
+checkpoints are refused at load."""
 
 from __future__ import annotations
 
@@ -10,7 +12,7 @@ from pathlib import Path
 
 import pytest
 from conftest import random_prompts
-from lora_adapters import ATTENTION, MOE_FAMILIES, build_adapter, peft_greedy
+from lora_adapters import MOE_ADAPTERS, MOE_FAMILIES, SLOW, build_adapter, peft_greedy
 from safetensors.torch import load_file, save_file
 
 from kvfence.config import ConfigError
@@ -26,6 +28,8 @@ GREEDY = SamplingParams(max_tokens=NEW, temperature=0.0, ignore_eos=True)
 ADAPTERS = [
     dict(rank=8), dict(rank=4, alpha=8.0), dict(rank=2, rslora=True), dict(rank=8, alpha=4.0)
 ]
+def adapter_specs(arch: str) -> list[dict]:
+    return MOE_ADAPTERS if arch in MOE_FAMILIES else ADAPTERS
 
 
 @pytest.fixture(scope="module")
@@ -36,10 +40,9 @@ def lora_setup(checkpoint_dir, tmp_path_factory):
         if arch not in cache:
             model = checkpoint_dir(arch)
             root = tmp_path_factory.mktemp(f"lora-{arch}")
-            targets = ATTENTION if arch in MOE_FAMILIES else None
             cache[arch] = model, [
-                build_adapter(model, root / f"a{i}", seed=10 + i, targets=targets, **kw)
-                for i, kw in enumerate(ADAPTERS)
+                build_adapter(model, root / f"a{i}", seed=10 + i, **kw)
+                for i, kw in enumerate(adapter_specs(arch))
             ]
         return cache[arch]
 
@@ -84,7 +87,17 @@ def run_mixed(
     return [outs[r] for r in ids], [cached[r] for r in ids]
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen3", "glm4_moe"])
+def peft_answers(arch: str, model: Path, adapters: list[Path], names: list[str | None],
+                 prompts: list[list[int]]) -> dict[str | None, list[list[int]]]:
+    specs = adapter_specs(arch)
+    return {n: peft_greedy(model, None if n is None else adapters[int(n[1])], prompts, NEW,
+                           dense_mlp=n is not None and specs[int(n[1])].get("dense_mlp", False))
+            for n in names}
+
+
+@pytest.mark.parametrize(
+    "arch", ["llama", "qwen3", "glm4_moe", pytest.param("qwen3_moe", marks=SLOW)]
+)
 def test_mixed_batch_of_four_adapters_and_base_token_exact_with_peft(arch, lora_setup) -> None:
     model, adapters = lora_setup(arch)
     prompts = random_prompts([7, PAGE + 3, 2 * PAGE + 5], vocab=256, seed=4)
@@ -92,8 +105,7 @@ def test_mixed_batch_of_four_adapters_and_base_token_exact_with_peft(arch, lora_
     jobs = [(n, p) for p in prompts for n in names]
     llm = lora_llm(model, adapters)
     got, _ = run_mixed(llm.engine, jobs)
-    want = {n: peft_greedy(model, None if n is None else adapters[int(n[1])], prompts, NEW)
-            for n in names}
+    want = peft_answers(arch, model, adapters, names, prompts)
     for (name, prompt), g in zip(jobs, got, strict=True):
         assert g == want[name][prompts.index(prompt)], f"{arch} {name}: {len(prompt)} tokens"
     assert len({tuple(want[n][2]) for n in names}) == len(names), "adapters must change answers"
@@ -158,6 +170,9 @@ def test_bad_checkpoints_are_refused_at_load(lora_setup, tmp_path) -> None:
     cfg = json.loads((adapters[0] / "adapter_config.json").read_text())
     (bad / "adapter_config.json").write_text(json.dumps({**cfg, "use_dora": True}))
     with pytest.raises(ConfigError, match="use_dora is not supported"):
+        lora_llm(model, [bad])
+    (bad / "adapter_config.json").write_text(json.dumps({**cfg, "target_parameters": ["lm_head"]}))
+    with pytest.raises(ConfigError, match="target_parameters may name only the routed experts"):
         lora_llm(model, [bad])
     with pytest.raises(ConfigError, match="needs --enable-lora"):
         LLM(str(model), kv_pool_tokens=1024, lora_modules=(f"x={adapters[0]}",))

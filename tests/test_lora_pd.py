@@ -2,13 +2,14 @@
 computes with the adapter of that digest or refuses the room; DONE says which adapter prefill
 applied and decode commits only if it is the one it holds (I3; the twin turns that check off).
 Greedy answers of a mixed batch (four adapters and the base) are token-exact with PEFT, prefix
-hits on decode's cache included."""
+hits on decode's cache included, for llama and an MoE family (routed experts, dense MLP and
+shared experts; qwen3 with RUN_SLOW=1)."""
 
 from __future__ import annotations
 
 import pytest
 from conftest import random_prompts
-from lora_adapters import build_adapter, peft_greedy
+from lora_adapters import MOE_ADAPTERS, MOE_FAMILIES, SLOW, build_adapter, peft_greedy
 from pd_harness import PDPair, Result, _sink, finished_ok
 
 from kvfence.engine.request import GenerateRequest, SamplingParams
@@ -20,12 +21,30 @@ NEW = 8
 GREEDY = SamplingParams(max_tokens=NEW, temperature=0.0, ignore_eos=True)
 
 
+def specs(arch: str) -> list[dict]:
+    if arch in MOE_FAMILIES:
+        return MOE_ADAPTERS
+    return [dict(rank=8 - 2 * i) for i in range(4)]
+
+
 @pytest.fixture(scope="module")
-def lora_model(checkpoint_dir, tmp_path_factory):
-    model = checkpoint_dir("llama")
-    root = tmp_path_factory.mktemp("lora-pd")
-    return model, [build_adapter(model, root / f"a{i}", seed=70 + i, rank=8 - 2 * i)
-                   for i in range(4)]
+def family(checkpoint_dir, tmp_path_factory):
+    cache: dict[str, tuple] = {}
+
+    def get(arch: str) -> tuple:
+        if arch not in cache:
+            model = checkpoint_dir(arch)
+            root = tmp_path_factory.mktemp(f"lora-pd-{arch}")
+            cache[arch] = model, [build_adapter(model, root / f"a{i}", seed=70 + i, **kw)
+                                  for i, kw in enumerate(specs(arch))]
+        return cache[arch]
+
+    return get
+
+
+@pytest.fixture(scope="module")
+def lora_model(family):
+    return family("llama")
 
 
 def lora_pair(model, prefill_paths, decode_paths=None) -> PDPair:
@@ -52,8 +71,9 @@ def ask(pd: PDPair, jobs: list[tuple[str | None, list[int]]]) -> list[Result]:
     return out
 
 
-def test_pd_mixed_adapters_token_exact_with_peft_and_decode_cache_hits(lora_model) -> None:
-    model, paths = lora_model
+@pytest.mark.parametrize("arch", ["llama", "glm4_moe", pytest.param("qwen3", marks=SLOW)])
+def test_pd_mixed_adapters_token_exact_with_peft_and_decode_cache_hits(arch, family) -> None:
+    model, paths = family(arch)
     prompts = random_prompts([9, 2 * PAGE + 3], vocab=256, seed=12)
     names: list[str | None] = [None, "a0", "a1", "a2", "a3"]
     jobs = [(n, q) for q in prompts for n in names]
@@ -64,7 +84,9 @@ def test_pd_mixed_adapters_token_exact_with_peft_and_decode_cache_hits(lora_mode
         assert pd.wait_idle()
     finally:
         pd.close()
-    want = {n: peft_greedy(model, None if n is None else paths[int(n[1])], prompts, NEW)
+    dense = [kw.get("dense_mlp", False) for kw in specs(arch)]
+    want = {n: peft_greedy(model, None if n is None else paths[int(n[1])], prompts, NEW,
+                           dense_mlp=n is not None and dense[int(n[1])])
             for n in names}
     for (name, prompt), r1, r2 in zip(jobs, first, again, strict=True):
         assert finished_ok(r1) and finished_ok(r2)

@@ -1,9 +1,10 @@
 """Binds the slot table's sites to the model's fused projections (after fuse_projections), so each
-one adds its LoRA update after the base matmul, on the torch and the packed native path alike."""
+one adds its LoRA update after the base matmul, on the torch and the packed native path alike;
+and the routed experts' sites to their MoE block."""
 
 from __future__ import annotations
 
-from kvfence.lora.slots import LoraSlots
+from kvfence.lora.slots import ExpertDelta, LoraSlots
 from kvfence.model.linear import Projection
 from kvfence.model.llama import CausalLM
 from kvfence.model.mlp import MLP
@@ -29,7 +30,13 @@ def site_projections(model: CausalLM) -> dict[str, Projection]:
 
 def install(model: CausalLM, slots: LoraSlots) -> None:
     projections = site_projections(model)
-    missing = slots.deltas.keys() - projections.keys()
+    for i, layer in enumerate(model.model.layers):
+        if isinstance(layer.ffn, SparseMoE):
+            d = slots.deltas
+            layer.ffn.lora = ExpertDelta(d[f"layers.{i}.experts.gate_up"],
+                                         d[f"layers.{i}.experts.down"])
+    missing = {k for k, d in slots.deltas.items() if not d.site.experts} - projections.keys()
     assert not missing, f"LoRA sites with no projection: {sorted(missing)}"
     for key, delta in slots.deltas.items():
-        projections[key].lora = delta
+        if not delta.site.experts:
+            projections[key].lora = delta

@@ -11,6 +11,9 @@ from kvfence.model.config import ModelConfig
 ATTENTION_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj")
 MLP_TARGETS = ("gate_proj", "up_proj", "down_proj")
 TARGETS = ATTENTION_TARGETS + MLP_TARGETS
+# The routed experts' stacked parameters as transformers 5 holds them and PEFT targets them
+# (`target_parameters`; PEFT maps gate_proj/up_proj/down_proj targets of MoE families there).
+EXPERT_TARGETS = ("gate_up_proj", "down_proj")
 
 
 @dataclass(frozen=True)
@@ -19,25 +22,32 @@ class Site:
     column order of the fused weight."""
 
     key: str  # "layers.{i}.qkv" | ".o" | ".gate_up" | ".down" (".shared" before the kind for
-    #          GLM's shared experts)
+    #          GLM's shared experts, ".experts" for the routed experts)
     module: str  # the HF module path of the slices' parent, e.g. "model.layers.3.self_attn"
     in_dim: int
     slices: tuple[tuple[str, int], ...]
+    # Routed experts: how many, each with its own A and B. PEFT fuses gate and up into one
+    # parameter and doubles its rank, so the routed gate_up holds twice --max-lora-rank.
+    experts: int = 0
+    rank_scale: int = 1
 
     @property
     def out_dim(self) -> int:
         return sum(n for _, n in self.slices)
 
+    def width(self, max_rank: int) -> int:
+        """Columns of A_t (rows of B_t): each slice's rank block side by side."""
+        return max_rank * self.rank_scale * len(self.slices)
+
     def slot_elements(self, rank: int) -> int:
-        """A_t [in, rank * slices] and a block-diagonal B_t [rank * slices, out] per slot."""
-        r = rank * len(self.slices)
-        return self.in_dim * r + r * self.out_dim
+        """A_t [in, width] and a block-diagonal B_t [width, out] per slot (and expert)."""
+        r = self.width(rank)
+        return max(self.experts, 1) * (self.in_dim * r + r * self.out_dim)
 
 
 def model_sites(mc: ModelConfig) -> list[Site]:
     """Every site of the model: attention everywhere; the MLP of dense layers and GLM's shared
-    experts. Routed experts are no site: transformers holds them as fused 3-D parameters that
-    PEFT's LoRA layers do not target."""
+    experts; the routed experts' stacked gate_up and down."""
     h, nq, nkv = mc.hidden_size, mc.num_heads * mc.head_dim, mc.num_kv_heads * mc.head_dim
     out: list[Site] = []
     for i in range(mc.num_layers):
@@ -55,6 +65,14 @@ def model_sites(mc: ModelConfig) -> list[Site]:
             out.append(Site(f"{key}.gate_up", module, h, (("gate_proj", inter),
                                                           ("up_proj", inter))))
             out.append(Site(f"{key}.down", module, inter, (("down_proj", h),)))
+        if mc.is_sparse(i) and mc.moe is not None:
+            m, ei = mc.moe, mc.moe.expert_intermediate_size
+            # transformers 5's module tree (PEFT's keys) names every family's block "mlp".
+            module = f"model.layers.{i}.mlp.experts"
+            out.append(Site(f"layers.{i}.experts.gate_up", module, h, (("gate_up_proj", 2 * ei),),
+                            m.num_experts, 2))
+            out.append(Site(f"layers.{i}.experts.down", module, ei, (("down_proj", h),),
+                            m.num_experts))
     return out
 
 

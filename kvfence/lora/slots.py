@@ -1,10 +1,11 @@
 """The LoRA slot table: a bounded number of adapters (--max-loras) resident on the device, one
 slot each, swapped least recently used first; and each step's rows grouped by slot.
 
-A step's rows are sorted by slot once (`LoraSlots.prepare`); every site then runs, per adapter
-present, one A and one B matmul over that adapter's contiguous rows (`SiteDelta`): a loop over
-the adapters in the batch, never over rows. A slot used by the current step is never evicted, and
-the scheduler admits no more distinct adapters than there are slots, so every batch fits."""
+A step's rows are grouped by slot once (`LoraSlots.prepare`); every site then adds its update
+with one grouped matmul pair over all the adapters of the step (kvfence/lora/grouped.py), and
+the routed experts with one over every (adapter, expert) pair of the layer (`ExpertDelta`). A
+slot used by the current step is never evicted, and the scheduler admits no more distinct
+adapters than there are slots, so every batch fits."""
 
 from __future__ import annotations
 
@@ -15,37 +16,69 @@ from dataclasses import dataclass
 import torch
 
 from kvfence.lora.checkpoint import LoraAdapter
+from kvfence.lora.grouped import Groups, group_rows, grouped_delta
 from kvfence.lora.sites import Site
 
 
 @dataclass(frozen=True)
 class LoraBatch:
-    """One step's token rows that carry an adapter, grouped by slot."""
+    """One step's token rows grouped by slot."""
 
-    rows: torch.Tensor  # int64 token indices, sorted by slot
-    segments: tuple[tuple[int, int, int], ...]  # (slot, start, end) into rows
+    token_slot: torch.Tensor  # [tokens] each token's slot, -1 for none
+    slots: tuple[int, ...]  # the slots present, ascending: group g computes with slots[g]
+    slot_index: torch.Tensor | None  # slots as a tensor; None when they are 0..max_loras-1
+    groups: Groups
 
 
 class SiteDelta:
-    """y[rows] += ((x[rows] @ A_t[slot]) @ B_t[slot]) * scaling[slot] for one fused projection:
-    the block-diagonal B_t puts each slice's update in its own output columns."""
+    """y += (x @ A_t[slot]) @ B_t[slot] per token for one fused projection, every slot of the step
+    in one grouped matmul pair: B_t holds the adapter's scaling, and its block-diagonal layout
+    puts each slice's update in its own output columns. A routed-experts site holds one A and B
+    per expert ([max_loras, experts, ...]) and is applied by the MoE block (`ExpertDelta`). A
+    slot whose adapter skips a site holds zeros there."""
 
     def __init__(self, site: Site, slots: LoraSlots, a: torch.Tensor, b: torch.Tensor) -> None:
         self.site = site
         self.slots = slots
-        self.a = a  # [max_loras, in, rank * slices]
-        self.b = b  # [max_loras, rank * slices, out]
+        self.a = a  # [max_loras, (experts,) in, width]
+        self.b = b  # [max_loras, (experts,) width, out]
         self.active = [False] * a.shape[0]  # whether the slot's adapter targets this site
+
+    def any_active(self, batch: LoraBatch) -> bool:
+        return any(self.active[s] for s in batch.slots)
 
     def __call__(self, x: torch.Tensor, y: torch.Tensor) -> None:
         batch = self.slots.batch
-        if batch is None:
+        if batch is None or not self.any_active(batch):
             return
-        xs = x.index_select(0, batch.rows)
-        for slot, start, end in batch.segments:
-            if self.active[slot]:
-                d = (xs[start:end] @ self.a[slot]) @ self.b[slot]
-                y.index_add_(0, batch.rows[start:end], d.mul_(self.slots.scaling[slot]))
+        a, b = self.a, self.b
+        if batch.slot_index is not None:
+            a, b = a.index_select(0, batch.slot_index), b.index_select(0, batch.slot_index)
+        y.add_(grouped_delta(x, a, b, batch.groups))
+
+
+class ExpertDelta:
+    """The routed experts' updates of one MoE layer. Its rows are (token, expert) assignments
+    sorted by expert; they are grouped by (slot, expert), and each of gate_up and down runs one
+    grouped matmul pair over the pairs present, with their A and B gathered."""
+
+    def __init__(self, gate_up: SiteDelta, down: SiteDelta) -> None:
+        self.gate_up, self.down = gate_up, down
+        self.experts = gate_up.site.experts
+
+    def plan(self, token_of_row: torch.Tensor, expert_of_row: torch.Tensor) -> Groups | None:
+        batch = self.gate_up.slots.batch
+        if batch is None or not (self.gate_up.any_active(batch) or self.down.any_active(batch)):
+            return None
+        slot = batch.token_slot.index_select(0, token_of_row)
+        key = torch.where(slot >= 0, slot * self.experts + expert_of_row, -1)
+        return group_rows(key, self.gate_up.a.shape[0] * self.experts)
+
+    def apply(self, which: SiteDelta, x: torch.Tensor, g: Groups) -> torch.Tensor:
+        """[rows, out] updates of `which` (self.gate_up or self.down) for the rows `x`."""
+        a = which.a.flatten(0, 1).index_select(0, g.keys)
+        b = which.b.flatten(0, 1).index_select(0, g.keys)
+        return grouped_delta(x, a, b, g)
 
 
 class LoraSlots:
@@ -58,11 +91,10 @@ class LoraSlots:
         self.max_loras = max_loras
         self.deltas: dict[str, SiteDelta] = {}
         for s in sites:
-            r = max_rank * len(s.slices)
-            a = torch.zeros(max_loras, s.in_dim, r, dtype=dtype, device=device)
-            b = torch.zeros(max_loras, r, s.out_dim, dtype=dtype, device=device)
+            w, lead = s.width(max_rank), (max_loras, s.experts) if s.experts else (max_loras,)
+            a = torch.zeros(*lead, s.in_dim, w, dtype=dtype, device=device)
+            b = torch.zeros(*lead, w, s.out_dim, dtype=dtype, device=device)
             self.deltas[s.key] = SiteDelta(s, self, a, b)
-        self.scaling = [0.0] * max_loras
         self._slot_of: OrderedDict[str, int] = OrderedDict()  # digest -> slot, LRU first
         self._held: list[LoraAdapter | None] = [None] * max_loras
         self.batch: LoraBatch | None = None
@@ -85,16 +117,16 @@ class LoraSlots:
         slot = self._activate(list(used.values()))
         row_slot = torch.tensor([-1 if a is None else slot[a.digest] for a in adapters])
         token_slot = torch.repeat_interleave(row_slot, lengths)
-        order = torch.argsort(token_slot, stable=True)
-        counts = torch.bincount(token_slot + 1, minlength=self.max_loras + 1).tolist()
-        base = counts[0]
-        segments, start = [], 0
-        for s, n in enumerate(counts[1:]):
-            if n:
-                segments.append((s, start, start + n))
-                start += n
+        groups = group_rows(token_slot, self.max_loras)
+        assert groups is not None
+        slots = tuple(groups.keys.tolist())
         device = next(iter(self.deltas.values())).a.device
-        self.batch = LoraBatch(order[base:].to(device), tuple(segments))
+        self.batch = LoraBatch(
+            token_slot.to(device),
+            slots,
+            None if slots == tuple(range(self.max_loras)) else groups.keys.to(device),
+            _to(groups, device),
+        )
 
     def _activate(self, adapters: list[LoraAdapter]) -> dict[str, int]:
         """Each adapter's slot, loading those not resident into the least recently used slots
@@ -117,11 +149,18 @@ class LoraSlots:
 
     def _load(self, slot: int, adapter: LoraAdapter) -> None:
         self._held[slot] = adapter  # its weights stay alive while it is resident
-        self.scaling[slot] = adapter.scaling
         for key, delta in self.deltas.items():
             laid = adapter.sites.get(key)
             delta.active[slot] = laid is not None
-            if laid is not None:
+            if laid is None:  # zeros: a batched step may still multiply this slot at this site
+                delta.a[slot].zero_()
+                delta.b[slot].zero_()
+            else:
                 delta.a[slot].copy_(laid[0])
-                delta.b[slot].copy_(laid[1])
+                delta.b[slot].copy_(laid[1])  # the scaling is folded in
         self.swaps += 1
+
+
+def _to(g: Groups, device: torch.device) -> Groups:
+    spread = None if g.spread is None else g.spread.to(device)
+    return Groups(g.keys.to(device), g.gather.to(device), spread, g.zero_row)

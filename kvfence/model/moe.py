@@ -10,6 +10,8 @@ fuse() the per-expert weights are views of one stacked, transposed tensor per ki
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -18,6 +20,9 @@ from kvfence.model.kernels import FusedEpilogue, PackedGemm
 from kvfence.model.linear import Projection
 from kvfence.model.mlp import MLP
 from kvfence.model.moe_config import MoeConfig
+
+if TYPE_CHECKING:
+    from kvfence.lora.slots import ExpertDelta
 
 
 class Router(nn.Module):
@@ -79,6 +84,7 @@ class SparseMoE(nn.Module):
         self.gate_up_t: torch.Tensor | None = None
         self.down_t: torch.Tensor | None = None
         self.expert_projs: list[tuple[Projection, Projection]] = []
+        self.lora: ExpertDelta | None = None  # the routed experts' LoRA (kvfence/lora/apply.py)
 
     def fuse(self) -> None:
         gate_up, down = [], []
@@ -121,13 +127,20 @@ class SparseMoE(nn.Module):
         flat = experts.flatten()
         order = torch.argsort(flat, stable=True)  # (token, expert) rows grouped by expert
         counts = torch.bincount(flat, minlength=self.moe.num_experts).tolist()  # one host sync
-        xs = x.index_select(0, order // k)
-        outs, start = [], 0
+        rows = order // k
+        xs = x.index_select(0, rows)
+        ex = self.lora
+        plan = None if ex is None else ex.plan(rows, flat.index_select(0, order))
+        gate_up_delta = None if ex is None or plan is None else ex.apply(ex.gate_up, xs, plan)
+        outs, hs, start = [], [], 0
         for e, n in enumerate(counts):
             if n:
-                outs.append(self._expert(e, xs[start : start + n], epilogue))
+                d = None if gate_up_delta is None else gate_up_delta[start : start + n]
+                outs.append(self._expert(e, xs[start : start + n], epilogue, d, hs))
                 start += n
         grouped = outs[0] if len(outs) == 1 else torch.cat(outs)
+        if ex is not None and plan is not None:
+            grouped = grouped + ex.apply(ex.down, torch.cat(hs), plan)
         # Back to token-major rows (a gather, not a scatter-add: index_add_ on CPU wakes the
         # thread pool for a few rows, which dominated a loaded machine's decode profile).
         w = weights if not self.moe.weights_in_input_dtype else weights.to(x.dtype)
@@ -139,15 +152,26 @@ class SparseMoE(nn.Module):
             y = y + self.shared_experts(x, epilogue)
         return y
 
-    def _expert(self, e: int, x: torch.Tensor, epilogue: FusedEpilogue | None) -> torch.Tensor:
+    def _expert(
+        self, e: int, x: torch.Tensor, epilogue: FusedEpilogue | None,
+        gate_up_delta: torch.Tensor | None = None, hs: list[torch.Tensor] | None = None,
+    ) -> torch.Tensor:
+        """Expert e over its rows; with LoRA, its gate_up update added before the activation
+        and the down projection's input kept in `hs` for the down update."""
         if not self.expert_projs:  # unfused: the HF-named modules
             return self.experts[e](x)
         gate_up, down = self.expert_projs[e]
         g = gate_up(x)
+        if gate_up_delta is not None:
+            g.add_(gate_up_delta)
         if epilogue is not None:
-            return down(epilogue.silu_mul(g, self.inter))
-        gate, up = g.chunk(2, dim=-1)
-        return down(F.silu(gate).mul_(up))
+            h = epilogue.silu_mul(g, self.inter)
+        else:
+            gate, up = g.chunk(2, dim=-1)
+            h = F.silu(gate).mul_(up)
+        if gate_up_delta is not None and hs is not None:
+            hs.append(h)
+        return down(h)
 
 
 def _stack_transposed(
