@@ -18,7 +18,13 @@ from pathlib import Path
 sys.path.append(str(Path(__file__).resolve().parent.parent))  # after PYTHONPATH
 
 from benchmarks.common import RESULTS, machine, this_command, write_json  # noqa: E402
-from kvfence.engine.step_budget import BudgetPolicy, StepCost, prefill_budget  # noqa: E402
+from kvfence.engine.deadlines import tpot_slack_ms  # noqa: E402
+from kvfence.engine.step_budget import (  # noqa: E402
+    BudgetPolicy,
+    Deadlines,
+    StepCost,
+    prefill_budget,
+)
 
 COST = StepCost(a=33.0, b=1.1, c=1.8)  # ms
 
@@ -29,7 +35,22 @@ def sim(C, n_prompts, lin=256, lout=64, policy=None, fixed=None):
     waiting = []  # [id, uncomputed, arrival]
     running = []  # dicts
     done = 0
-    ttft, itl, last = [], [], {}
+    ttft, itl, last, met = [], [], {}, []
+
+    def deadlines(policy, dec, t):
+        """What the scheduler would measure against the policy's targets (times in s there)."""
+        if policy.target_tpot_ms is None and policy.target_ttft_ms is None:
+            return None
+        slack = None
+        if policy.target_tpot_ms is not None:
+            rows = [(s["first"] / 1000, s["out"]) for s in dec]
+            slack = tpot_slack_ms(policy.target_tpot_ms, rows, t / 1000)
+        prompts, cum = [], 0
+        if policy.target_ttft_ms is not None:
+            for s in [x for x in running if x["unc"] > 0] + waiting:
+                cum += s["unc"]
+                prompts.append((cum, s["arr"] - t + policy.target_ttft_ms))
+        return Deadlines(slack, tuple(prompts))
 
     def refill():
         while pending and len(waiting) + len(running) < C:
@@ -46,7 +67,7 @@ def sim(C, n_prompts, lin=256, lout=64, policy=None, fixed=None):
         if fixed is not None:
             budget = fixed if rows else 512
         else:
-            budget = prefill_budget(policy, COST, rows, backlog)
+            budget = prefill_budget(policy, COST, rows, backlog, 0.0, deadlines(policy, dec, t))
         ptoks = 0
         for s in pre:
             n = min(s["unc"], budget)
@@ -71,12 +92,14 @@ def sim(C, n_prompts, lin=256, lout=64, policy=None, fixed=None):
             if s.get("just"):
                 s["just"] = False
                 s["out"] = 1
+                s["first"] = t
                 ttft.append(t - s["arr"])
                 last[s["id"]] = t
         fin = [s for s in running if s["out"] >= lout]
         for s in fin:
             running.remove(s)
             done += 1
+            met.append((s["first"] - s["arr"], (t - s["first"]) / (lout - 1)))
         refill()
 
     def q(xs, p):
@@ -87,6 +110,12 @@ def sim(C, n_prompts, lin=256, lout=64, policy=None, fixed=None):
         ttft50=statistics.median(ttft),
         itl50=statistics.median(itl),
         itl99=q(itl, 0.99),
+        # requests per second within (TTFT s, TPOT ms), as benchmarks/goodput.py counts them
+        **{
+            f"good_{ts:g}s_{tp:g}ms": sum(a <= ts * 1000 and b <= tp for a, b in met) / t * 1000
+            for ts in (1, 2)
+            for tp in (50, 100)
+        },
     )
 
 
@@ -105,10 +134,15 @@ def main(argv: list[str] | None = None) -> int:
             for h in (4, 8, 16, 32, None):
                 pol = BudgetPolicy(max_chunk=512, min_chunk=32, backlog_steps=h)
                 cases.append((f"auto, backlog/{h}", {"policy": pol}))
+            for tpot, ttft in ((50, 1000), (100, 2000), (50, None)):
+                pol = BudgetPolicy(512, 32, backlog_steps=16, target_tpot_ms=tpot,
+                                   target_ttft_ms=ttft)  # fmt: skip
+                cases.append((f"targets {tpot} ms, {ttft} ms", {"policy": pol}))
             for label, kw in cases:
                 r = sim(c, n, **kw)
                 rows.append({"concurrency": c, "prompts": n, "policy": label, **r})
-                print(f"C={c} n={n} {label:<28}", {k: round(v) for k, v in r.items()}, flush=True)
+                shown = {k: round(v, 2 if k.startswith("good") else 0) for k, v in r.items()}
+                print(f"C={c} n={n} {label:<28}", shown, flush=True)
     write_json(
         Path(a.out) / f"{a.name}.json",
         {

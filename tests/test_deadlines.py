@@ -59,9 +59,14 @@ def test_ttft_floor_reads_every_prompt_in_serving_order() -> None:
     )
 
 
-def test_a_late_prompt_takes_the_whole_chunk() -> None:
-    assert ttft_floor(DECODE_8, COST.b, [(512, -5.0)], cap=300) == 300
-    assert ttft_floor(DECODE_8, COST.b, [(512, 600.0)], cap=300) == 300  # 512 * 1.25 > 600
+def test_a_prompt_that_cannot_be_on_time_asks_for_nothing_but_counts_for_those_behind() -> None:
+    assert ttft_floor(DECODE_8, COST.b, [(512, -5.0)], cap=300) == 0
+    assert ttft_floor(DECODE_8, COST.b, [(512, 600.0)], cap=300) == 0  # 512 * 1.25 > 600
+    behind = [(512, 600.0), (768, 3000.0)]  # the second waits for the first's 512 tokens too
+    assert ttft_floor(DECODE_8, COST.b, behind, cap=4096) == ttft_floor(
+        DECODE_8, COST.b, [(768, 3000.0)], cap=4096
+    )
+    assert ttft_floor(DECODE_8, COST.b, [(10, 10_000.0), (10_000, 13_000.0)], cap=300) == 300
 
 
 def test_the_tpot_target_bounds_a_mixed_step() -> None:
