@@ -9,11 +9,11 @@
           does not depend on the values.
   memory  the peak resident memory beyond weights and the (pre-touched) KV pool of a whole
           prompt's chunked prefill, --long against --short tokens, each in a fresh process
-          (VmHWM, reset through /proc/self/clear_refs once the pool is touched), on a model of
-          the same widths with --memory-layers layers (a layer's working set is freed before the
-          next one runs, so depth changes the weights, not the peak beyond them); and the bytes
-          torch allocates in the model's forward of the last chunk at each size (exact, counted
-          at torch's dispatcher), which must not grow with the context either.
+          (VmHWM, reset through /proc/self/clear_refs once the pool is touched and free heap
+          trimmed), on a model of the same widths with --memory-layers layers (a layer's working
+          set is freed before the next one runs, so depth changes the weights, not the peak
+          beyond them); and the bytes torch allocates in the model's forward of the last chunk
+          at each size (exact, counted at torch's dispatcher), which must not grow either.
 
 The checkpoint's positions are exceeded on purpose where the sizes ask for it (random weights:
 only the cost is measured). `--backend torch` measures the reference gather path for contrast.
@@ -26,6 +26,7 @@ only the cost is measured). `--backend torch` measures the reference gather path
 from __future__ import annotations
 
 import argparse
+import ctypes
 import json
 import statistics
 import subprocess
@@ -56,9 +57,12 @@ from kvfence.model.attn import PagedRows  # noqa: E402
 CHUNK = 512
 
 
-def runner_for(model: Path, tokens: int, backend: str, chunk: int = CHUNK) -> ModelRunner:
+def runner_for(
+    model: Path, tokens: int, backend: str, chunk: int = CHUNK, dtype: str = "float32"
+) -> ModelRunner:
     llm = LLM(
         str(model),
+        dtype=dtype,
         context_length=tokens,
         kv_pool_tokens=tokens + 64,
         allow_context_beyond_positions=True,
@@ -135,10 +139,10 @@ def forward_allocations(runner: ModelRunner, start: int, length: int) -> Allocat
     return seen
 
 
-def chunk_flops(runner: ModelRunner, prefix: int) -> float:
+def chunk_flops(runner: ModelRunner, prefix: int, chunk: int = CHUNK) -> float:
     mc = runner.model.config
-    dense = 2 * (mc.num_active_params - mc.num_embedding_params) * CHUNK
-    keys = CHUNK * prefix + CHUNK * (CHUNK + 1) // 2  # each query sees the prefix and its past
+    dense = 2 * (mc.num_active_params - mc.num_embedding_params) * chunk
+    keys = chunk * prefix + chunk * (chunk + 1) // 2  # each query sees the prefix and its past
     attention = 4 * mc.num_heads * mc.head_dim * keys * mc.num_layers
     return float(dense + attention)
 
@@ -184,6 +188,9 @@ def memory_case(model: Path, tokens: int, backend: str) -> dict:
     runner.pool.v.fill_(0.0)
     # The baseline is taken before any chunk runs: one chunk's activations (and the first
     # call's thread stacks and arenas, the same at every size) count in both sizes' peaks.
+    # Heap freed while loading is still resident and would hide the chunks' working set: give
+    # it back first, so the peak counts every page a chunk touches.
+    ctypes.CDLL("libc.so.6").malloc_trim(0)
     base = rss_kib("VmRSS")
     Path("/proc/self/clear_refs").write_text("5")  # VmHWM := VmRSS
     for start in range(0, tokens, CHUNK):
