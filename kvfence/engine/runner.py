@@ -85,6 +85,15 @@ class ModelRunner:
         if gemm is not None:  # else torch's matmuls on the plain transposed weights
             model.pack_projections(gemm)
         self.packed_linear = gemm is not None
+        # bf16 on CPU: oneDNN's matmul over weights reordered once, not at every call.
+        self.onednn_linear = (
+            linear_backend == "auto"
+            and cpu
+            and dtype == torch.bfloat16
+            and torch.backends.mkldnn.is_available()
+        )
+        if self.onednn_linear:
+            model.prepack_onednn()
         # The small ops between the projections (residual add + RMSNorm, silu * up, rope + the
         # K/V cache write) follow the same flag: one native call each instead of a chain of torch
         # ops (benchmarks/RESULTS.md "Kernels").

@@ -7,6 +7,9 @@
   0.5-1.0x MKL's time at 1-32 rows on cold weights, equal for prefill (benchmarks/RESULTS.md,
   "Kernels").
 
+- onednn: bf16 on CPU, W reordered once into oneDNN's blocked layout, so each call skips the
+  reorder `x @ W^T` pays on every call (most of a decode step's matmul time at few rows).
+
 Packing replaces the plain tensor (memory stays the same up to one panel's padding per
 weight); a packed projection can still hand out rows of W for a tied embedding.
 """
@@ -52,6 +55,7 @@ class Projection:
         self.n = w_t.shape[1]
         self.panels: torch.Tensor | None = None
         self.gemm: PackedGemm | None = None
+        self.onednn: torch.Tensor | None = None  # set by prepack_onednn(): an opaque mkldnn tensor
         # A LoRA site's update, added to the base output in place (kvfence/lora/slots.py).
         self.lora: Callable[[torch.Tensor, torch.Tensor], None] | None = None
 
@@ -61,8 +65,15 @@ class Projection:
         self.gemm = gemm
         self.w_t = None
 
+    def prepack_onednn(self) -> None:
+        assert self.w_t is not None and self.w_t.device.type == "cpu"
+        self.onednn = torch.ops.mkldnn._reorder_linear_weight(self.w_t.t().contiguous(), None)
+        self.w_t = None
+
     def __call__(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-        if self.panels is None:
+        if self.onednn is not None:
+            y = torch.ops.mkldnn._linear_pointwise(x, self.onednn, bias, "none", [], "")
+        elif self.panels is None:
             assert self.w_t is not None
             y = x @ self.w_t if bias is None else torch.addmm(bias, x, self.w_t)
         else:
@@ -74,12 +85,14 @@ class Projection:
         return y
 
     def nbytes(self) -> int:
-        t = self.w_t if self.panels is None else self.panels
+        t = self.onednn if self.onednn is not None else self.panels
+        t = self.w_t if t is None else t
         assert t is not None
         return t.numel() * t.element_size()
 
     def rows(self, ids: torch.Tensor) -> torch.Tensor:
         """Rows `ids` of W [out, in] (an embedding lookup when W is a tied LM head)."""
+        assert self.onednn is None, "a tied head is never prepacked: its rows are the embedding"
         if self.panels is None:
             assert self.w_t is not None
             return self.w_t.t().index_select(0, ids)
