@@ -3,7 +3,8 @@ fresh --tokens-token prefill chunk through the whole model (FLOPs counted with a
 prefill_attention.py counts them) as a percentage of the best matmul measured in the same run at
 the model's own projection shapes ([tokens, in] x [in, out] for q/k/v, o, gate/up and down),
 every candidate tried for each: torch's `x @ W^T` over the transposed weight (MKL for float32,
-oneDNN for bf16), `F.linear` over the weight as stored, and kvfence's packed float32 kernel.
+oneDNN for bf16), `F.linear` over the weight as stored, oneDNN over the weight reordered once
+(what kvfence's bf16 projections run) and kvfence's packed float32 kernel (its float32 ones').
 
 Rounds are interleaved (each round runs every prefill and every matmul once, medians over
 --reps), so a loaded machine's drift hits both sides of each percentage alike; the absolute
@@ -54,6 +55,10 @@ def candidates(k: int, n: int, dtype: torch.dtype) -> dict[str, Callable[[torch.
         "x @ W^T": lambda x: x @ w_t,
         "F.linear": lambda x: F.linear(x, w),
     }
+    if torch.backends.mkldnn.is_available():  # what bf16 projections run (prepack_onednn)
+        prepacked = torch.ops.mkldnn._reorder_linear_weight(w, None)
+        out["onednn"] = lambda x: torch.ops.mkldnn._linear_pointwise(x, prepacked, None, "none",
+                                                                     [], "")
     gemm = kernels.packed_gemm()
     if dtype == torch.float32 and gemm is not None:
         packed = Projection(w_t.clone())
