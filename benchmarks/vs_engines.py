@@ -39,7 +39,10 @@ from benchmarks.common import (  # noqa: E402
 # ---- workers: run in a child process, print one JSON line -------------------------------------
 
 
-def worker(engine: str, model: str, n: int, lin: int, lout: int, seed: int, ctx: int) -> dict:
+def worker(
+    engine: str, model: str, n: int, lin: int, lout: int, seed: int, ctx: int,
+    dtype: str = "float32",
+) -> dict:
     prompts = random_prompts(
         n, lin, vocab=int(json.load(open(f"{model}/config.json"))["vocab_size"]), seed=seed
     )
@@ -48,7 +51,8 @@ def worker(engine: str, model: str, n: int, lin: int, lout: int, seed: int, ctx:
         from kvfence.engine.llm import LLM
         from kvfence.engine.request import SamplingParams
 
-        llm = LLM(model, context_length=ctx, kv_pool_tokens=max(n * (lin + lout) * 2, ctx))
+        llm = LLM(model, context_length=ctx, kv_pool_tokens=max(n * (lin + lout) * 2, ctx),
+                  dtype=dtype)
 
         def gen(ps: list[list[int]], m: int) -> list[list[int]]:
             sp = SamplingParams(max_tokens=m, temperature=0.0, ignore_eos=True)
@@ -57,7 +61,7 @@ def worker(engine: str, model: str, n: int, lin: int, lout: int, seed: int, ctx:
         import torch
         import transformers as tf
 
-        hf = tf.AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32).eval()
+        hf = tf.AutoModelForCausalLM.from_pretrained(model, dtype=getattr(torch, dtype)).eval()
 
         def gen(ps: list[list[int]], m: int) -> list[list[int]]:
             ids = torch.tensor(ps)  # equal lengths: no padding
@@ -77,7 +81,7 @@ def worker(engine: str, model: str, n: int, lin: int, lout: int, seed: int, ctx:
 
         v = VLLM(
             model=model,
-            dtype="float32",  # compiled, as its users run it (no enforce_eager)
+            dtype=dtype,  # compiled, as its users run it (no enforce_eager)
             enable_prefix_caching=False,
             max_model_len=ctx,
             seed=0,
@@ -134,6 +138,8 @@ def worker_argv(python: str, engine: str, a: argparse.Namespace, model: Path) ->
     ]
     if getattr(a, "context_length", None) is not None:
         argv += ["--context-length", str(a.context_length)]
+    if getattr(a, "dtype", "float32") != "float32":
+        argv += ["--dtype", a.dtype]
     return argv
 
 
@@ -170,6 +176,8 @@ def online(engine: str, a: argparse.Namespace, model: Path, out: Path) -> dict:
             str(max(a.num_prompts * (a.input_len + a.output_len) * 2, a.context_length)),
             "--log-level",
             "warning",
+            "--dtype",
+            a.dtype,
         ]
         if engine == "kvfence-itl":  # the latency setting: small prefill beside decodes
             argv += ["--decode-step-prefill-budget", str(a.itl_budget)]
@@ -182,6 +190,7 @@ def online(engine: str, a: argparse.Namespace, model: Path, out: Path) -> dict:
             model,
             a.context_length,
             out / f"vs_engines-{engine}-server.log",
+            dtype=a.dtype,
             extra=["--served-model-name", "bench"],
         )
     res: dict = {"server_command": srv.command, "runs": {}}
@@ -248,6 +257,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--input-len", type=int, default=256)
     p.add_argument("--output-len", type=int, default=64)
     p.add_argument("--context-length", type=int, default=2048)
+    p.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32",
+                   help="every engine's weights and KV cache")
     p.add_argument("--rounds", type=int, default=2, help="offline runs per engine, interleaved")
     p.add_argument("--engines", default="kvfence,vllm,hf")
     p.add_argument(
@@ -270,7 +281,8 @@ def main(argv: list[str] | None = None) -> int:
     a = p.parse_args(argv)
     if a.worker:
         res = worker(
-            a.worker, a.model, a.num_prompts, a.input_len, a.output_len, 0, a.context_length
+            a.worker, a.model, a.num_prompts, a.input_len, a.output_len, 0, a.context_length,
+            a.dtype,
         )
         print(json.dumps(res))
         return 0
