@@ -151,3 +151,16 @@ def test_streams_whose_kv_is_arriving_bound_a_step_as_decoding_ones() -> None:
     sched.handoff = {"a": arriving, "b": sent}  # type: ignore[dict-item]
     sched.schedule()
     assert asked == [1]
+
+
+def test_a_decode_does_not_count_prompts_arriving_by_transfer_as_its_backlog() -> None:
+    from types import SimpleNamespace
+
+    from kvfence.engine.scheduler import Scheduler, SchedulerLimits
+    from kvfence.engine.sequence import SeqMode
+
+    sched = Scheduler(None, SchedulerLimits(512, 8, BudgetPolicy(512, 1)))  # type: ignore[arg-type]
+    mine = SimpleNamespace(mode=SeqMode.FULL, output_ids=[], token_ids=[0] * 300)
+    sent = SimpleNamespace(mode=SeqMode.DECODE_ONLY, output_ids=[], token_ids=[0] * 999)
+    sched.waiting.extend([mine, sent])  # type: ignore[list-item]
+    assert sched._backlog() == 300

@@ -10,22 +10,27 @@ from kvfence.pd.local_prefill import PendingPrompts, computes_here
 
 
 def test_an_idle_prefill_keeps_every_prompt():
-    assert not computes_here(here=0, there=0, prompt=256, factor=2.0)
+    assert not computes_here(here=0, there=0, prompt=256, factor=2.0, limit=10**9)
 
 
 def test_a_long_prefill_queue_sends_the_prompt_here():
     # (0 + 256) * 2 = 512 < 600 + 256
-    assert computes_here(here=0, there=600, prompt=256, factor=2.0)
+    assert computes_here(here=0, there=600, prompt=256, factor=2.0, limit=10**9)
 
 
 def test_the_local_queue_counts_at_factor():
     # (256 + 256) * 2 = 1024 is not < 600 + 256: the local queue is already the longer wait
-    assert not computes_here(here=256, there=600, prompt=256, factor=2.0)
-    assert computes_here(here=256, there=800, prompt=256, factor=2.0)
+    assert not computes_here(here=256, there=600, prompt=256, factor=2.0, limit=10**9)
+    assert computes_here(here=256, there=800, prompt=256, factor=2.0, limit=10**9)
+
+
+def test_a_decode_holds_at_most_its_limit_of_local_prompts_but_always_one():
+    assert not computes_here(here=256, there=10**6, prompt=256, factor=1.0, limit=500)
+    assert computes_here(here=0, there=10**6, prompt=900, factor=1.0, limit=500)
 
 
 def test_factor_zero_is_the_pd_path_only():
-    assert not computes_here(here=0, there=10**9, prompt=1, factor=0.0)
+    assert not computes_here(here=0, there=10**9, prompt=1, factor=0.0, limit=10**9)
 
 
 def test_claims_balance_the_two_queues():

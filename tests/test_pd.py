@@ -149,6 +149,7 @@ def test_pd_decode_computes_a_prompt_itself_when_the_prefill_queue_is_long(
     # A prefill queue far longer than decode's own: every prompt is computed at decode, with
     # the same answer as unified and nothing sent between the workers.
     pair.decode.pending.factor = 2.0
+    pair.decode.pending.limit = 10**6
     pair.decode.pending.there = 10**6
     prompts = random_prompts([5, 40, 100], vocab=256, seed=3)
     got = pair.generate(prompts, GREEDY)
@@ -159,3 +160,24 @@ def test_pd_decode_computes_a_prompt_itself_when_the_prefill_queue_is_long(
     assert pair.decode.transfer_stats.get("transfers_committed") == 0
     assert pair.decode.transfer_stats.get("reserved") == 0
     assert (pair.decode.pending.here, pair.decode.pending.there) == (0, 10**6)
+
+
+def test_pd_a_decode_taking_prompts_keeps_the_narrow_step_target(model_dir: str) -> None:
+    from dataclasses import replace
+
+    from pd_harness import decode_service, pd_node
+
+    from kvfence.config import EngineConfig
+    from kvfence.engine.step_budget import AUTO_STEP_FACTOR
+    from kvfence.faults import Faults
+
+    node = pd_node(EngineConfig(model=model_dir, kv_pool_tokens=1024, context_length=CTX),
+                   "decode", 5.0)  # fmt: skip
+    for factor, wide in ((1.0, AUTO_STEP_FACTOR), (0.0, node.engine.wide_step_factor)):
+        svc = decode_service(replace(node, pd=replace(node.pd, decode_local_prefill=factor)),
+                             Faults())  # fmt: skip
+        try:
+            assert svc.engine.scheduler.limits.step.wide_factor == wide
+            assert svc.pending.limit == node.engine.chunked_prefill_size
+        finally:
+            svc.shutdown()

@@ -194,9 +194,10 @@ class Scheduler:
 
     def _backlog(self) -> int:
         """Prompt tokens waiting to be computed: the rest of the running prefills, and the
-        waiting prompts whole (their cached prefix is only looked up when they enter)."""
+        waiting prompts whole (their cached prefix is only looked up when they enter); not a
+        decode's prompts whose KV will arrive by transfer."""
         running = sum(s.num_uncomputed for s in self.running if not s.in_decode)
-        return running + sum(len(s.token_ids) for s in self.waiting)
+        return running + sum(len(s.token_ids) for s in self.waiting if not _by_transfer(s))
 
     def _deadlines(self, decoding: list[Sequence], now: float) -> Deadlines | None:
         """Where the decoding streams and the waiting prompts stand against the latency

@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from dataclasses import replace
 from functools import partial
 from typing import Any
 
@@ -18,13 +19,14 @@ from kvfence.config import EngineConfig
 from kvfence.engine.admission import Admitted, Rejected
 from kvfence.engine.request import GenerateRequest
 from kvfence.engine.sequence import SeqMode, Sequence
+from kvfence.engine.step_budget import AUTO_STEP_FACTOR
 from kvfence.engine.tp_group import TpBroken
 from kvfence.faults import Faults
 from kvfence.kv.pool import Grant
 from kvfence.pd import glue, kvio, wire
 from kvfence.pd import protocol as p
 from kvfence.pd.decode_runs import Room, RunReceiver
-from kvfence.pd.local_prefill import PendingPrompts
+from kvfence.pd.local_prefill import LOCAL_LIMIT_CHUNKS, PendingPrompts
 from kvfence.pd.peers import UNAVAILABLE, Dialer
 from kvfence.pd.pool_port import PortRuleBroken
 from kvfence.pd.service import PdService
@@ -56,10 +58,15 @@ class DecodeService(PdService):
         """host: where this worker is reachable (a Mooncake peer's one-sided writes go there);
         local_prefill: --decode-local-prefill, how much slower a prompt computed here may be than
         at the prefill worker and still go here (pd/local_prefill.py; 0: never)."""
-        super().__init__(cfg, backend, tls, faults, timeout_s, limits)
         # Waived preflight (tests only) lets the two roles' pools differ (the incident's fault
         # 1): a prompt's fate must not then depend on which side computes it.
-        self.pending = PendingPrompts(0.0 if cfg.unsafe_skip_preflight else local_prefill)
+        local_prefill = 0.0 if cfg.unsafe_skip_preflight else local_prefill
+        if local_prefill > 0:
+            # Its prompts have the prefill worker to go to: no wide step target (local_prefill.py).
+            cfg = replace(cfg, wide_step_factor=AUTO_STEP_FACTOR)
+        super().__init__(cfg, backend, tls, faults, timeout_s, limits)
+        limit = LOCAL_LIMIT_CHUNKS * cfg.chunked_prefill_size
+        self.pending = PendingPrompts(local_prefill, limit)
         self.ranks = cfg.tp_size  # a run's payload carries every rank's slice
         # One-sided writes land anywhere in the registered pool: no grant to check them by (I3
         # and I4 carry those); the tcp receiver writes only through the port.

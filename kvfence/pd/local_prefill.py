@@ -19,7 +19,10 @@ steps take a share of this worker's time, so 2 looks the fair price, but `kvfenc
 16 prompts, 3 pairs each against no local prefill: TTFT p50 0.51x vs 0.60x, throughput 1.14x
 vs 1.03x, ITL p50 1.09x vs 1.31x; a direction, not a figure). The view is this worker's own
 requests: with several decodes per prefill it undercounts the prefill's queue, which only keeps
-more prompts on the PD path. Arithmetic and counters only (no clock, no engine).
+more prompts on the PD path. Its own prompts are bounded (LOCAL_LIMIT_CHUNKS), and a decode
+that takes them keeps the narrow step target at any batch width (DecodeService): the wide one
+lets a unified engine's queued prompts through a wide batch, which a decode's prompts need not,
+having the prefill worker. Arithmetic and counters only (no clock, no engine).
 """
 
 from __future__ import annotations
@@ -29,16 +32,22 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+# A decode holds at most this many chunks (--chunked-prefill-size) of prompts of its own: its
+# backlog floor (1/--prefill-backlog-steps of them a step) then stays near the minimum chunk,
+# and a burst goes to the prefill worker. Unbounded (factor 1, 1P1D at C=32 on 2 cores), the
+# local queue grew to thousands of tokens and its floor to 0.75 s steps: ITL p99 30x.
+LOCAL_LIMIT_CHUNKS = 1
 # `kvfence up`'s default: a prompt is computed here when the prefill worker's queue of this
 # worker's prompts is the longer one (above: why not the fairer-looking 2).
 UP_FACTOR = 1.0
 
 
-def computes_here(here: int, there: int, prompt: int, factor: float) -> bool:
+def computes_here(here: int, there: int, prompt: int, factor: float, limit: int) -> bool:
     """Whether a prompt of `prompt` tokens goes faster through this worker's own steps, with
     `here` prompt tokens still to compute locally and `there` at the prefill worker, a local
-    token costing `factor` remote ones. factor <= 0: never (the PD path only)."""
-    if factor <= 0:
+    token costing `factor` remote ones; and fits under `limit` local tokens (one prompt always
+    may). factor <= 0: never (the PD path only)."""
+    if factor <= 0 or (here and here + prompt > limit):
         return False
     return (here + prompt) * factor < there + prompt
 
@@ -49,6 +58,7 @@ class PendingPrompts:
     computed. Claimed on the submitting thread, settled on the engine's: hence the lock."""
 
     factor: float
+    limit: int = 1 << 62  # local prompt tokens in flight at most (LOCAL_LIMIT_CHUNKS chunks)
     here: int = 0
     there: int = 0
 
@@ -58,7 +68,7 @@ class PendingPrompts:
     def claim(self, prompt: int) -> bool:
         """Choose where a prompt goes and count it there; True: computed here."""
         with self._lock:
-            local = computes_here(self.here, self.there, prompt, self.factor)
+            local = computes_here(self.here, self.there, prompt, self.factor, self.limit)
             if local:
                 self.here += prompt
             else:
