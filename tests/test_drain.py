@@ -28,6 +28,7 @@ from kvfence.engine.admission import Rejected
 from kvfence.engine.request import SamplingParams
 from kvfence.server.api import build_app
 from kvfence.server.drain import NOT_ADMITTED_HEADER, Drain
+from kvfence.server.errors import table_mismatch
 from kvfence.server.router import build_router_app
 from kvfence.tools.cluster import LocalCluster
 
@@ -106,6 +107,26 @@ def test_router_retries_a_draining_decodes_refusal_on_another(held) -> None:
         assert NOT_ADMITTED_HEADER.lower() not in r.headers
     finally:
         stop_all([router, prefill, other])
+
+
+def test_router_relays_a_draining_decodes_503_with_its_retry_after(held) -> None:
+    """Found by the cache-mix chaos soak: with no other decode to retry on, the router relayed
+    the draining decode's 503 body without its Retry-After, against the error table."""
+    _, drain, draining = held
+    drain.begin()
+    prefill = ServerThread(make_app("prefill", "prefill-0", bootstrap_port=free_port())).start()
+    app = build_router_app([prefill.url], [draining.url], api_keys=None)
+    router = ServerThread(app).start()
+    try:
+        only = app.state.router.decode.workers[0]
+        only.healthy, only.info, only.detail = True, {"role": "decode"}, None
+        r = httpx.post(router.url + "/v1/completions", json={"model": MODEL, "prompt": "x"})
+        assert r.status_code == 503 and r.json()["error"]["code"] == "draining", r.text
+        err = r.json()["error"]
+        why = table_mismatch(503, err["code"], err["type"], r.headers.get("retry-after"))
+        assert why is None, why
+    finally:
+        stop_all([router, prefill])
 
 
 def test_pd_drain_refuses_new_rooms_with_a_503_and_finishes_admitted_ones() -> None:

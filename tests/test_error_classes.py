@@ -11,7 +11,7 @@ from api_client import MODEL, fake_app_fixtures
 from fake_engine import FakeEngine
 from fastapi.testclient import TestClient
 
-from kvfence.server.errors import RETRY_AFTER_S, RETRYABLE, server_failure
+from kvfence.server.errors import RETRY_AFTER_S, RETRYABLE, server_failure, table_mismatch
 
 engine, client = fake_app_fixtures()
 
@@ -57,3 +57,30 @@ def test_http_answer_of_an_engine_failure_follows_the_table(
         assert r.status_code == status, r.text
         assert r.json()["error"]["code"] == code
         assert r.headers.get("retry-after") == retry_after
+
+
+@pytest.mark.parametrize(
+    ("status", "code", "type_", "after", "agrees"),
+    [
+        (503, "kv_transfer_incomplete", "server_error", "1", True),
+        (503, "draining", "server_error", None, False),  # no Retry-After: the soak's finding
+        (500, "kv_transfer_incomplete", "server_error", None, False),  # retryable as a 500
+        (500, "kv_integrity_error", "server_error", None, True),
+        (503, "kv_integrity_error", "server_error", "1", False),  # a caught guard as retryable
+        (400, "context_length_exceeded", "invalid_request_error", None, True),
+        (429, "slow_reader", "invalid_request_error", "2", True),
+        (400, "context_length_exceeded", "server_error", None, False),
+        (502, "upstream_failed", "server_error", None, True),
+        (504, "upstream_timeout", "server_error", None, True),
+        (500, "upstream_timeout", "server_error", None, False),
+        (None, "kv_transfer_incomplete", "server_error", None, True),  # a started stream's event
+        (None, "request_aborted", "invalid_request_error", None, False),
+        (None, "grammar_error", "invalid_request_error", None, True),
+    ],
+)
+def test_the_soaks_table_check_is_the_table(
+    status: int | None, code: str, type_: str, after: str | None, agrees: bool
+) -> None:
+    """What the chaos soaks assert of every error answer (table_mismatch), rebuilt from
+    server_failure, not restated: it agrees with the table's answers and names the rest."""
+    assert (table_mismatch(status, code, type_, after) is None) == agrees

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import random
 import secrets
+from collections import Counter
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any, TypeVar, overload
@@ -60,6 +61,8 @@ class Faults:
         self._random = random.Random(self.seed)
         self._crash = crash
         self._armed: set[str] = set()
+        # Times each point fired: the chaos soak's count of fault effects (operator /metrics).
+        self.fired: Counter[str] = Counter()
 
     @classmethod
     def from_env(cls, crash: Callable[[str], None] | None = None) -> Faults:
@@ -114,7 +117,10 @@ class Faults:
         and tests; production code uses hook() or guards()."""
         if point not in self._armed:
             return False
-        return self.rate >= 1.0 or self._random.random() < self.rate
+        fires = self.rate >= 1.0 or self._random.random() < self.rate
+        if fires:
+            self.fired[point] += 1
+        return fires
 
     def guards(self) -> Guards:
         """The guards that are on for this check: every one, less those an armed point turns

@@ -233,6 +233,9 @@ class PrefixCacheStats:
     pages: int  # pages the cache holds
     evictable: int  # of those, referenced by no request
     evictions: int
+    # At rest both are 0: a request that ended and still holds a reference is a leak.
+    holders: int = 0  # grants holding references
+    references: int = 0  # references over all pages
 
 
 @dataclass(eq=False)
@@ -454,6 +457,8 @@ class PrefixCache:
             len(self._by_page),
             len(self._lru),
             self.evictions,
+            len(self._held),
+            sum(e.refs for e in self._by_page.values()),
         )
 
     # ---- views -----------------------------------------------------------------------------

@@ -82,8 +82,8 @@ def build_app(
     signed prefill address (server/hop.py)."""
     if max_body_bytes < 1:
         raise ValueError("max_body_bytes must be >= 1")
-    metrics = ServerMetrics(engine)
     faults = faults if faults is not None else Faults()
+    metrics = ServerMetrics(engine, faults)
     drain = drain if drain is not None else Drain(engine)
     state = AppState(
         engine,

@@ -89,6 +89,41 @@ def server_failure(code: str, message: str, status: int | None) -> APIError:
     return APIError(500, message, code=code, type=SERVER_ERROR)
 
 
+# The router's own answers when it cannot reach or hear from a worker: retryable, no Retry-After
+# (the next try may go to another worker at once).
+UPSTREAM = {"upstream_unreachable": 502, "upstream_failed": 502, "upstream_timeout": 504}
+
+
+def upstream_failure(code: str, message: str) -> APIError:
+    """The router's error for an UPSTREAM code (any other code: a 500, the router's own bug)."""
+    return APIError(UPSTREAM.get(code, 500), message, code=code, type=SERVER_ERROR)
+
+
+def table_mismatch(
+    status: int | None, code: str, type_: str, retry_after: str | None
+) -> str | None:
+    """Why an error answer disagrees with the one table of failure classes above (None: it
+    agrees), rebuilt from server_failure / upstream_failure rather than restated: the chaos
+    soaks assert it of every error they meet. status None: an error event of a stream already
+    answered 200, whose reporter's 4xx is not on the wire (only a 5xx class can be checked)."""
+    if code in UPSTREAM:
+        want = upstream_failure(code, "")
+    elif status is not None and 400 <= status < 500 and code not in RETRYABLE:
+        want = server_failure(code, "", status)
+        retry_after = None  # a 429 may say when to come back; the class does not
+    else:
+        want = server_failure(code, "", None)
+    if status is None:
+        if (code in RETRYABLE or code in UPSTREAM) and type_ != want.type:
+            return f"stream error {code!r}: type {type_!r}, the table says {want.type!r}"
+        return None
+    expect_after = (want.headers or {}).get("Retry-After")
+    got, table = (status, type_, retry_after), (want.status, want.type, expect_after)
+    if got != table:
+        return f"{code!r}: (status, type, Retry-After) {got}, the table says {table}"
+    return None
+
+
 # Union members and validators appear in pydantic locations as tags, not as fields.
 _LOC_TAGS = {"body", "str", "int", "float", "bool", "list", "dict", "none", "json-or-python"}
 

@@ -23,6 +23,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from kvfence.server.request_id import client_request_id
 
 if TYPE_CHECKING:
+    from kvfence.faults import Faults
     from kvfence.role import RoleService
 
 logger = logging.getLogger("kvfence.server")
@@ -119,10 +120,41 @@ def _prefix_cache_metrics(s: Any) -> Iterator[Metric]:
         "Prefix cache pages evicted (for space or by the ttl).",
         value=float(pc.evictions),
     )
+    yield GaugeMetricFamily(
+        "kvfence_prefix_cache_holders",
+        "Requests holding references to prefix cache pages (0 at rest).",
+        value=float(pc.holders),
+    )
+    yield GaugeMetricFamily(
+        "kvfence_prefix_cache_references",
+        "References to prefix cache pages over all pages (0 at rest).",
+        value=float(pc.references),
+    )
+
+
+class _FaultCollector(Collector):
+    """How often each armed fault point fired in this process: nothing unless a test harness
+    armed points (KVFENCE_FAULT_INJECTION=1), so a production scrape never shows the family."""
+
+    def __init__(self, faults: Faults) -> None:
+        self._faults = faults
+
+    def describe(self) -> list[Metric]:
+        return []
+
+    def collect(self) -> Iterator[Metric]:
+        if not self._faults.armed:
+            return
+        fam = CounterMetricFamily(
+            "kvfence_fault_fires", "Times an armed fault point fired.", labels=["point"]
+        )
+        for point in sorted(self._faults.armed):
+            fam.add_metric([point], float(self._faults.fired[point]))
+        yield fam
 
 
 class ServerMetrics:
-    def __init__(self, engine: RoleService) -> None:
+    def __init__(self, engine: RoleService, faults: Faults | None = None) -> None:
         # A registry per app: several apps in one process (tests, router + node) must not clash.
         self.registry = CollectorRegistry(auto_describe=True)
         r = self.registry
@@ -169,6 +201,8 @@ class ServerMetrics:
             registry=r,
         )
         r.register(_PoolCollector(engine))
+        if faults is not None:
+            r.register(_FaultCollector(faults))
 
     def render(self) -> tuple[bytes, str]:
         return generate_latest(self.registry), CONTENT_TYPE_LATEST

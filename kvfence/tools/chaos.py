@@ -79,6 +79,15 @@ def start_cluster(
     )
 
 
+def crashed(cluster: LocalCluster) -> bool:
+    """A process died, a worker is unhealthy, or a traceback reached the log."""
+    return (
+        not cluster.alive()
+        or not all(w["healthy"] for w in cluster.workers())
+        or "Traceback" in cluster.log.read_text()
+    )
+
+
 def one_request(
     url: str,
     ctx: int,
@@ -208,11 +217,7 @@ def run(
                 baseline = not any(cluster.pages_used())
                 time.sleep(0.3)
             workers = cluster.workers()
-            crashed = (
-                not cluster.alive()
-                or not all(w["healthy"] for w in workers)
-                or "Traceback" in cluster.log.read_text()
-            )
+            broken = crashed(cluster)
             pattern = re.compile(
                 r"^kvfence_pd_(?:transfers_failed_\w+|late_writes_dropped|checksum_mismatches|"
                 r"source_integrity_errors)_total (\S+)$",
@@ -237,7 +242,7 @@ def run(
             "leaks": tally.leaks,
             "short_or_wrong_200": tally.short_200,
             "pools_at_baseline": baseline,
-            "crashed": crashed,
+            "crashed": broken,
         }
 
 

@@ -22,7 +22,16 @@ def write_key_file(path: Path, keys: dict[str, str]) -> Path:
     return path
 
 
+# What each command prints once it serves, and what `up` prints when a SIGHUP's rolling
+# restart has brought every worker back.
+_READY = {"up": "ready on", "serve": "kvfence ready:"}
+_RESTARTED = "rolling restart done"
+
+
 class LocalCluster:
+    """`kvfence up` (command="up": a router and PD workers) or one unified `kvfence serve`
+    (command="serve"), started with the up_args given."""
+
     def __init__(
         self,
         workdir: Path,
@@ -31,6 +40,7 @@ class LocalCluster:
         keys: dict[str, str] | None = None,
         env: dict[str, str] | None = None,
         startup_timeout: float = 240.0,
+        command: str = "up",
     ) -> None:
         port = free_port()
         # Ours, so this harness can read the workers' internals as their operator.
@@ -40,12 +50,14 @@ class LocalCluster:
         key_file.chmod(0o600)
         self.operator = operator_headers(self.operator_key)
         self.url = f"http://127.0.0.1:{port}"
-        self.log = workdir / "up.log"
-        cmd = [
+        self.log = workdir / f"{command}.log"
+        self.command = command
+        self.startup_timeout = startup_timeout
+        self._cmd = [
             sys.executable,
             "-m",
             "kvfence.cli",
-            "up",
+            command,
             "--model",
             str(model),
             "--port",
@@ -57,26 +69,53 @@ class LocalCluster:
             *up_args,
         ]
         if keys:
-            cmd += ["--api-key-file", str(write_key_file(workdir / "keys.txt", keys))]
+            self._cmd += ["--api-key-file", str(write_key_file(workdir / "keys.txt", keys))]
+        self._env = {**os.environ, **(env or {})}
+        self.log.write_bytes(b"")
+        self._spawn()
+
+    def _spawn(self) -> None:
+        # Appended to: a restarted server's log follows the one before it.
+        ready = self.log.read_text().count(_READY[self.command])
         self.proc = subprocess.Popen(
-            cmd,
-            stdout=self.log.open("wb"),
+            self._cmd,
+            stdout=self.log.open("ab"),
             stderr=subprocess.STDOUT,
-            env={**os.environ, **(env or {})},
+            env=self._env,
             start_new_session=True,
         )
-        deadline = time.monotonic() + startup_timeout
-        while "ready on" not in self.log.read_text():
+        deadline = time.monotonic() + self.startup_timeout
+        while self.log.read_text().count(_READY[self.command]) <= ready:
             if self.proc.poll() is not None or time.monotonic() > deadline:
                 self.stop()
-                raise RuntimeError(f"kvfence up did not start:\n{self.log.read_text()[-3000:]}")
+                raise RuntimeError(
+                    f"kvfence {self.command} did not start:\n{self.log.read_text()[-3000:]}"
+                )
             time.sleep(0.3)
+
+    def restart(self) -> None:
+        """Restart the workers as an operator would: SIGHUP to `up` (its rolling restart, which
+        runs on while this returns: see restarts_done), or for `serve` a SIGTERM (it drains and
+        exits) and the same command again on the same port, waited for."""
+        if self.command == "up":
+            os.kill(self.proc.pid, signal.SIGHUP)
+            return
+        os.killpg(self.proc.pid, signal.SIGTERM)
+        self.proc.wait(self.startup_timeout)
+        self._spawn()
+
+    def restarts_done(self) -> int:
+        """Rolling restarts `up` finished (a `serve` restart is done when restart() returns)."""
+        return self.log.read_text().count(_RESTARTED)
 
     def post(self, body: dict, key: str | None = None, timeout: float = 120) -> httpx.Response:
         headers = {"Authorization": f"Bearer {key}"} if key else {}
         return httpx.post(f"{self.url}/v1/completions", json=body, headers=headers, timeout=timeout)
 
     def workers(self) -> list[dict]:
+        if self.command == "serve":
+            r = httpx.get(f"{self.url}/health", timeout=5, headers=self.operator)
+            return [{"url": self.url, "role": "unified", "healthy": r.status_code == 200}]
         return httpx.get(f"{self.url}/health", timeout=5, headers=self.operator).json()["workers"]
 
     def worker_url(self, role: str) -> str:

@@ -17,7 +17,7 @@ from starlette.types import Message, Receive, Scope, Send
 
 from kvfence import sse
 from kvfence.server.drain import NOT_ADMITTED_HEADER
-from kvfence.server.errors import SERVER_ERROR, APIError
+from kvfence.server.errors import APIError, upstream_failure
 from kvfence.server.hop import HEADER_PREFILL, sign_prefill
 from kvfence.server.request_id import client_request_id
 from kvfence.server.router.prefix_index import PrefixKey
@@ -71,11 +71,7 @@ _RESPONSES_ENDS = frozenset({"response.completed", "response.incomplete", "respo
 
 
 def _unreachable() -> APIError:
-    return _upstream_error(502, "Could not connect to a decode worker.", "upstream_unreachable")
-
-
-def _upstream_error(status: int, message: str, code: str) -> APIError:
-    return APIError(status, message, code=code, type=SERVER_ERROR)
+    return upstream_failure("upstream_unreachable", "Could not connect to a decode worker.")
 
 
 class _SSECutter:
@@ -171,6 +167,7 @@ class Relay(Response):
         self._p = _Progress()
         self._held: list[Worker] = []
         self._draining: bytes | None = None  # a draining decode's 503 body, if one refused us
+        self._draining_headers: list[tuple[bytes, bytes]] = []  # ... and its Retry-After
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         start = time.monotonic()
@@ -215,11 +212,11 @@ class Relay(Response):
             except Exception:  # a bug here must still end the request with an error
                 logger.exception("router relay failed on %s", self._path)
                 p.extra.append("error=internal")
-                await self._fail(send, _upstream_error(500, "Internal router error.", "internal"))
+                await self._fail(send, upstream_failure("internal", "Internal router error."))
         if deadline.cancelled_caught:
             p.extra.append("error=timeout")
             msg = f"The request did not finish within {self._state.settings.request_timeout:g} s."
-            await self._fail(send, _upstream_error(504, msg, "upstream_timeout"))
+            await self._fail(send, upstream_failure("upstream_timeout", msg))
 
     async def _attempts(self, send: Send) -> None:
         st, p = self._state, self._p
@@ -251,7 +248,8 @@ class Relay(Response):
 
     async def _give_up(self, send: Send, err: APIError) -> None:
         if self._draining is not None:  # the clearer news: the worker is shutting down
-            await self._whole(send, 503, [(b"content-type", b"application/json")], self._draining)
+            headers = [(b"content-type", b"application/json"), *self._draining_headers]
+            await self._whole(send, 503, headers, self._draining)
         else:
             await self._send_error(send, err)
 
@@ -294,10 +292,9 @@ class Relay(Response):
             self._p.extra.append(f"upstream_error={_kind(e)}")
             await self._send_error(
                 send,
-                _upstream_error(
-                    502,
-                    f"The decode worker failed before answering ({type(e).__name__}).",
+                upstream_failure(
                     "upstream_failed",
+                    f"The decode worker failed before answering ({type(e).__name__}).",
                 ),
             )
             return True
@@ -305,6 +302,8 @@ class Relay(Response):
             # Draining: it refused at its door, before any engine saw the request.
             try:
                 self._draining = await upstream.aread()
+                after = upstream.headers.get("retry-after")
+                self._draining_headers = [(b"retry-after", after.encode())] if after else []
             except httpx.HTTPError:
                 self._draining = None
             finally:
@@ -333,8 +332,8 @@ class Relay(Response):
                 p.extra.append(f"upstream_error={_kind(e)}")
                 await self._send_error(
                     send,
-                    _upstream_error(
-                        502, "The decode worker failed while answering.", "upstream_failed"
+                    upstream_failure(
+                        "upstream_failed", "The decode worker failed while answering."
                     ),
                 )
                 return
@@ -360,10 +359,9 @@ class Relay(Response):
             b""
             if cutter.ended_cleanly
             else _sse_error(
-                _upstream_error(
-                    502,
-                    "The decode worker stopped before the answer was complete.",
+                upstream_failure(
                     "upstream_failed",
+                    "The decode worker stopped before the answer was complete.",
                 )
             )
         )
