@@ -277,27 +277,35 @@ def soak(
         while more():
             conv = mix.step(cluster.url, conv, rng)
 
-    threads = [threading.Thread(target=client, args=(seed * 1000 + i,)) for i in range(concurrency)]
+    # Daemons, stopped on any way out: an interrupted soak must not go on sending.
+    threads = [
+        threading.Thread(target=client, args=(seed * 1000 + i,), daemon=True)
+        for i in range(concurrency)
+    ]
     for t in threads:
         t.start()
     rng = random.Random(seed)
     done = 0
-    # Restarts at the soak's thirds (jittered), measured in answers so they land mid-traffic.
+    # Restarts spread over the soak (jittered), by progress so that they land mid-traffic.
     marks = sorted(rng.uniform(0.2, 0.8) for _ in range(restarts))
-    total = requests if requests is not None else None
-    while any(t.is_alive() for t in threads):
-        counters.sample()
-        if marks:
-            progress = (
-                mix.tally.requests / total if total else 1 - (end - time.monotonic()) / duration
-            )  # type: ignore[operator]
-            if progress >= marks[0]:
-                marks.pop(0)
-                restart(cluster, mix)
-                done += 1
-        time.sleep(0.5)
-    for t in threads:
-        t.join()
+    try:
+        while any(t.is_alive() for t in threads):
+            counters.sample()
+            if marks:
+                progress = (
+                    mix.tally.requests / requests
+                    if requests
+                    else 1 - (end - time.monotonic()) / (duration or 1.0)
+                )
+                if progress >= marks[0]:
+                    marks.pop(0)
+                    restart(cluster, mix)
+                    done += 1
+            time.sleep(0.5)
+    finally:
+        stop.set()
+        for t in threads:
+            t.join()
     return done
 
 
