@@ -85,20 +85,45 @@ class Counters:
         return {k: int(v) for k, v in sorted(out.items())}
 
 
-def start(
-    topology: str, tmp: Path, model: str, ctx: int, pool: int, faults: dict[str, str]
-) -> tuple[LocalCluster, list[int], list[int]]:
-    """The cluster, and the public prefix and system prompt as the soak sends them."""
+def prefixes(model: str) -> tuple[list[int], list[int]]:
+    """The public prefix (with BOS: a conversation opens with it; the shared-prefix file holds
+    these ids) and the identical system prompt, as the soak sends them."""
     from kvfence.model.tokenizer import Tokenizer
 
     tok = Tokenizer(model)
-    public = tok.encode(PUBLIC_TEXT)  # with BOS: a conversation starts with it
-    system = tok.encode(SYSTEM_TEXT, add_special_tokens=False)
+    return tok.encode(PUBLIC_TEXT), tok.encode(SYSTEM_TEXT, add_special_tokens=False)
+
+
+def make_mix(
+    model: str, ctx: int, seed: int, heads: tuple[tuple[str, int], ...] = HEADS
+) -> Mix:
+    from kvfence.model.tokenizer import Tokenizer
+
+    tok = Tokenizer(model)
+    public, system = prefixes(model)
+    return Mix(
+        tenants=TENANTS,
+        ctx=ctx,
+        model=Path(model).name,
+        encode=lambda t: tok.encode(t, add_special_tokens=False),
+        bos=tok.encode(""),
+        registry=CanaryRegistry(random.Random(seed)),
+        ledger=Ledger(public),
+        tally=Tally(),
+        public_ids=public,
+        system_ids=system,
+        heads=heads,
+    )
+
+
+def start(
+    topology: str, tmp: Path, model: str, ctx: int, pool: int, faults: dict[str, str]
+) -> LocalCluster:
     shared = tmp / "shared-prefix.json"
-    shared.write_text(json.dumps([public]))
+    shared.write_text(json.dumps([prefixes(model)[0]]))
     command, args = TOPOLOGIES[topology]
     pd = ("--disaggregation-timeout", "3") if command == "up" else ()
-    cluster = LocalCluster(
+    return LocalCluster(
         tmp,
         model,
         *args,
@@ -113,7 +138,6 @@ def start(
         env={env.FAULT_INJECTION: "1", env.STALL_S: "0.3", **faults},
         command=command,
     )
-    return cluster, public, system
 
 
 def at_baseline(cluster: LocalCluster) -> dict:
@@ -162,37 +186,22 @@ def run(
     heads: tuple[tuple[str, int], ...] = HEADS,
 ) -> dict:
     """One topology's soak: `requests` requests or `duration` seconds, whichever comes first."""
-    from kvfence.model.tokenizer import Tokenizer
-
     armed = {
         env.FAULTS: ",".join(FAULTS if faults is None else faults),
         env.FAULT_RATE: str(rate),
         env.FAULT_SEED: str(fault_seed),
     }
-    tok = Tokenizer(model)
     with tempfile.TemporaryDirectory() as tmp:
         t0 = time.monotonic()
-        cluster, public, system = start(topology, Path(tmp), model, ctx, pool, armed)
+        cluster = start(topology, Path(tmp), model, ctx, pool, armed)
         started = time.monotonic() - t0
         try:
-            tally = Tally()
-            mix = Mix(
-                tenants=TENANTS,
-                ctx=ctx,
-                model=Path(model).name,
-                encode=lambda t: tok.encode(t, add_special_tokens=False),
-                bos=tok.encode(""),
-                registry=CanaryRegistry(random.Random(seed)),
-                ledger=Ledger(public),
-                tally=tally,
-                public_ids=public,
-                system_ids=system,
-                heads=heads,
-            )
+            mix = make_mix(model, ctx, seed, heads)
+            tally = mix.tally
             counters = Counters(cluster)
             t1 = time.monotonic()
-            done_restarts = soak(cluster, mix, counters, requests, duration, concurrency, seed,
-                                 restarts)  # fmt: skip
+            done_restarts = soak(cluster.url, mix, requests, duration, concurrency, seed,
+                                 restarts, cluster, counters)  # fmt: skip
             soak_s = time.monotonic() - t1
             pools: dict = {}
             deadline = time.monotonic() + 30
@@ -247,14 +256,15 @@ def run(
 
 
 def soak(
-    cluster: LocalCluster,
+    url: str,
     mix: Mix,
-    counters: Counters,
     requests: int | None,
     duration: float | None,
     concurrency: int,
     seed: int,
-    restarts: int,
+    restarts: int = 0,
+    cluster: LocalCluster | None = None,
+    counters: Counters | None = None,
 ) -> int:
     """Client threads until the budget is spent; `restarts` restarts spread over it (each one
     waited for before the soak ends). Returns the restarts done."""
@@ -275,7 +285,7 @@ def soak(
         rng = random.Random(wseed)
         conv = None
         while more():
-            conv = mix.step(cluster.url, conv, rng)
+            conv = mix.step(url, conv, rng)
 
     # Daemons, stopped on any way out: an interrupted soak must not go on sending.
     threads = [
@@ -290,8 +300,9 @@ def soak(
     marks = sorted(rng.uniform(0.2, 0.8) for _ in range(restarts))
     try:
         while any(t.is_alive() for t in threads):
-            counters.sample()
-            if marks:
+            if counters is not None:
+                counters.sample()
+            if marks and cluster is not None:
                 progress = (
                     mix.tally.requests / requests
                     if requests
