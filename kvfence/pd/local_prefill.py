@@ -6,7 +6,11 @@ bottleneck of a prompt-heavy load while decode has time to spare (1P1D on 2 core
 C=8: TTFT p50 2.9 s, TPOT 40 ms; serve 0.76 s and 74 ms). A decode step has room for prefill
 tokens beside its rows (the step-time budget, kvfence/engine/step_budget.py sizes them), so a
 prompt that would queue behind many at the prefill worker is computed here instead, the way a
-work-stealing scheduler balances two queues.
+work-stealing scheduler balances two queues. Interleaved 1P1D A/B against the same tree without
+it (benchmarks/pd_before_after.py, 256 -> 64, 3 pairs, 2 cores loaded by other work, so a
+direction, not a figure): C=8, 16 prompts: TTFT p50 0.46x (0.40-0.51), throughput 1.04x
+(1.03-1.29), ITL p50 1.24x, ITL p99 1.58x; C=32, 32 prompts: TTFT p50 0.90x (0.90-1.01),
+throughput 1.04x (0.85-1.14), ITL p50 0.95x, ITL p99 1.02x.
 
 The rule compares the prompt tokens each side has yet to compute for this worker's requests
 (those not yet answered with a first token): here when
