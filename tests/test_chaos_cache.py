@@ -40,7 +40,11 @@ def _passed(res: dict) -> None:
     print(json.dumps({k: v for k, v in res.items() if k != "pools"}, indent=1))
     assert verdict(res, HIT_FLOOR) == [], res
     assert res["outcomes"].get("ok_200", 0) > 0
-    assert res["outcomes"].get("http_400_context_length_exceeded", 0) > 0
+
+
+def _over_length_refused(*results: dict) -> int:
+    # 5% of turns run past the context: over a few hundred requests some always do.
+    return sum(r["outcomes"].get("http_400_context_length_exceeded", 0) for r in results)
 
 
 @pytest.mark.serial  # two clusters at once
@@ -51,6 +55,7 @@ def test_cache_mix_soak_unified_and_1p1d() -> None:
         u, p = unified.result(), pd.result()
     _passed(u)
     _passed(p)
+    assert _over_length_refused(u, p) > 0
     assert p["fault_effects"] > 0 and p["guard_catches"] > 0, "no fault fired in 1P1D"
 
 
@@ -89,4 +94,6 @@ SLOW = pytest.mark.skipif(not os.environ.get("RUN_SLOW"), reason="minutes: RUN_S
 @pytest.mark.serial
 @pytest.mark.parametrize("topology", ["unified", "1P1D", "2P1D", "TP2"])
 def test_cache_mix_soak_with_restarts(topology: str) -> None:
-    _passed(_soak(topology, requests=300, restarts=1, pool=768))
+    res = _soak(topology, requests=300, restarts=1, pool=768)
+    _passed(res)
+    assert _over_length_refused(res) > 0

@@ -82,6 +82,23 @@ def test_the_fault_draw_is_seeded() -> None:
     assert any(draws[0]) and not all(draws[0])
 
 
+def test_fires_are_counted_and_shown_to_the_operator_only_when_armed(monkeypatch) -> None:
+    """The chaos soaks count fault effects from /metrics: each fire of an armed point, by point;
+    a process with nothing armed shows no such family."""
+    from kvfence.server.metrics import ServerMetrics
+
+    monkeypatch.setenv(env.FAULT_INJECTION, "1")
+    quiet = Faults(rate=1.0)
+    assert b"kvfence_fault_fires" not in ServerMetrics(FakeEngine(), quiet).render()[0]
+    faults = Faults(rate=1.0)
+    faults.arm("corrupt_page")
+    assert faults.hook("corrupt_page", False) and faults.hook("corrupt_page", False)
+    assert faults.hook("late_write", False) is False  # not armed: no fire
+    text = ServerMetrics(FakeEngine(), faults).render()[0].decode()
+    assert 'kvfence_fault_fires_total{point="corrupt_page"} 2.0' in text
+    assert "late_write" not in text
+
+
 def test_nothing_an_http_request_carries_arms_a_fault_point() -> None:
     engine = FakeEngine()
     engine.start()

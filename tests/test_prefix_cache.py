@@ -189,6 +189,8 @@ def test_refcounts_are_exact_and_release_is_by_holder():
     cache.match("h2", c, toks(8), 2)
     cache.match("h3", c, toks(8), 1)
     assert [cache.refcount(p) for p in pages] == [3, 2]
+    # What /metrics shows the chaos soak (holders, references: both 0 at rest).
+    assert (cache.stats().holders, cache.stats().references) == (3, 5)
     cache.release("h2")
     assert [cache.refcount(p) for p in pages] == [2, 1]
     assert cache.num_evictable == 0
@@ -199,6 +201,7 @@ def test_refcounts_are_exact_and_release_is_by_holder():
     cache.release("h3")  # a second release is a no-op
     assert cache.evict(5) == [pages[0]]
     assert cache.num_cached == 0 and cache.num_holders == 0
+    assert (cache.stats().holders, cache.stats().references) == (0, 0)
 
 
 def test_eviction_is_lru_and_leaf_first():
