@@ -23,7 +23,7 @@ from kvfence.faults import Faults
 from kvfence.role import UnifiedService
 from kvfence.server.api import build_app
 from kvfence.tools.chaos import TENANTS
-from kvfence.tools.chaos_cache import make_mix, prefixes, run, soak, verdict
+from kvfence.tools.chaos_cache import FAULTS, make_mix, prefixes, run, soak, verdict
 
 SEED = 7
 # A floor the mix clears with room on a loaded machine (turns fail under faults or are cut):
@@ -87,6 +87,14 @@ def test_twin_one_cache_for_all_tenants_is_caught_by_the_credit_check(
     breaches = mix.ledger.credit_breaches(cfg.page_size)
     print(json.dumps({"requests": mix.tally.requests, "breaches": breaches}, indent=1))
     assert breaches, "another tenant's cached pages were credited and the soak did not see it"
+
+
+def test_no_point_armed_through_the_environment_turns_a_guard_off_everywhere() -> None:
+    """The environment arms a point in every process of a worker, TP ranks included: a point
+    meant for one rank (or a twin) would switch the guard off in all of them at once."""
+    assert "tp_rank_skips_tag_check" not in FAULTS
+    assert "tp_leader_decides_alone" not in FAULTS
+    assert not set(FAULTS) & {"kill_prefill", "kill_decode"}
 
 
 SLOW = pytest.mark.skipif(not os.environ.get("RUN_SLOW"), reason="minutes: RUN_SLOW=1")

@@ -41,9 +41,13 @@ TOPOLOGIES: dict[str, tuple[str, tuple[str, ...]]] = {
     "TP2": ("up", ("--prefill", "1", "--decode", "1", "--tp-size", "2")),
 }
 # Every action point a running soak survives, and drop_abort_ack (liveness only). Left out: the
-# kill_* points (a dead worker ends `kvfence up`, by design: the restarts stand in for them)
-# and tp_leader_decides_alone, which turns the ranks' combined check off (a twin).
-FAULTS = sorted(ACTION_POINTS - {"kill_prefill", "kill_decode", "tp_leader_decides_alone"})
+# kill_* points (a dead worker ends `kvfence up`, by design: the restarts stand in for them);
+# tp_leader_decides_alone, which turns the ranks' combined check off (a twin); and
+# tp_rank_skips_tag_check, meant for one rank: armed through the environment it reaches every
+# rank, and a batch where all of them skip has no tag check at all (the long soak's TP=2 run
+# met that with write_sealed_page: a same-tenant canary fragment).
+_NOT_ARMED = {"kill_prefill", "kill_decode", "tp_leader_decides_alone", "tp_rank_skips_tag_check"}
+FAULTS = sorted(ACTION_POINTS - _NOT_ARMED)
 FAULTS.append("drop_abort_ack")
 HIT_RATE_FLOOR = 0.2
 _COUNTER = re.compile(r'^(kvfence_\w+_total)(?:\{point="(\w+)"\})? (\S+)$', re.M)
