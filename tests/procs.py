@@ -23,7 +23,14 @@ OPERATOR = operator_headers(OPERATOR_KEY)
 
 
 class Proc:
-    def __init__(self, args: list[str], port: int, log: Path, env: dict[str, str] | None = None):
+    def __init__(
+        self,
+        args: list[str],
+        port: int,
+        log: Path,
+        env: dict[str, str] | None = None,
+        own_group: bool = False,
+    ):
         self.port = port
         self.url = f"http://127.0.0.1:{port}"
         self.log = log
@@ -33,6 +40,7 @@ class Proc:
             stdout=log.open("wb"),
             stderr=subprocess.STDOUT,
             env=full_env,
+            start_new_session=own_group,  # so a test can signal its group as `kvfence up` does
         )
 
     def wait_healthy(self, timeout: float = 120) -> None:
@@ -65,7 +73,13 @@ class Proc:
                 self.kill()
 
 
-def serve(role: str, tmp: Path, *extra: str, env: dict[str, str] | None = None) -> Proc:
+def serve(
+    role: str,
+    tmp: Path,
+    *extra: str,
+    env: dict[str, str] | None = None,
+    own_group: bool = False,
+) -> Proc:
     port = free_port()
     args = [
         "serve",
@@ -83,7 +97,7 @@ def serve(role: str, tmp: Path, *extra: str, env: dict[str, str] | None = None) 
     ]
     if role == "prefill":
         args += ["--disaggregation-bootstrap-port", str(free_port())]
-    return Proc(args, port, tmp / f"{role}-{port}.log", env)
+    return Proc(args, port, tmp / f"{role}-{port}.log", env, own_group)
 
 
 def running(pid: int) -> bool:

@@ -156,8 +156,13 @@ def test_pd_drain_refuses_new_rooms_with_a_503_and_finishes_admitted_ones() -> N
         pair.close()
 
 
-def test_sigterm_lets_admitted_streams_finish_then_exits(tmp_path: Path) -> None:
-    node = serve("null", tmp_path, "--context-length", "512", "--drain-timeout", "120")
+@pytest.mark.parametrize("tp", [1, 2])
+def test_sigterm_lets_admitted_streams_finish_then_exits(tmp_path: Path, tp: int) -> None:
+    """With tp=2 the SIGTERM goes to the node's whole process group, as `kvfence up`'s rolling
+    restart sends it: the follower rank must not die under the drain (it did: every admitted
+    stream then ended in a 503 engine_failed)."""
+    node = serve("null", tmp_path, "--context-length", "512", "--drain-timeout", "120",
+                 "--tp-size", str(tp), own_group=tp > 1)
     try:
         node.wait_healthy()
         body = {"model": "kvfence-tiny", "prompt": "name: Ada\ncode: X7qPz91LmWk2\ncode:",
@@ -176,7 +181,10 @@ def test_sigterm_lets_admitted_streams_finish_then_exits(tmp_path: Path) -> None
             t.start()
         for e in first:
             assert e.wait(60), "a stream never started"
-        node.p.send_signal(signal.SIGTERM)
+        if tp > 1:
+            os.killpg(node.p.pid, signal.SIGTERM)
+        else:
+            node.p.send_signal(signal.SIGTERM)
         wait_for(lambda: httpx.get(node.url + "/health").status_code == 503, 30,
                  "readiness did not turn 503 on SIGTERM")
         late = httpx.post(node.url + "/v1/completions", json={**body, "stream": False})

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import pickle
+import signal
 import sys
 
 import torch
@@ -82,6 +83,12 @@ def run_rank(setup: RankSetup, pipe: object) -> int:
 
 
 def main() -> int:
+    # Rank 0 owns this process's life: its pipe ending stops the loop, and rank 0 kills a rank that
+    # outstays close(). A SIGTERM or Ctrl-C sent to the node's process group (a rolling restart's
+    # drain, `kvfence up` stopping) must reach rank 0 alone, or the ranks die under a drain that
+    # still has steps to run and every admitted request fails instead of finishing.
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s tp-rank %(message)s")
     pipe = sys.stdin.buffer
     setup = read_frame(pipe)
