@@ -94,9 +94,10 @@ def offline_rows(path: Path, d: dict) -> list[Row]:
     vllm = om.get("vllm", {})
     label = vllm_label(d) if vllm else "vLLM not run"
     eq = d.get("ratios", {}).get("kvfence_equals_vllm_sequences", "")
+    dtype = "bf16" if d.get("dtype") == "bfloat16" else "fp32"
     return [
         row(
-            f"Offline, {str(d.get('workload', '')).split(',')[0]} random",
+            f"Offline, {str(d.get('workload', '')).split(',')[0]} random, {dtype}",
             "throughput, tok/s",
             "higher",
             om["kvfence"]["total_tokens_per_s"],
@@ -106,7 +107,7 @@ def offline_rows(path: Path, d: dict) -> list[Row]:
             f"outputs equal: {eq}" if eq else "",
         ),
         row(
-            "Batch-1 decode",
+            f"Batch-1 decode, {dtype}",
             "ms per token",
             "lower",
             om["kvfence"]["batch1_ms_per_token"],
@@ -227,6 +228,7 @@ def rows_from(files: dict[str, Path]) -> list[Row]:
     out: list[Row] = []
     for key, fn in (
         ("offline", offline_rows),
+        ("offline_bf16", offline_rows),
         ("http", http_rows),
         ("shared_prefix", shared_prefix_rows),
         ("pd_handoff", pd_rows),
@@ -335,6 +337,7 @@ def steps(quick: bool, vllm: bool, model_long: Path) -> list[tuple[str, list[str
         window += ["--prompt-len", "256"]
     return [
         ("offline", offline),
+        ("offline_bf16", [*offline, "--dtype", "bfloat16"]),
         ("http", http),
         ("shared_prefix", prefix),
         ("pd_handoff", pd(short, 1 if quick else 3)),

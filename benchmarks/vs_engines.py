@@ -375,6 +375,7 @@ def main(argv: list[str] | None = None) -> int:
         "machine": machine(),
         "model": str(model),
         "workload": f"{a.num_prompts} x {a.input_len} -> {a.output_len}, greedy, EOS ignored",
+        "dtype": a.dtype,
         "concurrency": a.concurrency,
         "rounds": rounds,
         "offline_mean": mean,
