@@ -1,15 +1,22 @@
 // Prefill attention straight from the paged KV pool. A row is a chunk of q_len new tokens, the
 // last q_len of its ctx_len context tokens (a cached prefix and earlier chunks, then the chunk
-// itself), whose queries attend causally over that context. Each job (a row, a KV head, a block of
-// queries) streams the row's pages a tile of keys at a time, in place, with an online softmax:
-// no gathered copy of the context and no [q_len, ctx_len] mask exist, and a job's scratch is a few
-// tiles whatever the context's length. A job reads only slots [its first query's window start,
-// its last query's position]: never a page's stale tail, never past the row's context.
+// itself), whose queries attend causally over that context. Each job (a row, a KV head, a block
+// of tokens with every query head sharing that KV head) streams the row's pages a tile of keys at
+// a time, in place, with an online softmax: no gathered copy of the context and no
+// [q_len, ctx_len] mask exist, and a job's scratch is a few tiles whatever the context's length.
+// A job reads only slots [its first query's window start, its last query's position]: never a
+// page's stale tail, never past the row's context.
+//
+// A job's queries lie in vector lanes (transposed once per job), so a tile's scores are computed
+// keys x query lanes with each key's elements broadcast straight from its page, the softmax's
+// max and sum run down the keys lane by lane (no horizontal reductions), and the output adds
+// probabilities x V rows read from their pages too: a float32 tile is never copied. Other cache
+// dtypes are widened to float32 a tile at a time (rows, never transposed); every product
+// accumulates in float32.
 //
 // q [N, H, D]: row b's queries are q[q_starts[b] : q_starts[b] + q_lens[b]]. k_cache, v_cache
 // [slots, KVH, D] (one layer); page_table [B, P], ctx_lens, q_starts, q_lens [B] int64. The
 // answers are written to the same rows of out [N, H, D]; rows no b covers are left as they are.
-// Every cache dtype is widened to float32 a tile at a time, and accumulates in float32.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
@@ -17,51 +24,63 @@
 
 #include <algorithm>
 #include <atomic>
-#include <cmath>
-#include <limits>
+#include <climits>
+#include <type_traits>
 #include <vector>
 
 namespace {
 
-constexpr int64_t KT = 64;  // keys per tile: four 16-lane vectors of scores per query
+constexpr int64_t KT = 64;  // keys per tile
+constexpr int64_t QB = 48;  // query lanes per block: three vectors (16 tokens x 3 heads of GQA)
+constexpr int NK = 8;       // keys per score microkernel: 8 x 3 accumulators
+constexpr int MR = 6;       // query rows per output microkernel: 6 x 4 accumulators
 // Query vectors (tokens x the heads sharing a KV head) per job, at most: each key tile a job
-// loads serves this many queries, so a long context's K/V is streamed from memory fewer times.
-// Fewer when the batch would otherwise leave cores idle.
-constexpr int64_t JOB_QUERIES = 128;
+// reads serves this many queries. Fewer when the batch would otherwise leave cores idle.
+constexpr int64_t JOB_QUERIES = 192;
+// A finite floor for scores no query may see and for the running max before any key: exp of a
+// difference of floors is 1 and of a floor minus a score is 0 after exp16's clamp, never NaN.
+constexpr float FLOOR = -1e30f;
+typedef int i16_mem __attribute__((vector_size(64), aligned(4), may_alias));
 
 struct Job {
-    int64_t row, head, first, last;  // queries [first, last) of the row, for KV head `head`
+    int64_t row, head, first, last;  // tokens [first, last) of the row, for KV head `head`
 };
 
-// S[r][0..KT) = Q[r] . Kt for MR query rows: Kt is the tile transposed ([D][KT]), so each step
-// of d is four vector loads and MR broadcasts feeding 4 * MR fused multiply-adds.
-template <int MR>
-inline void qk_rows(const float* Q, int64_t D, const float* Kt, float* S) {
-    v16 acc[MR][4] = {};
+// S[k][lane] = K_k . Q[lane] for NK keys and one block's 48 query lanes: per element d, three
+// vector loads of the transposed queries and NK broadcasts of the keys' d-th elements (read
+// where the keys lie) feed 3 * NK fused multiply-adds.
+template <int N>
+inline void scores(const float* const* kp, const float* qt, int64_t D, float* S) {
+    const float* k[N];
+    for (int i = 0; i < N; ++i) k[i] = kp[i];
+    v16 acc[N][3] = {};
     for (int64_t d = 0; d < D; ++d) {
-        v16 k[4];
-        for (int j = 0; j < 4; ++j) k[j] = load16(Kt + d * KT + 16 * j);
-        for (int r = 0; r < MR; ++r) {
-            const float qv = Q[r * D + d];
-            for (int j = 0; j < 4; ++j) acc[r][j] += qv * k[j];
+        const v16 q0 = load16(qt + d * QB), q1 = load16(qt + d * QB + 16),
+                  q2 = load16(qt + d * QB + 32);
+        for (int i = 0; i < N; ++i) {
+            const float kv = k[i][d];
+            acc[i][0] += kv * q0;
+            acc[i][1] += kv * q1;
+            acc[i][2] += kv * q2;
         }
     }
-    for (int r = 0; r < MR; ++r)
-        for (int j = 0; j < 4; ++j) store16(S + r * KT + 16 * j, acc[r][j]);
+    for (int i = 0; i < N; ++i)
+        for (int j = 0; j < 3; ++j) store16(S + i * QB + 16 * j, acc[i][j]);
 }
 
-// O[r][col, col + 16 NV) += P[r][0..n) . V[0..n)[col, ...) for MR query rows, the accumulators in
-// registers while each V row segment is loaded once.
-template <int MR, int NV>
-inline void pv_rows(const float* P, const float* V, int64_t Dp, int64_t n, int64_t col, float* O) {
+// O[r][col, col + 16 NV) = O[r][...] * corr[r] + sum_t P[t][r] V_t[col, ...) for MR query rows:
+// the accumulators stay in registers while each V row segment is loaded once, from its page.
+template <int NV>
+inline void outputs(const float* P, const float* const* vp, int64_t n, int64_t col,
+                    const float* corr, float* O, int64_t Dp) {
     v16 acc[MR][NV];
     for (int r = 0; r < MR; ++r)
-        for (int j = 0; j < NV; ++j) acc[r][j] = load16(O + r * Dp + col + 16 * j);
+        for (int j = 0; j < NV; ++j) acc[r][j] = load16(O + r * Dp + col + 16 * j) * corr[r];
     for (int64_t t = 0; t < n; ++t) {
         v16 v[NV];
-        for (int j = 0; j < NV; ++j) v[j] = load16(V + t * Dp + col + 16 * j);
+        for (int j = 0; j < NV; ++j) v[j] = load16(vp[t] + col + 16 * j);
         for (int r = 0; r < MR; ++r) {
-            const float p = P[r * KT + t];
+            const float p = P[t * QB + r];
             for (int j = 0; j < NV; ++j) acc[r][j] += p * v[j];
         }
     }
@@ -69,79 +88,62 @@ inline void pv_rows(const float* P, const float* V, int64_t Dp, int64_t n, int64
         for (int j = 0; j < NV; ++j) store16(O + r * Dp + col + 16 * j, acc[r][j]);
 }
 
-template <int MR>
-inline void pv_cols(const float* P, const float* V, int64_t Dp, int64_t n, float* O) {
+inline void outputs_rows(const float* P, const float* const* vp, int64_t n, const float* corr,
+                         float* O, int64_t Dp) {
     int64_t col = 0;
-    for (; col + 64 <= Dp; col += 64) pv_rows<MR, 4>(P, V, Dp, n, col, O);
+    for (; col + 64 <= Dp; col += 64) outputs<4>(P, vp, n, col, corr, O, Dp);
     switch ((Dp - col) / 16) {
-        case 3: pv_rows<MR, 3>(P, V, Dp, n, col, O); break;
-        case 2: pv_rows<MR, 2>(P, V, Dp, n, col, O); break;
-        case 1: pv_rows<MR, 1>(P, V, Dp, n, col, O); break;
+        case 3: outputs<3>(P, vp, n, col, corr, O, Dp); break;
+        case 2: outputs<2>(P, vp, n, col, corr, O, Dp); break;
+        case 1: outputs<1>(P, vp, n, col, corr, O, Dp); break;
         default: break;
     }
 }
 
-void qk_tile(const float* Q, int64_t M, int64_t D, const float* Kt, float* S) {
-    int64_t r = 0;
-    for (; r + 4 <= M; r += 4) qk_rows<4>(Q + r * D, D, Kt, S + r * KT);
-    for (; r < M; ++r) qk_rows<1>(Q + r * D, D, Kt, S + r * KT);
-}
-
-void pv_tile(const float* P, int64_t M, const float* V, int64_t Dp, int64_t n, float* O) {
-    int64_t r = 0;
-    for (; r + 4 <= M; r += 4) pv_cols<4>(P + r * KT, V, Dp, n, O + r * Dp);
-    for (; r < M; ++r) pv_cols<1>(P + r * KT, V, Dp, n, O + r * Dp);
-}
-
-// Horizontal max and sum of 16 lanes: a shuffle tree, 4 steps deep instead of 15.
-template <typename Op>
-inline float reduce_lanes(v16 x, Op op) {
-    const i16 by8 = {8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7};
-    const i16 by4 = {4, 5, 6, 7, 0, 1, 2, 3, 12, 13, 14, 15, 8, 9, 10, 11};
-    const i16 by2 = {2, 3, 0, 1, 6, 7, 4, 5, 10, 11, 8, 9, 14, 15, 12, 13};
-    const i16 by1 = {1, 0, 3, 2, 5, 4, 7, 6, 9, 8, 11, 10, 13, 12, 15, 14};
-    x = op(x, __builtin_shuffle(x, by8));
-    x = op(x, __builtin_shuffle(x, by4));
-    x = op(x, __builtin_shuffle(x, by2));
-    return op(x, __builtin_shuffle(x, by1))[0];
-}
-
-// One query's scores for a tile become probabilities, folded into its running max m, sum l
-// and output row o (flash-style: o and l are rescaled when the max grows). Keys outside [a, e)
-// (past the query, before its window, past the tile) get probability 0, in vector lanes.
-inline void online_softmax(float* s, int64_t a, int64_t e, float& m, float& l, float* o,
-                           int64_t Dp) {
-    const v16 ninf = v16{} - std::numeric_limits<float>::infinity();
-    const i16 lane = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
-    const auto vmax = [](v16 x, v16 y) { return x > y ? x : y; };
-    i16 keep[KT / 16];
-    v16 sv[KT / 16], mx = ninf;
-    for (int j = 0; j < KT / 16; ++j) {
-        const i16 idx = lane + 16 * j;
-        keep[j] = (idx >= static_cast<int>(a)) & (idx < static_cast<int>(e));
-        sv[j] = keep[j] ? load16(s + 16 * j) : ninf;
-        mx = vmax(mx, sv[j]);
-    }
-    const float m_new = std::max(m, reduce_lanes(mx, vmax));
-    const float corr = std::exp(m - m_new);  // 0 on the first tile (m = -inf)
-    m = m_new;
-    v16 z = {};
-    for (int j = 0; j < KT / 16; ++j) {
-        const v16 p = keep[j] ? exp16(sv[j] - m_new) : v16{};
-        store16(s + 16 * j, p);
-        z += p;
-    }
-    l = l * corr + reduce_lanes(z, [](v16 x, v16 y) { return x + y; });
-    if (corr != 1.f)
-        for (int64_t d = 0; d < Dp; ++d) o[d] *= corr;
-}
-
 // One worker's scratch: sized by the job (queries x head size x tile), never by the context.
 struct Scratch {
-    std::vector<float> q, kt, v, s, o, m, l;
-    Scratch(int64_t M, int64_t D, int64_t Dp)
-        : q(M * D), kt(D * KT), v(KT * Dp), s(M * KT), o(M * Dp), m(M), l(M) {}
+    std::vector<float> qt, o, m, l, s, corr, kbuf, vbuf, zeros;
+    std::vector<int> pos, lo;  // each lane's position and window start
+    std::vector<const float*> kp, vp;
+    Scratch(int64_t Mp, int64_t D, int64_t Dp)
+        : qt(Mp * D), o(Mp * Dp), m(Mp), l(Mp), s(KT * QB), corr(QB), kbuf(KT * D),
+          vbuf(KT * Dp, 0.f), zeros(Dp, 0.f), pos(Mp), lo(Mp), kp(KT), vp(KT) {}
 };
+
+// A block's lanes fold one tile's scores into their running max m, sum l and output rows O:
+// the scores become probabilities in place, zero where a key is masked (past the query, before
+// its window, past the tile), and corr holds each lane's rescale of its earlier output.
+inline void softmax_block(float* S, int64_t n, int64_t t0, bool masked, const int* pos,
+                          const int* lo, float* m, float* l, float* corr) {
+    for (int j = 0; j < 3; ++j) {
+        const i16 pv = *reinterpret_cast<const i16_mem*>(pos + 16 * j);
+        const i16 lv = *reinterpret_cast<const i16_mem*>(lo + 16 * j);
+        const v16 floor = v16{} + FLOOR;
+        v16 mx = floor;
+        for (int64_t t = 0; t < n; ++t) {
+            v16 s = load16(S + t * QB + 16 * j);
+            if (masked) {
+                const i16 key = i16{} + static_cast<int>(t0 + t);
+                s = (key <= pv) & (key >= lv) ? s : floor;
+                store16(S + t * QB + 16 * j, s);
+            }
+            mx = mx > s ? mx : s;
+        }
+        const v16 m_old = load16(m + 16 * j);
+        const v16 m_new = m_old > mx ? m_old : mx;
+        store16(corr + 16 * j, exp16(m_old - m_new));
+        v16 z = {};
+        for (int64_t t = 0; t < n; ++t) {
+            const v16 s = load16(S + t * QB + 16 * j);
+            v16 p = exp16(s - m_new);
+            if (masked) p = s > floor ? p : v16{};
+            store16(S + t * QB + 16 * j, p);
+            z += p;
+        }
+        store16(m + 16 * j, m_new);
+        store16(l + 16 * j, load16(l + 16 * j) * load16(corr + 16 * j) + z);
+    }
+}
 
 template <typename T>
 void run_job(const Job& job, const T* q, const T* kc, const T* vc, const int64_t* pt,
@@ -150,55 +152,82 @@ void run_job(const Job& job, const T* q, const T* kc, const T* vc, const int64_t
              float scale, int64_t window, Scratch& w) {
     const int64_t G = H / KVH, row = KVH * D, b = job.row, h = job.head;
     const int64_t n_ctx = ctx[b], first_pos = n_ctx - q_lens[b];  // position of query 0
-    const int64_t M = (job.last - job.first) * G;  // query vectors, token-major: m = i * G + g
+    const int64_t M = (job.last - job.first) * G;  // query lanes, token-major: m = i * G + g
+    const int64_t blocks = (M + QB - 1) / QB, Mp = blocks * QB;
     const int64_t* pages = pt + b * P;
-    for (int64_t i = job.first; i < job.last; ++i)
-        for (int64_t g = 0; g < G; ++g) {
+    for (int64_t mi = 0; mi < Mp; ++mi) {
+        const int64_t i = job.first + mi / G, g = mi % G;
+        float* dst = &w.qt[(mi / QB) * D * QB + mi % QB];
+        if (mi < M) {
             const T* src = q + ((q_starts[b] + i) * H + h * G + g) * D;
-            float* dst = &w.q[((i - job.first) * G + g) * D];
-            for (int64_t d = 0; d < D; ++d) dst[d] = static_cast<float>(src[d]) * scale;
+            for (int64_t d = 0; d < D; ++d) dst[d * QB] = static_cast<float>(src[d]) * scale;
+            const int64_t p = first_pos + i;
+            w.pos[mi] = static_cast<int>(p);
+            w.lo[mi] = window > 0 ? static_cast<int>(std::max<int64_t>(0, p - window + 1)) : 0;
+        } else {  // a padding lane sees no key: its output is never written
+            for (int64_t d = 0; d < D; ++d) dst[d * QB] = 0.f;
+            w.pos[mi] = -1;
+            w.lo[mi] = INT_MAX;
         }
-    std::fill(w.o.begin(), w.o.begin() + M * Dp, 0.f);
-    std::fill(w.m.begin(), w.m.begin() + M, -std::numeric_limits<float>::infinity());
-    std::fill(w.l.begin(), w.l.begin() + M, 0.f);
+    }
+    std::fill(w.o.begin(), w.o.begin() + Mp * Dp, 0.f);
+    std::fill(w.m.begin(), w.m.begin() + Mp, FLOOR);
+    std::fill(w.l.begin(), w.l.begin() + Mp, 0.f);
     const int64_t last_pos = first_pos + job.last - 1;
     const int64_t lo = window > 0 ? std::max<int64_t>(0, first_pos + job.first - window + 1) : 0;
+    constexpr bool in_place = std::is_same<T, float>::value;
+    const bool v_in_place = in_place && D == Dp;  // else V rows are padded to whole vectors
     for (int64_t t0 = lo; t0 <= last_pos; t0 += KT) {
         const int64_t n = std::min(KT, last_pos + 1 - t0);
-        // The tile, widened to float32: K transposed for the score product, V row-major; the
-        // lanes past n (or past D) are zero, so they add nothing.
-        std::fill(w.kt.begin(), w.kt.end(), 0.f);
-        std::fill(w.v.begin(), w.v.end(), 0.f);
-        for (int64_t t = 0; t < n; ++t) {
+        for (int64_t t = 0; t < KT; ++t) {
+            if (t >= n) {  // score rows past the tile read zeros; no output reads them
+                w.kp[t] = w.zeros.data();
+                continue;
+            }
             const int64_t pos = t0 + t;
             const int64_t slot = pages[pos / page_size] * page_size + pos % page_size;
             const T* kr = kc + slot * row + h * D;
             const T* vr = vc + slot * row + h * D;
-            for (int64_t d = 0; d < D; ++d) w.kt[d * KT + t] = static_cast<float>(kr[d]);
-            for (int64_t d = 0; d < D; ++d) w.v[t * Dp + d] = static_cast<float>(vr[d]);
-        }
-        qk_tile(w.q.data(), M, D, w.kt.data(), w.s.data());
-        for (int64_t mi = 0; mi < M; ++mi) {
-            float* s = &w.s[mi * KT];
-            const int64_t pos = first_pos + job.first + mi / G;  // this query's position
-            // Keys this query may see in the tile: causal, and inside its sliding window.
-            const int64_t a = window > 0 ? std::max<int64_t>(0, pos - window + 1 - t0) : 0;
-            const int64_t e = std::min(n, pos + 1 - t0);
-            if (a >= e) {  // none: its probabilities here are all zero
-                std::fill(s, s + KT, 0.f);
-                continue;
+            if constexpr (in_place) {
+                w.kp[t] = kr;
+            } else {
+                float* kd = &w.kbuf[t * D];
+                for (int64_t d = 0; d < D; ++d) kd[d] = static_cast<float>(kr[d]);
+                w.kp[t] = kd;
             }
-            online_softmax(s, a, e, w.m[mi], w.l[mi], &w.o[mi * Dp], Dp);
+            if (v_in_place) {
+                w.vp[t] = reinterpret_cast<const float*>(vr);
+            } else {
+                float* vd = &w.vbuf[t * Dp];
+                for (int64_t d = 0; d < D; ++d) vd[d] = static_cast<float>(vr[d]);
+                w.vp[t] = vd;
+            }
         }
-        pv_tile(w.s.data(), M, w.v.data(), Dp, n, w.o.data());
+        const int64_t t_end = t0 + n - 1;
+        for (int64_t qb = 0; qb < blocks; ++qb) {
+            const int* pos = &w.pos[qb * QB];
+            const int* lov = &w.lo[qb * QB];
+            const int64_t real = std::min<int64_t>(QB, M - qb * QB);
+            // Real lanes are token-major, so the first and last hold the block's extremes.
+            const int64_t min_pos = pos[0], max_pos = pos[real - 1];
+            const int64_t min_lo = lov[0], max_lo = lov[real - 1];
+            if (max_pos < t0 || min_lo > t_end) continue;  // no lane sees any of this tile
+            const bool masked = t_end > min_pos || t0 < max_lo;
+            float* S = w.s.data();
+            const float* qt = &w.qt[qb * D * QB];
+            for (int64_t k = 0; k < n; k += NK) scores<NK>(&w.kp[k], qt, D, S + k * QB);
+            softmax_block(S, n, t0, masked, pos, lov, &w.m[qb * QB], &w.l[qb * QB],
+                          w.corr.data());
+            for (int64_t r = 0; r < QB; r += MR)
+                outputs_rows(S + r, w.vp.data(), n, &w.corr[r], &w.o[(qb * QB + r) * Dp], Dp);
+        }
     }
-    for (int64_t i = job.first; i < job.last; ++i)
-        for (int64_t g = 0; g < G; ++g) {
-            const int64_t mi = (i - job.first) * G + g;
-            const float inv = 1.f / w.l[mi];
-            T* dst = out + ((q_starts[b] + i) * H + h * G + g) * D;
-            for (int64_t d = 0; d < D; ++d) dst[d] = static_cast<T>(w.o[mi * Dp + d] * inv);
-        }
+    for (int64_t mi = 0; mi < M; ++mi) {
+        const int64_t i = job.first + mi / G, g = mi % G;
+        const float inv = 1.f / w.l[mi];
+        T* dst = out + ((q_starts[b] + i) * H + h * G + g) * D;
+        for (int64_t d = 0; d < D; ++d) dst[d] = static_cast<T>(w.o[mi * Dp + d] * inv);
+    }
 }
 
 template <typename T>
@@ -230,8 +259,9 @@ void prefill_kernel(const T* q, const T* kc, const T* vc, const int64_t* pt, con
     std::atomic<int64_t> next{0};
     const int64_t n_jobs = static_cast<int64_t>(jobs.size());
     const int64_t workers = std::min<int64_t>(at::get_num_threads(), n_jobs);
+    const int64_t max_lanes = (per_job * G + QB - 1) / QB * QB;
     at::parallel_for(0, workers, 1, [&](int64_t begin, int64_t end) {
-        Scratch w(per_job * G, D, Dp);
+        Scratch w(max_lanes, D, Dp);
         for (int64_t unused = begin; unused < end; ++unused)
             for (int64_t j = next++; j < n_jobs; j = next++)
                 run_job<T>(jobs[j], q, kc, vc, pt, ctx, q_starts, q_lens, out, H, KVH, D, Dp, P,
