@@ -24,33 +24,34 @@
 
 #include <algorithm>
 #include <atomic>
-#include <climits>
 #include <type_traits>
 #include <vector>
 
 namespace {
 
-constexpr int64_t KT = 64;  // keys per tile
+constexpr int64_t KT = 128;  // keys per tile
 constexpr int64_t QB = 48;  // query lanes per block: three vectors (16 tokens x 3 heads of GQA)
 constexpr int NK = 8;       // keys per score microkernel: 8 x 3 accumulators
 constexpr int MR = 6;       // query rows per output microkernel: 6 x 4 accumulators
 // Query vectors (tokens x the heads sharing a KV head) per job, at most: each key tile a job
 // reads serves this many queries. Fewer when the batch would otherwise leave cores idle.
-constexpr int64_t JOB_QUERIES = 192;
+constexpr int64_t JOB_QUERIES = 384;
 // A finite floor for scores no query may see and for the running max before any key: exp of a
 // difference of floors is 1 and of a floor minus a score is 0 after exp16's clamp, never NaN.
 constexpr float FLOOR = -1e30f;
-typedef int i16_mem __attribute__((vector_size(64), aligned(4), may_alias));
 
 struct Job {
     int64_t row, head, first, last;  // tokens [first, last) of the row, for KV head `head`
 };
 
-// S[k][lane] = K_k . Q[lane] for NK keys and one block's 48 query lanes: per element d, three
-// vector loads of the transposed queries and NK broadcasts of the keys' d-th elements (read
-// where the keys lie) feed 3 * NK fused multiply-adds.
-template <int N>
-inline void scores(const float* const* kp, const float* qt, int64_t D, float* S) {
+// S[k][lane] = K_k . Q[lane] for N keys (key0, key0 + 1, ...) and one block's 48 query lanes:
+// per element d, three vector loads of the transposed queries and N broadcasts of the keys'
+// d-th elements (read where the keys lie) feed 3 N fused multiply-adds. Where MASKED, a score
+// whose key the lane may not see (past its position, before its window) is stored as FLOOR.
+// mx gathers each lane's max over the first `rows` keys (the others lie past the tile).
+template <int N, bool MASKED>
+inline void scores(const float* const* kp, const float* qt, int64_t D, float* S, int64_t key0,
+                   const float* pos, const float* lo, int64_t rows, v16* mx) {
     const float* k[N];
     for (int i = 0; i < N; ++i) k[i] = kp[i];
     v16 acc[N][3] = {};
@@ -64,8 +65,23 @@ inline void scores(const float* const* kp, const float* qt, int64_t D, float* S)
             acc[i][2] += kv * q2;
         }
     }
-    for (int i = 0; i < N; ++i)
-        for (int j = 0; j < 3; ++j) store16(S + i * QB + 16 * j, acc[i][j]);
+    const v16 floor = v16{} + FLOOR;
+    for (int j = 0; j < 3; ++j) {
+        v16 pv = {}, lv = {};
+        if (MASKED) {
+            pv = load16(pos + 16 * j);
+            lv = load16(lo + 16 * j);
+        }
+        for (int i = 0; i < N; ++i) {
+            v16 s = acc[i][j];
+            if (MASKED) {
+                const v16 key = v16{} + static_cast<float>(key0 + i);
+                s = (key <= pv) & (key >= lv) ? s : floor;
+            }
+            store16(S + i * QB + 16 * j, s);
+            if (i < rows) mx[j] = mx[j] > s ? mx[j] : s;
+        }
+    }
 }
 
 // O[r][col, col + 16 NV) = O[r][...] * corr[r] + sum_t P[t][r] V_t[col, ...) for MR query rows:
@@ -102,36 +118,26 @@ inline void outputs_rows(const float* P, const float* const* vp, int64_t n, cons
 
 // One worker's scratch: sized by the job (queries x head size x tile), never by the context.
 struct Scratch {
-    std::vector<float> qt, o, m, l, s, corr, kbuf, vbuf, zeros;
-    std::vector<int> pos, lo;  // each lane's position and window start
+    // Each lane's position and window start, as floats (exact below 2^24 tokens) for the masks'
+    // lane-wise compares.
+    std::vector<float> qt, o, m, l, s, corr, kbuf, vbuf, zeros, pos, lo;
     std::vector<const float*> kp, vp;
     Scratch(int64_t Mp, int64_t D, int64_t Dp)
         : qt(Mp * D), o(Mp * Dp), m(Mp), l(Mp), s(KT * QB), corr(QB), kbuf(KT * D),
           vbuf(KT * Dp, 0.f), zeros(Dp, 0.f), pos(Mp), lo(Mp), kp(KT), vp(KT) {}
 };
 
-// A block's lanes fold one tile's scores into their running max m, sum l and output rows O:
-// the scores become probabilities in place, zero where a key is masked (past the query, before
-// its window, past the tile), and corr holds each lane's rescale of its earlier output.
-inline void softmax_block(float* S, int64_t n, int64_t t0, bool masked, const int* pos,
-                          const int* lo, float* m, float* l, float* corr) {
+// A block's lanes fold one tile's scores (their maxima mx) into their running max m, sum l and
+// output rows: the scores become probabilities in place, zero where a key is masked, and corr
+// holds each lane's rescale of its earlier output.
+inline void softmax_block(float* S, int64_t n, bool masked, const v16* mx, float* m, float* l,
+                          float* corr) {
+    const v16 floor = v16{} + FLOOR;
     for (int j = 0; j < 3; ++j) {
-        const i16 pv = *reinterpret_cast<const i16_mem*>(pos + 16 * j);
-        const i16 lv = *reinterpret_cast<const i16_mem*>(lo + 16 * j);
-        const v16 floor = v16{} + FLOOR;
-        v16 mx = floor;
-        for (int64_t t = 0; t < n; ++t) {
-            v16 s = load16(S + t * QB + 16 * j);
-            if (masked) {
-                const i16 key = i16{} + static_cast<int>(t0 + t);
-                s = (key <= pv) & (key >= lv) ? s : floor;
-                store16(S + t * QB + 16 * j, s);
-            }
-            mx = mx > s ? mx : s;
-        }
         const v16 m_old = load16(m + 16 * j);
-        const v16 m_new = m_old > mx ? m_old : mx;
-        store16(corr + 16 * j, exp16(m_old - m_new));
+        const v16 m_new = m_old > mx[j] ? m_old : mx[j];
+        const v16 c = exp16(m_old - m_new);
+        store16(corr + 16 * j, c);
         v16 z = {};
         for (int64_t t = 0; t < n; ++t) {
             const v16 s = load16(S + t * QB + 16 * j);
@@ -141,7 +147,7 @@ inline void softmax_block(float* S, int64_t n, int64_t t0, bool masked, const in
             z += p;
         }
         store16(m + 16 * j, m_new);
-        store16(l + 16 * j, load16(l + 16 * j) * load16(corr + 16 * j) + z);
+        store16(l + 16 * j, load16(l + 16 * j) * c + z);
     }
 }
 
@@ -162,12 +168,12 @@ void run_job(const Job& job, const T* q, const T* kc, const T* vc, const int64_t
             const T* src = q + ((q_starts[b] + i) * H + h * G + g) * D;
             for (int64_t d = 0; d < D; ++d) dst[d * QB] = static_cast<float>(src[d]) * scale;
             const int64_t p = first_pos + i;
-            w.pos[mi] = static_cast<int>(p);
-            w.lo[mi] = window > 0 ? static_cast<int>(std::max<int64_t>(0, p - window + 1)) : 0;
+            w.pos[mi] = static_cast<float>(p);
+            w.lo[mi] = window > 0 ? static_cast<float>(std::max<int64_t>(0, p - window + 1)) : 0.f;
         } else {  // a padding lane sees no key: its output is never written
             for (int64_t d = 0; d < D; ++d) dst[d * QB] = 0.f;
-            w.pos[mi] = -1;
-            w.lo[mi] = INT_MAX;
+            w.pos[mi] = -1.f;
+            w.lo[mi] = -FLOOR;
         }
     }
     std::fill(w.o.begin(), w.o.begin() + Mp * Dp, 0.f);
@@ -179,15 +185,25 @@ void run_job(const Job& job, const T* q, const T* kc, const T* vc, const int64_t
     const bool v_in_place = in_place && D == Dp;  // else V rows are padded to whole vectors
     for (int64_t t0 = lo; t0 <= last_pos; t0 += KT) {
         const int64_t n = std::min(KT, last_pos + 1 - t0);
-        for (int64_t t = 0; t < KT; ++t) {
+        const int64_t n_next = std::min(KT, last_pos + 1 - t0 - KT);  // <= 0 after the last
+        int64_t page = t0 / page_size, in_page = t0 % page_size;  // walked, not divided per key
+        for (int64_t t = 0; t < KT; ++t, ++in_page) {
             if (t >= n) {  // score rows past the tile read zeros; no output reads them
                 w.kp[t] = w.zeros.data();
                 continue;
             }
-            const int64_t pos = t0 + t;
-            const int64_t slot = pages[pos / page_size] * page_size + pos % page_size;
+            if (in_page == page_size) ++page, in_page = 0;
+            const int64_t slot = pages[page] * page_size + in_page;
             const T* kr = kc + slot * row + h * D;
             const T* vr = vc + slot * row + h * D;
+            if (t < n_next) {  // the next tile's rows start loading while this one computes
+                const int64_t pn = t0 + KT + t;
+                const int64_t sn = pages[pn / page_size] * page_size + pn % page_size;
+                for (int64_t d = 0; d < D; d += 64 / static_cast<int64_t>(sizeof(T))) {
+                    __builtin_prefetch(kc + sn * row + h * D + d);
+                    __builtin_prefetch(vc + sn * row + h * D + d);
+                }
+            }
             if constexpr (in_place) {
                 w.kp[t] = kr;
             } else {
@@ -205,8 +221,8 @@ void run_job(const Job& job, const T* q, const T* kc, const T* vc, const int64_t
         }
         const int64_t t_end = t0 + n - 1;
         for (int64_t qb = 0; qb < blocks; ++qb) {
-            const int* pos = &w.pos[qb * QB];
-            const int* lov = &w.lo[qb * QB];
+            const float* pos = &w.pos[qb * QB];
+            const float* lov = &w.lo[qb * QB];
             const int64_t real = std::min<int64_t>(QB, M - qb * QB);
             // Real lanes are token-major, so the first and last hold the block's extremes.
             const int64_t min_pos = pos[0], max_pos = pos[real - 1];
@@ -215,9 +231,14 @@ void run_job(const Job& job, const T* q, const T* kc, const T* vc, const int64_t
             const bool masked = t_end > min_pos || t0 < max_lo;
             float* S = w.s.data();
             const float* qt = &w.qt[qb * D * QB];
-            for (int64_t k = 0; k < n; k += NK) scores<NK>(&w.kp[k], qt, D, S + k * QB);
-            softmax_block(S, n, t0, masked, pos, lov, &w.m[qb * QB], &w.l[qb * QB],
-                          w.corr.data());
+            v16 mx[3] = {v16{} + FLOOR, v16{} + FLOOR, v16{} + FLOOR};
+            for (int64_t k = 0; k < n; k += NK) {
+                if (masked)
+                    scores<NK, true>(&w.kp[k], qt, D, S + k * QB, t0 + k, pos, lov, n - k, mx);
+                else
+                    scores<NK, false>(&w.kp[k], qt, D, S + k * QB, t0 + k, pos, lov, n - k, mx);
+            }
+            softmax_block(S, n, masked, mx, &w.m[qb * QB], &w.l[qb * QB], w.corr.data());
             for (int64_t r = 0; r < QB; r += MR)
                 outputs_rows(S + r, w.vp.data(), n, &w.corr[r], &w.o[(qb * QB + r) * Dp], Dp);
         }
@@ -294,6 +315,7 @@ void paged_prefill(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache
     const int64_t *qs_p = qs.data_ptr<int64_t>(), *ql_p = ql.data_ptr<int64_t>();
     for (int64_t b = 0; b < B; ++b) {  // bounds: a bad table is an error, never a wild read
         TORCH_CHECK(ql_p[b] >= 1 && ctx_p[b] >= ql_p[b], "a row needs 1 <= q_len <= ctx_len");
+        TORCH_CHECK(ctx_p[b] <= (int64_t{1} << 24), "a context past 2^24 tokens (float positions)");
         TORCH_CHECK(qs_p[b] >= 0 && qs_p[b] + ql_p[b] <= N, "a row's queries are outside q");
         TORCH_CHECK((ctx_p[b] + page_size - 1) / page_size <= P,
                     "context longer than its page table");
