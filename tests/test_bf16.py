@@ -1,6 +1,7 @@
 """bfloat16 end to end (weights, KV pool, the native attention kernels reading bf16 pages,
-torch's bf16 matmuls, PD transfer checksums over bf16 pages): greedy answers agree at top-1 with
-transformers' bf16 model fed the same tokens (teacher-forced), unified and 1P1D over tcp."""
+oneDNN's bf16 matmuls, the native bf16 epilogue kernels, PD transfer checksums over bf16 pages):
+greedy answers agree at top-1 with transformers' bf16 model fed the same tokens
+(teacher-forced), unified and 1P1D over tcp."""
 
 from __future__ import annotations
 
@@ -63,6 +64,9 @@ def test_bf16_unified_top1_agrees_with_transformers(arch, checkpoint_dir, prompt
               chunked_prefill_size=32)
     assert llm.engine.pool.k.dtype == torch.bfloat16
     assert llm.engine.runner.attention.name == "cpu_native"  # bf16 pages read in place
+    # The native bf16 norms and silu * up, and rope + cache write where there is no q/k norm.
+    assert llm.engine.runner.fused_epilogue
+    assert (llm.engine.runner.model.rope_store is not None) is (arch == "llama")
     answers = [c.token_ids for c in llm.generate(prompts, GREEDY)]
     check(*agreement(model_dir, prompts, answers), arch)
 

@@ -142,9 +142,9 @@ def test_engine_fused_epilogue_matches_torch_path_and_hf(ep, checkpoint_dir, arc
     assert out[True] == hf_greedy(model, prompts, GREEDY.max_tokens)
 
 
-def test_fused_epilogue_only_for_float32_cpu_native_linear(checkpoint_dir) -> None:
+def test_fused_epilogue_for_float32_and_bfloat16_unless_linear_backend_torch(checkpoint_dir):
     model = str(checkpoint_dir("llama"))
-    for kw in ({"dtype": "bfloat16"}, {"linear_backend": "torch"}):
+    for kw, on in (({"dtype": "bfloat16"}, True), ({"linear_backend": "torch"}, False)):
         llm = LLM(model, kv_pool_tokens=256, context_length=64, **kw)
-        assert llm.engine.runner.fused_epilogue is False
-        assert llm.engine.runner.model.epilogue is None
+        assert llm.engine.runner.fused_epilogue is on, kw
+        assert (llm.engine.runner.model.epilogue is not None) is on, kw

@@ -141,15 +141,16 @@ def test_engine_rope_store_matches_torch_path_and_hf(ep, checkpoint_dir) -> None
     assert out[True] == hf_greedy(model, prompts, GREEDY.max_tokens)
 
 
-def test_rope_store_only_where_it_is_exact(checkpoint_dir) -> None:
-    """Qwen3's q/k norm, a bfloat16 cache, bfloat16 weights and --linear-backend torch keep
-    torch's rope and index_copy_."""
+def test_rope_store_only_where_it_is_one_pass(checkpoint_dir) -> None:
+    """Qwen3's q/k norm, a cache of another dtype than the weights' and --linear-backend torch
+    keep torch's rope and index_copy_; bfloat16 weights with their bfloat16 cache use it."""
     llama, qwen3 = str(checkpoint_dir("llama")), str(checkpoint_dir("qwen3"))
     for model, kw in (
         (qwen3, {}),
         (llama, {"kv_cache_dtype": "bfloat16"}),
-        (llama, {"dtype": "bfloat16"}),
         (llama, {"linear_backend": "torch"}),
     ):
         llm = LLM(model, kv_pool_tokens=256, context_length=64, **kw)
         assert llm.engine.runner.model.rope_store is None, kw
+    llm = LLM(llama, kv_pool_tokens=256, context_length=64, dtype="bfloat16")
+    assert llm.engine.runner.model.rope_store is not None

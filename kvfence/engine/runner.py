@@ -100,9 +100,9 @@ class ModelRunner:
         epilogue = _native_kernel(
             linear_backend,
             "--linear-backend",
-            cpu and dtype == torch.float32,
+            cpu and dtype in (torch.float32, torch.bfloat16),
             kernels.fused_epilogue,
-            "a CPU device, float32 weights",
+            "a CPU device, float32 or bfloat16 weights",
         )
         if epilogue is not None:  # else torch's F.rms_norm, add and silu
             model.use_epilogue(epilogue, pool.k.dtype)

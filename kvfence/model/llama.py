@@ -232,15 +232,16 @@ class CausalLM(nn.Module):
             _release(self.lm_head.weight)
 
     def use_epilogue(self, ep: FusedEpilogue, kv_dtype: torch.dtype) -> None:
-        """Norms, residual adds and silu * up run as the native float32 kernels (after
-        fuse_projections; float32 weights), and so do rope and the K/V cache write where they
-        are one exact pass: a float32 cache, no q/k norm (Qwen3's stays on torch's path) and
+        """Norms, residual adds and silu * up run as the native kernels (after fuse_projections;
+        float32 or bfloat16 weights), and so do rope and the K/V cache write where they are one
+        pass: a cache of the weights' dtype, no q/k norm (Qwen3's stays on torch's path) and
         whole-head rotary (GLM-4 MoE's partial rotary does too)."""
-        assert self.model.norm.weight.dtype == torch.float32
+        dtype = self.model.norm.weight.dtype
+        assert dtype in (torch.float32, torch.bfloat16), dtype
         assert self.model.layers[0].self_attn.qkv is not None, "fuse_projections() first"
         self.epilogue = ep
         mc = self.config
-        exact = kv_dtype == torch.float32 and not mc.qk_norm and mc.rotary_dim == mc.head_dim
+        exact = kv_dtype == dtype and not mc.qk_norm and mc.rotary_dim == mc.head_dim
         self.rope_store = ep.rope_store if exact else None
 
     def weight_bytes(self) -> int:

@@ -3,8 +3,8 @@
 - paged_decode.cpp: decode attention read in place from the paged KV pool.
 - paged_prefill.cpp: prefill-chunk attention (causal, behind any cached prefix), read the same way.
 - packed_gemm.cpp: float32 `x @ W` with W packed in column panels (every projection on CPU).
-- fused_epilogue.cpp: float32 residual add + RMSNorm, silu(gate) * up, and rope + K/V cache
-  write, one call each.
+- fused_epilogue.cpp: residual add + RMSNorm, silu(gate) * up, and rope + K/V cache write, one
+  call each, over float32 or bfloat16 rows (float32 maths).
 
 Building is best effort: a host without a compiler gets None from `paged_decode()`,
 `paged_prefill()`, `packed_gemm()` and `fused_epilogue()`, and the engine keeps its pure-torch
@@ -87,7 +87,7 @@ class PackedGemm:
 
 
 def fused_epilogue() -> FusedEpilogue | None:
-    """The compiled float32 `add_rms_norm`, `silu_mul` and `rope_store`, or None."""
+    """The compiled `add_rms_norm`, `silu_mul` and `rope_store` (float32 or bfloat16), or None."""
     mod = _build("fused_epilogue")
     if mod is None:
         return None
@@ -99,12 +99,12 @@ def fused_epilogue() -> FusedEpilogue | None:
 @dataclass(frozen=True)
 class FusedEpilogue:
     # (x [M, N], delta [M, N] | None, weight [N], eps) -> rmsnorm(x + delta) * weight [M, N];
-    # x becomes x + delta in place. Float32, contiguous.
+    # x becomes x + delta in place. Float32 or bfloat16 (weight in x's dtype), contiguous.
     add_rms_norm: Callable
     silu_mul: Callable  # (gate_up [M, 2n], n) -> silu(gate_up[:, :n]) * gate_up[:, n:] [M, n]
     # (qkv [T, (H + 2 KVH) D], cos, sin [T, 1, D], H, k_cache, v_cache [slots, KVH, D],
     # slot_mapping [T]) -> rotated q [T, H, D]; rotated k and v are written to the caches' rows
-    # slot_mapping, no others. Float32, contiguous.
+    # slot_mapping, no others. qkv and caches float32 or bfloat16, cos/sin float32, contiguous.
     rope_store: Callable
 
 

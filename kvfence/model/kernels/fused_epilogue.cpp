@@ -1,5 +1,5 @@
-// The float32 small ops between a decoder layer's matmuls, one call each instead of torch's
-// chain of ops (F.rms_norm alone is ~8 aten ops, each allocating and dispatching):
+// The small ops between a decoder layer's matmuls (float32 or bfloat16 rows), one call each
+// instead of torch's chain of ops (F.rms_norm alone is ~8 aten ops, each allocating and dispatching):
 //
 // - add_rms_norm(x, delta, weight, eps): x += delta in place (the residual stream; delta may be
 //   None), then returns rmsnorm(x) * weight, one row at a time while the row is in L1.
@@ -9,7 +9,12 @@
 //   slot_mapping (and no others), returns q [T, H, D]: one pass per token instead of rope's
 //   cat/neg/mul/add and two index_copy_.
 //
-// Rows are contiguous float32. Few rows (decode) run serially on the calling thread: waking
+// Rows are contiguous float32 or bfloat16. bfloat16 rows are widened to float32, computed in
+// float32 and rounded back where torch's bf16 ops round (the residual sum; the norm before and
+// after its weight; silu before and after * up; rope once at the end), so they give the bf16
+// torch path's values to its rounding: exactly for the residual stream, rope and the caches.
+//
+// Few rows (decode) run serially on the calling thread: waking
 // OpenMP's workers costs more than the work; many rows (prefill) split over the threads.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
@@ -80,9 +85,9 @@ void add_rms_norm_row(float* x, const float* d, const float* w, float eps, float
     for (int64_t i = 0; i < n; ++i) out[i] = (x[i] * inv) * w[i];
 }
 
-void check_rows(const torch::Tensor& t, const char* name) {
+void check_rows(const torch::Tensor& t, const char* name, at::ScalarType dtype) {
     TORCH_CHECK(t.dim() == 2, name, " must be [rows, cols]");
-    TORCH_CHECK(t.scalar_type() == at::kFloat, name, " must be float32");
+    TORCH_CHECK(t.scalar_type() == dtype, name, " must be ", dtype);
     TORCH_CHECK(t.is_contiguous(), name, " must be contiguous");
     TORCH_CHECK(!t.is_cuda(), name, " must be a CPU tensor");
 }
@@ -98,59 +103,173 @@ __attribute__((optimize("fp-contract=off"))) void rope_head(const float* x, cons
     for (int64_t i = h; i < d; ++i) o[i] = x[i] * c[i] + x[i - h] * s[i];
 }
 
+using bf16 = c10::BFloat16;
+
+void add_rms_norm_row(bf16* x, const bf16* d, const bf16* w, float eps, bf16* out, int64_t n) {
+    v16 ssv = {};
+    float ss = 0.f;
+    int64_t i = 0;
+    for (; i + kLanes <= n; i += kLanes) {
+        v16 v = load16(x + i);
+        if (d != nullptr) {  // the stream is bf16: the norm sees the rounded sum
+            v = round_bf16(v + load16(d + i));
+            store16(x + i, v);
+        }
+        ssv += v * v;
+    }
+    for (; i < n; ++i) {
+        float v = static_cast<float>(x[i]);
+        if (d != nullptr) {
+            x[i] = static_cast<bf16>(v + static_cast<float>(d[i]));
+            v = static_cast<float>(x[i]);
+        }
+        ss += v * v;
+    }
+    for (int l = 0; l < kLanes; ++l) ss += ssv[l];
+    const float inv = 1.0f / std::sqrt(ss / static_cast<float>(n) + eps);
+    const v16 invv = splat(inv);
+    // transformers' bf16 order: normalise in float32, round, then scale by the weight and round.
+    for (i = 0; i < n - n % kLanes; i += kLanes)
+        store16(out + i, round_bf16(load16(x + i) * invv) * load16(w + i));
+    for (; i < n; ++i) {
+        const float h = static_cast<float>(static_cast<bf16>(static_cast<float>(x[i]) * inv));
+        out[i] = static_cast<bf16>(h * static_cast<float>(w[i]));
+    }
+}
+
+void silu_mul_row(const bf16* g, const bf16* u, bf16* o, int64_t n) {
+    // silu(gate) rounds to bf16 before the product, as F.silu(gate) * up does in bf16.
+    int64_t i = 0;
+    for (; i + kLanes <= n; i += kLanes) {
+        const v16 gv = load16(g + i);
+        store16(o + i, round_bf16(gv / (splat(1.0f) + exp16(-gv))) * load16(u + i));
+    }
+    if (i < n) {  // the ragged tail through zero-padded float32 vectors
+        float gb[kLanes] = {}, ub[kLanes] = {};
+        for (int64_t j = i; j < n; ++j) {
+            gb[j - i] = static_cast<float>(g[j]);
+            ub[j - i] = static_cast<float>(u[j]);
+        }
+        const v16 gv = load16(gb);
+        const v16 ov = round_bf16(gv / (splat(1.0f) + exp16(-gv))) * load16(ub);
+        for (int64_t j = i; j < n; ++j) o[j] = static_cast<bf16>(ov[j - i]);
+    }
+}
+
+// rope_head for bf16 values: float32 maths in torch's order (mul, mul, add, no fma), one
+// rounding to bf16 at the end, as the torch path's x.float() ... .to(bfloat16).
+__attribute__((optimize("fp-contract=off"))) void rope_head(const bf16* x, const float* c,
+                                                            const float* s, bf16* o, int64_t d) {
+    const int64_t h = d / 2;
+    int64_t i = 0;
+    for (; i + kLanes <= h; i += kLanes) {
+        const v16 a = load16(x + i), b = load16(x + i + h);
+        store16(o + i, a * load16(c + i) + (-b) * load16(s + i));
+        store16(o + i + h, b * load16(c + i + h) + a * load16(s + i + h));
+    }
+    for (; i < h; ++i) {
+        const float a = static_cast<float>(x[i]), b = static_cast<float>(x[i + h]);
+        o[i] = static_cast<bf16>(a * c[i] + (-b) * s[i]);
+        o[i + h] = static_cast<bf16>(b * c[i + h] + a * s[i + h]);
+    }
+}
+
 int64_t grain_rows(int64_t cols) { return std::max<int64_t>(1, kGrainElems / std::max<int64_t>(1, cols)); }
+
+at::ScalarType row_dtype(const torch::Tensor& t, const char* name) {
+    const auto dtype = t.scalar_type();
+    TORCH_CHECK(dtype == at::kFloat || dtype == at::kBFloat16, name,
+                " must be float32 or bfloat16");
+    return dtype;
+}
+
+template <typename T>
+void add_rms_norm_rows(T* xp, const T* dp, const T* wp, float e, T* op, int64_t rows,
+                       int64_t n) {
+    at::parallel_for(0, rows, grain_rows(n), [&](int64_t begin, int64_t end) {
+        for (int64_t r = begin; r < end; ++r)
+            add_rms_norm_row(xp + r * n, dp ? dp + r * n : nullptr, wp, e, op + r * n, n);
+    });
+}
+
+template <typename T>
+void silu_mul_rows(const T* gp, T* op, int64_t rows, int64_t n) {
+    at::parallel_for(0, rows, grain_rows(n), [&](int64_t begin, int64_t end) {
+        for (int64_t r = begin; r < end; ++r)
+            silu_mul_row(gp + r * 2 * n, gp + r * 2 * n + n, op + r * n, n);
+    });
+}
+
+template <typename T>
+void rope_store_rows(const T* xp, const float* cp, const float* snp, T* qp, T* kc, T* vc,
+                     const int64_t* sp, int64_t t, int64_t width, int64_t n_q_heads,
+                     int64_t nkv, int64_t d) {
+    const int64_t kv_row = nkv * d;
+    at::parallel_for(0, t, grain_rows(width), [&](int64_t begin, int64_t end) {
+        for (int64_t i = begin; i < end; ++i) {
+            const T* x = xp + i * width;
+            const float* c = cp + i * d;
+            const float* s = snp + i * d;
+            T* qr = qp + i * n_q_heads * d;
+            for (int64_t h = 0; h < n_q_heads; ++h) rope_head(x + h * d, c, s, qr + h * d, d);
+            T* kr = kc + sp[i] * kv_row;
+            const T* xk = x + n_q_heads * d;
+            for (int64_t h = 0; h < nkv; ++h) rope_head(xk + h * d, c, s, kr + h * d, d);
+            std::memcpy(vc + sp[i] * kv_row, xk + kv_row, kv_row * sizeof(T));
+        }
+    });
+}
 
 }  // namespace
 
 torch::Tensor add_rms_norm(torch::Tensor& x, const c10::optional<torch::Tensor>& delta,
                            const torch::Tensor& weight, double eps) {
-    check_rows(x, "x");
+    const auto dtype = row_dtype(x, "x");
+    check_rows(x, "x", dtype);
     const int64_t rows = x.size(0), n = x.size(1);
     TORCH_CHECK(weight.dim() == 1 && weight.size(0) == n && weight.is_contiguous() &&
-                    weight.scalar_type() == at::kFloat,
-                "weight must be float32 [cols], contiguous");
-    const float* dp = nullptr;
+                    weight.scalar_type() == dtype,
+                "weight must be [cols] of x's dtype, contiguous");
     if (delta.has_value()) {
-        check_rows(*delta, "delta");
+        check_rows(*delta, "delta", dtype);
         TORCH_CHECK(delta->sizes() == x.sizes(), "delta must have x's shape");
-        dp = delta->data_ptr<float>();
     }
     auto out = torch::empty_like(x);
-    float* xp = x.data_ptr<float>();
-    const float* wp = weight.data_ptr<float>();
-    float* op = out.data_ptr<float>();
     const float e = static_cast<float>(eps);
-    at::parallel_for(0, rows, grain_rows(n), [&](int64_t begin, int64_t end) {
-        for (int64_t r = begin; r < end; ++r)
-            add_rms_norm_row(xp + r * n, dp ? dp + r * n : nullptr, wp, e, op + r * n, n);
-    });
+    if (dtype == at::kFloat) {
+        add_rms_norm_rows(x.data_ptr<float>(), delta ? delta->data_ptr<float>() : nullptr,
+                          weight.data_ptr<float>(), e, out.data_ptr<float>(), rows, n);
+    } else {
+        add_rms_norm_rows(x.data_ptr<bf16>(), delta ? delta->data_ptr<bf16>() : nullptr,
+                          weight.data_ptr<bf16>(), e, out.data_ptr<bf16>(), rows, n);
+    }
     return out;
 }
 
 torch::Tensor silu_mul(const torch::Tensor& gate_up, int64_t n) {
-    check_rows(gate_up, "gate_up");
+    const auto dtype = row_dtype(gate_up, "gate_up");
+    check_rows(gate_up, "gate_up", dtype);
     TORCH_CHECK(gate_up.size(1) == 2 * n, "gate_up must be [rows, 2 * n]");
     const int64_t rows = gate_up.size(0);
     auto out = torch::empty({rows, n}, gate_up.options());
-    const float* gp = gate_up.data_ptr<float>();
-    float* op = out.data_ptr<float>();
-    at::parallel_for(0, rows, grain_rows(n), [&](int64_t begin, int64_t end) {
-        for (int64_t r = begin; r < end; ++r)
-            silu_mul_row(gp + r * 2 * n, gp + r * 2 * n + n, op + r * n, n);
-    });
+    if (dtype == at::kFloat)
+        silu_mul_rows(gate_up.data_ptr<float>(), out.data_ptr<float>(), rows, n);
+    else
+        silu_mul_rows(gate_up.data_ptr<bf16>(), out.data_ptr<bf16>(), rows, n);
     return out;
 }
 
 torch::Tensor rope_store(const torch::Tensor& qkv, const torch::Tensor& cos,
                          const torch::Tensor& sin, int64_t n_q_heads, torch::Tensor& k_cache,
                          torch::Tensor& v_cache, const torch::Tensor& slot_mapping) {
-    check_rows(qkv, "qkv");
+    const auto dtype = row_dtype(qkv, "qkv");
+    check_rows(qkv, "qkv", dtype);
     const int64_t t = qkv.size(0);
     TORCH_CHECK(k_cache.dim() == 3 && k_cache.sizes() == v_cache.sizes(),
                 "k_cache and v_cache must be [slots, kv_heads, head_dim] alike");
     for (const auto* c : {&k_cache, &v_cache})
-        TORCH_CHECK(c->scalar_type() == at::kFloat && c->is_contiguous() && !c->is_cuda(),
-                    "caches must be contiguous float32 CPU tensors");
+        TORCH_CHECK(c->scalar_type() == dtype && c->is_contiguous() && !c->is_cuda(),
+                    "caches must be contiguous CPU tensors of qkv's dtype");
     const int64_t slots = k_cache.size(0), nkv = k_cache.size(1), d = k_cache.size(2);
     TORCH_CHECK(d % 2 == 0, "head_dim must be even");
     TORCH_CHECK(qkv.size(1) == (n_q_heads + 2 * nkv) * d, "qkv must be [T, (H + 2 * KVH) * D]");
@@ -166,26 +285,17 @@ torch::Tensor rope_store(const torch::Tensor& qkv, const torch::Tensor& cos,
     for (int64_t i = 0; i < t; ++i)
         TORCH_CHECK(sp[i] >= 0 && sp[i] < slots, "slot ", sp[i], " out of range [0, ", slots, ")");
     auto q = torch::empty({t, n_q_heads, d}, qkv.options());
-    const float* xp = qkv.data_ptr<float>();
     const float* cp = cos.data_ptr<float>();
     const float* snp = sin.data_ptr<float>();
-    float* qp = q.data_ptr<float>();
-    float* kc = k_cache.data_ptr<float>();
-    float* vc = v_cache.data_ptr<float>();
-    const int64_t width = qkv.size(1), kv_row = nkv * d;
-    at::parallel_for(0, t, grain_rows(width), [&](int64_t begin, int64_t end) {
-        for (int64_t i = begin; i < end; ++i) {
-            const float* x = xp + i * width;
-            const float* c = cp + i * d;
-            const float* s = snp + i * d;
-            float* qr = qp + i * n_q_heads * d;
-            for (int64_t h = 0; h < n_q_heads; ++h) rope_head(x + h * d, c, s, qr + h * d, d);
-            float* kr = kc + sp[i] * kv_row;
-            const float* xk = x + n_q_heads * d;
-            for (int64_t h = 0; h < nkv; ++h) rope_head(xk + h * d, c, s, kr + h * d, d);
-            std::memcpy(vc + sp[i] * kv_row, xk + kv_row, kv_row * sizeof(float));
-        }
-    });
+    const int64_t width = qkv.size(1);
+    if (dtype == at::kFloat)
+        rope_store_rows(qkv.data_ptr<float>(), cp, snp, q.data_ptr<float>(),
+                        k_cache.data_ptr<float>(), v_cache.data_ptr<float>(), sp, t, width,
+                        n_q_heads, nkv, d);
+    else
+        rope_store_rows(qkv.data_ptr<bf16>(), cp, snp, q.data_ptr<bf16>(),
+                        k_cache.data_ptr<bf16>(), v_cache.data_ptr<bf16>(), sp, t, width,
+                        n_q_heads, nkv, d);
     return q;
 }
 

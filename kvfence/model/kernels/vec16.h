@@ -39,3 +39,33 @@ inline v16 exp16(v16 x) {
     const i16 bits = (__builtin_convertvector(n, i16) + 127) << 23;
     return p * as_float16(bits);
 }
+
+// bfloat16 is the top half of a float32: widening is a 16-bit shift (exact), narrowing rounds to
+// nearest even exactly as torch's float -> bfloat16 cast does (a NaN becomes the quiet 0x7fc0),
+// so a kernel that widens, computes in float32 and narrows where torch's bf16 ops round gives
+// torch's bits. Plain integer vector ops: GCC lowers them to AVX-512 (or AVX2 pairs).
+typedef unsigned short u16x16 __attribute__((vector_size(32)));
+typedef unsigned short u16x16_mem __attribute__((vector_size(32), aligned(2), may_alias));
+typedef unsigned int u32x16 __attribute__((vector_size(64)));
+
+inline v16 widen_bf16(u16x16 h) {
+    return reinterpret_cast<v16>(__builtin_convertvector(h, u32x16) << 16);
+}
+
+inline u16x16 narrow_bf16(v16 v) {
+    const u32x16 u = reinterpret_cast<u32x16>(v);
+    const u32x16 rounded = (u + 0x7fffu + ((u >> 16) & 1u)) >> 16;
+    const u32x16 nan = reinterpret_cast<u32x16>(v != v);  // all ones where v is NaN
+    return __builtin_convertvector((rounded & ~nan) | (0x7fc0u & nan), u16x16);
+}
+
+// v rounded to bfloat16 and widened back: the value a bf16 tensor would hold.
+inline v16 round_bf16(v16 v) { return widen_bf16(narrow_bf16(v)); }
+
+inline v16 load16(const c10::BFloat16* p) {
+    return widen_bf16(*reinterpret_cast<const u16x16_mem*>(p));
+}
+
+inline void store16(c10::BFloat16* p, v16 v) {
+    *reinterpret_cast<u16x16_mem*>(p) = narrow_bf16(v);
+}
