@@ -36,8 +36,9 @@ constexpr int MR = 6;       // query rows per output microkernel: 6 x 4 accumula
 // Query vectors (tokens x the heads sharing a KV head) per job, at most: each key tile a job
 // reads serves this many queries. Fewer when the batch would otherwise leave cores idle.
 constexpr int64_t JOB_QUERIES = 384;
-// A finite floor for scores no query may see and for the running max before any key: exp of a
-// difference of floors is 1 and of a floor minus a score is 0 after exp16's clamp, never NaN.
+// A finite floor for scores no query may see and for the running max before any key: 2^ of a
+// difference of floors is 1 and of a floor minus a score is exp2_16's clamp (it then rescales a
+// zero output and sum), never NaN; a floored score's probability is set to 0 outright.
 constexpr float FLOOR = -1e30f;
 
 struct Job {
@@ -127,6 +128,26 @@ struct Scratch {
           vbuf(KT * Dp, 0.f), zeros(Dp, 0.f), pos(Mp), lo(Mp), kp(KT), vp(KT) {}
 };
 
+// 2^x on 16 lanes for softmax's x <= 0 (scores are in base-2 units: log2(e) is folded into the
+// query scale). Cheaper than exp16 by the reduction's multiplies: rounding x to an integer n
+// with the 1.5 * 2^23 trick leaves n in the sum's low bits (no conversion), r = x - n is exact,
+// and 2^r on [-1/2, 1/2] is its degree-6 Taylor series (relative error < 1e-7). Below -126 the
+// result is clamped to 2^-126, which a sum holding 2^0 = 1 cannot tell from 0.
+inline v16 exp2_16(v16 x) {
+    const v16 lo = v16{} - 126.0f;
+    x = x < lo ? lo : x;
+    const v16 t = x + 12582912.0f;
+    const v16 r = x - (t - 12582912.0f);
+    v16 p = r * 1.5403530393e-4f + 1.3333558146e-3f;
+    p = p * r + 9.6181291076e-3f;
+    p = p * r + 5.5504108665e-2f;
+    p = p * r + 2.4022650696e-1f;
+    p = p * r + 6.9314718056e-1f;
+    p = p * r + 1.0f;
+    const i16 bits = (reinterpret_cast<i16>(t) - (0x4B400000 - 127)) << 23;
+    return p * as_float16(bits);
+}
+
 // A block's lanes fold one tile's scores (their maxima mx) into their running max m, sum l and
 // output rows: the scores become probabilities in place, zero where a key is masked, and corr
 // holds each lane's rescale of its earlier output.
@@ -136,12 +157,12 @@ inline void softmax_block(float* S, int64_t n, bool masked, const v16* mx, float
     for (int j = 0; j < 3; ++j) {
         const v16 m_old = load16(m + 16 * j);
         const v16 m_new = m_old > mx[j] ? m_old : mx[j];
-        const v16 c = exp16(m_old - m_new);
+        const v16 c = exp2_16(m_old - m_new);
         store16(corr + 16 * j, c);
         v16 z = {};
         for (int64_t t = 0; t < n; ++t) {
             const v16 s = load16(S + t * QB + 16 * j);
-            v16 p = exp16(s - m_new);
+            v16 p = exp2_16(s - m_new);
             if (masked) p = s > floor ? p : v16{};
             store16(S + t * QB + 16 * j, p);
             z += p;
@@ -160,13 +181,14 @@ void run_job(const Job& job, const T* q, const T* kc, const T* vc, const int64_t
     const int64_t n_ctx = ctx[b], first_pos = n_ctx - q_lens[b];  // position of query 0
     const int64_t M = (job.last - job.first) * G;  // query lanes, token-major: m = i * G + g
     const int64_t blocks = (M + QB - 1) / QB, Mp = blocks * QB;
+    const float qscale = scale * 1.4426950408889634f;  // scores in base 2: see exp2_16
     const int64_t* pages = pt + b * P;
     for (int64_t mi = 0; mi < Mp; ++mi) {
         const int64_t i = job.first + mi / G, g = mi % G;
         float* dst = &w.qt[(mi / QB) * D * QB + mi % QB];
         if (mi < M) {
             const T* src = q + ((q_starts[b] + i) * H + h * G + g) * D;
-            for (int64_t d = 0; d < D; ++d) dst[d * QB] = static_cast<float>(src[d]) * scale;
+            for (int64_t d = 0; d < D; ++d) dst[d * QB] = static_cast<float>(src[d]) * qscale;
             const int64_t p = first_pos + i;
             w.pos[mi] = static_cast<float>(p);
             w.lo[mi] = window > 0 ? static_cast<float>(std::max<int64_t>(0, p - window + 1)) : 0.f;
