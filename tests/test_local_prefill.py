@@ -6,7 +6,8 @@ from __future__ import annotations
 import pytest
 
 from kvfence.config import ConfigError, PdConfig
-from kvfence.pd.local_prefill import PendingPrompts, computes_here
+from kvfence.engine.step_budget import StepCost
+from kvfence.pd.local_prefill import LocalPace, PendingPrompts, computes_here
 
 
 def test_an_idle_prefill_keeps_every_prompt():
@@ -66,3 +67,57 @@ def test_settle_undoes_a_refused_claim():
 def test_a_negative_factor_is_refused():
     with pytest.raises(ConfigError, match="--decode-local-prefill"):
         PdConfig(decode_local_prefill=-1.0)
+
+
+def test_a_pace_prices_each_side_by_its_ms_per_token():
+    # here: 256 tokens at 3 ms = 768 ms; there: (300 + 256) at 1.5 ms = 834 ms
+    pace = LocalPace(here_ms=3.0, there_ms=1.5)
+    assert computes_here(here=0, there=300, prompt=256, factor=1.0, limit=0, pace=pace)
+    # (256 + 256) * 3 = 1536 ms is not < 834 ms
+    assert not computes_here(here=256, there=300, prompt=256, factor=1.0, limit=0, pace=pace)
+    assert not computes_here(here=0, there=10**9, prompt=1, factor=0.0, limit=0, pace=pace)
+
+
+def test_a_paced_local_queue_has_no_token_limit():
+    # The limit bounds an unpriced queue only: 2000 local tokens wait 2304 * 1 ms here against
+    # (4000 + 256) * 1 ms there.
+    pace = LocalPace(here_ms=1.0, there_ms=1.0)
+    assert computes_here(here=2048, there=4000, prompt=256, factor=1.0, limit=512, pace=pace)
+    assert not computes_here(here=2048, there=4000, prompt=256, factor=1.0, limit=512)
+
+
+def test_the_pace_comes_from_the_fitted_step_cost():
+    cost = StepCost(a=20.0, b=1.0, c=2.0)
+    # here: a step of 8 rows and 44 tokens costs 20 + 44 + 16 = 80 ms; there: 20 + 512 ms
+    pace = LocalPace.of(cost, decode_rows=8, budget=44, chunk=512)
+    assert pace.here_ms == pytest.approx(80 / 44)
+    assert pace.there_ms == pytest.approx(532 / 512)
+    # Nothing decoding: a whole chunk, the same price as the prefill worker's.
+    idle = LocalPace.of(cost, decode_rows=0, budget=512, chunk=512)
+    assert idle.here_ms == idle.there_ms
+
+
+def test_claims_with_a_pace_balance_the_waits():
+    q = PendingPrompts(1.0, limit=256)
+    pace = LocalPace(here_ms=2.0, there_ms=1.0)
+    where = [q.claim(256, lambda _remote: pace) for _ in range(9)]
+    # a local token costs twice: about one prompt in three here, past the unpaced limit
+    assert where.count(True) == 3
+    assert q.here * 2 <= q.there + 256
+
+
+def test_the_price_sees_the_remote_prompts_claimed_so_far():
+    q = PendingPrompts(1.0)
+    seen: list[int] = []
+
+    def price(remote: int) -> LocalPace:
+        seen.append(remote)
+        return LocalPace(here_ms=1.0 + remote, there_ms=1.5)
+
+    where = [q.claim(100, price) for _ in range(4)]
+    # here 100 * 1 < 100 * 1.5; then 200 * 1 is not < 150; 200 * 2 not < 300; 200 * 3 not < 450
+    assert where == [True, False, False, False]
+    assert seen == [0, 0, 1, 2]
+    assert q.remote == 3
+    q.settle(False, 100)
+    assert q.remote == 2

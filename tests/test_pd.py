@@ -181,3 +181,17 @@ def test_pd_a_decode_taking_prompts_keeps_the_narrow_step_target(model_dir: str)
             assert svc.pending.limit == node.engine.chunked_prefill_size
         finally:
             svc.shutdown()
+
+
+def test_pd_decode_prices_a_prompt_by_its_own_fitted_steps(pair: PDPair) -> None:
+    from kvfence.engine.step_budget import StepCost
+    from kvfence.pd.local_prefill import LocalPace
+
+    budget = pair.decode.engine.scheduler.step_budget
+    assert pair.decode._pace(0) is None or budget.beside() is not None  # no fit: unpriced
+    cost = StepCost(a=10.0, b=0.5, c=1.0)
+    budget._beside = (cost, 2)  # as the engine thread publishes it after a step
+    chunk = pair.decode.chunk
+    # rows: the last step's 2, or the 5 prompts awaiting their KV if more
+    assert pair.decode._pace(0) == LocalPace.of(cost, 2, budget.at_target(cost, 2), chunk)
+    assert pair.decode._pace(5) == LocalPace.of(cost, 5, budget.at_target(cost, 5), chunk)

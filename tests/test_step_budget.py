@@ -189,3 +189,21 @@ def test_step_budget_counts_arrivals_once_per_step() -> None:
     first = budget.for_step(decode_rows=4)  # no cost model yet: the floors decide
     assert first == pytest.approx(1000 * budget.pace.alpha, abs=1)
     assert budget.for_step(decode_rows=4) < first  # the arrival was counted once, then decays
+
+
+def test_beside_is_the_last_step_at_its_target_without_floors() -> None:
+    budget = StepBudget(
+        BudgetPolicy(max_chunk=512, min_chunk=8, max_decode_step_ms=120.0, backlog_steps=2)
+    )
+    for p, d, ms in steps(COST, MIN_SAMPLES - 1, seed=3):
+        budget.observe(p, d, ms)
+    budget.for_step(8)
+    assert budget.beside() is None  # nothing fit yet: nothing to price a prompt by
+    for p, d, ms in steps(COST, 40, seed=4):
+        budget.observe(p, d, ms)
+    # (120 - 20 - 8 * 4) / 1.25 = 54 tokens, whatever the backlog floor gives this step
+    assert budget.for_step(8, backlog=1000) == 500
+    cost, rows = budget.beside()
+    assert cost.b == pytest.approx(COST.b)
+    assert (rows, budget.at_target(cost, rows)) == (8, 54)
+    assert budget.at_target(cost, 0) == 512  # nothing decodes: a whole chunk

@@ -290,6 +290,7 @@ class StepBudget:
         self.policy = policy
         self.model = model if model is not None else StepCostModel()
         self.pace = ArrivalPace()
+        self._beside: tuple[StepCost, int] | None = None
 
     def arrive(self, prompt_tokens: int) -> None:
         self.pace.arrive(prompt_tokens)
@@ -300,7 +301,20 @@ class StepBudget:
         """Called once per step (it also advances the arrival rate)."""
         rate = self.pace.tick()
         cost = self.model.cost()
+        if cost is not None:
+            self._beside = (cost, decode_rows)
         return prefill_budget(self.policy, cost, decode_rows, backlog, rate, deadlines)
+
+    def beside(self) -> tuple[StepCost, int] | None:
+        """The last step's fitted cost and decode rows: what a prompt computed in these steps
+        is priced by (kvfence/pd/local_prefill.py). None until a fit exists. Any thread may read
+        it: one attribute, replaced whole."""
+        return self._beside
+
+    def at_target(self, cost: StepCost, decode_rows: int) -> int:
+        """The prefill tokens the time target alone gives a step of `decode_rows` decodes (no
+        floor: a floor follows the queue, not the step's time)."""
+        return prefill_budget(self.policy, cost, decode_rows)
 
     def observe(self, prefill_tokens: int, decode_rows: int, ms: float) -> None:
         self.model.observe(prefill_tokens, decode_rows, ms)

@@ -26,7 +26,7 @@ from kvfence.kv.pool import Grant
 from kvfence.pd import glue, kvio, wire
 from kvfence.pd import protocol as p
 from kvfence.pd.decode_runs import Room, RunReceiver
-from kvfence.pd.local_prefill import LOCAL_LIMIT_CHUNKS, PendingPrompts
+from kvfence.pd.local_prefill import LOCAL_LIMIT_CHUNKS, LocalPace, PendingPrompts
 from kvfence.pd.peers import UNAVAILABLE, Dialer
 from kvfence.pd.pool_port import PortRuleBroken
 from kvfence.pd.service import PdService
@@ -67,6 +67,7 @@ class DecodeService(PdService):
         super().__init__(cfg, backend, tls, faults, timeout_s, limits)
         limit = LOCAL_LIMIT_CHUNKS * cfg.chunked_prefill_size
         self.pending = PendingPrompts(local_prefill, limit)
+        self.chunk = cfg.chunked_prefill_size
         self.ranks = cfg.tp_size  # a run's payload carries every rank's slice
         # One-sided writes land anywhere in the registered pool: no grant to check them by (I3
         # and I4 carry those); the tcp receiver writes only through the port.
@@ -93,7 +94,7 @@ class DecodeService(PdService):
                 "This is a decode worker: send requests through the kvfence router.",
             )
         n = len(req.prompt_token_ids)
-        local = self.pending.claim(n)
+        local = self.pending.claim(n, self._pace)
         mode = SeqMode.FULL if local else SeqMode.DECODE_ONLY
         verdict = self.engine.submit(req, self.pending.sink(local, n, sink), mode)
         if isinstance(verdict, Rejected):
@@ -101,6 +102,18 @@ class DecodeService(PdService):
         elif local:
             self.transfer_stats.inc("prefilled_here")
         return verdict
+
+    def _pace(self, remote: int) -> LocalPace | None:
+        """What a prompt token costs here and at the prefill worker, from this engine's steps
+        (read from the submitting thread: StepBudget.beside is one attribute, and at_target
+        pure), with at least the `remote` prompts' rows decoding beside it."""
+        budget = self.engine.scheduler.step_budget
+        beside = budget.beside()
+        if beside is None:
+            return None
+        cost, rows = beside
+        rows = max(rows, remote)
+        return LocalPace.of(cost, rows, budget.at_target(cost, rows), self.chunk)
 
     def info(self) -> dict[str, Any]:
         return {

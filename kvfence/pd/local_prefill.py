@@ -12,21 +12,36 @@ direction, not a figure): C=8, 16 prompts: TTFT p50 0.46x (0.40-0.51), throughpu
 (1.03-1.29), ITL p50 1.24x, ITL p99 1.58x; C=32, 32 prompts: TTFT p50 0.90x (0.90-1.01),
 throughput 1.04x (0.85-1.14), ITL p50 0.95x, ITL p99 1.02x.
 
-The rule compares the prompt tokens each side has yet to compute for this worker's requests
-(those not yet answered with a first token): here when
+The rule compares when the prompt would get its first token on each side, from the prompt
+tokens each has yet to compute for this worker's requests (those not yet answered with a first
+token) and what a token costs each (LocalPace): here when
 
-    (here + prompt) * factor < (there + prompt)
+    (here + prompt) * here_ms * factor < (there + prompt) * there_ms
 
-`factor` is how much slower a prompt goes through here than at a prefill worker: the decode
-steps take a share of this worker's time, so 2 looks the fair price, but `kvfence up` asks 1
-(queues kept even): interleaved 1P1D A/B on 2 loaded cores measured 1 ahead (256 -> 64, C=8,
-16 prompts, 3 pairs each against no local prefill: TTFT p50 0.51x vs 0.60x, throughput 1.14x
-vs 1.03x, ITL p50 1.09x vs 1.31x; a direction, not a figure). The view is this worker's own
-requests: with several decodes per prefill it undercounts the prefill's queue, which only keeps
-more prompts on the PD path. Its own prompts are bounded (LOCAL_LIMIT_CHUNKS), and a decode
-that takes them keeps the narrow step target at any batch width (DecodeService): the wide one
-lets a unified engine's queued prompts through a wide batch, which a decode's prompts need not,
-having the prefill worker. Arithmetic and counters only (no clock, no engine).
+here_ms is a token's share of this worker's steps at the prefill budget its time target gives
+them beside its decode rows (fit on its own steps: kvfence/engine/step_budget.py), there_ms a
+token of the prefill worker's whole-chunk steps (the same model on the same share of cores
+under `kvfence up`). The budget's floors are left out of here_ms: the backlog floor grows with
+the local queue, and pricing it would send more prompts here the longer the queue (the
+runaway a fixed bound used to stop). Priced, the local queue needs no bound: it stays as long as
+its wait is no worse. Before the cost is fit, a local token costs `factor` remote ones and at
+most LOCAL_LIMIT_CHUNKS chunks wait here.
+
+Why priced and unbounded: with the bound of one chunk, a burst (a closed loop's first C
+prompts) left the decode worker two of them at C=32 and the prefill worker thirty: 1P1D /
+serve goodput at 2 s x 100 ms 0.12x on EPYC (benchmarks/RESULTS.md "Goodput against vLLM at its
+defaults"; a step log of a loaded 1P1D run showed the same, the decode decoding 2-4 rows in
+50-70 ms steps while the prefill worker's queue took 36 s). The model of the two workers
+(benchmarks/pd_local_sim.py, step costs scaled to EPYC's serve throughput) put the priced rule
+at 0.91-0.94x of serve's goodput at C=32 against 0.51-0.78x with the bound, C=8 unchanged
+(0.88-0.90x); leaving the backlog floor out of the decode's budget too cost C=32 0.77-0.88x.
+
+`factor` scales the local side: `kvfence up` asks 1 (the waits as priced). The view is this
+worker's own requests: with several decodes per prefill it undercounts the prefill's queue,
+which only keeps more prompts on the PD path. A decode that takes prompts keeps the narrow step
+target at any batch width (DecodeService): the wide one lets a unified engine's queued prompts
+through a wide batch, which a decode's prompts need not, having the prefill worker. Arithmetic
+and counters only (no clock, no engine).
 """
 
 from __future__ import annotations
@@ -36,22 +51,50 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-# A decode holds at most this many chunks (--chunked-prefill-size) of prompts of its own: its
-# backlog floor (1/--prefill-backlog-steps of them a step) then stays near the minimum chunk,
-# and a burst goes to the prefill worker. Unbounded (factor 1, 1P1D at C=32 on 2 cores), the
-# local queue grew to thousands of tokens and its floor to 0.75 s steps: ITL p99 30x.
+from kvfence.engine.step_budget import StepCost
+
+# Before its step cost is fit, a decode holds at most this many chunks (--chunked-prefill-size)
+# of prompts of its own: compared by tokens alone (factor 1, 1P1D at C=32 on 2 cores), the local
+# queue grew to thousands of tokens and its backlog floor to 0.75 s steps: ITL p99 30x.
 LOCAL_LIMIT_CHUNKS = 1
-# `kvfence up`'s default: a prompt is computed here when the prefill worker's queue of this
-# worker's prompts is the longer one (above: why not the fairer-looking 2).
+# `kvfence up`'s default: a prompt is computed here when its first token comes sooner here.
 UP_FACTOR = 1.0
 
 
-def computes_here(here: int, there: int, prompt: int, factor: float, limit: int) -> bool:
-    """Whether a prompt of `prompt` tokens goes faster through this worker's own steps, with
-    `here` prompt tokens still to compute locally and `there` at the prefill worker, a local
-    token costing `factor` remote ones; and fits under `limit` local tokens (one prompt always
-    may). factor <= 0: never (the PD path only)."""
-    if factor <= 0 or (here and here + prompt > limit):
+@dataclass(frozen=True)
+class LocalPace:
+    """What a prompt token costs each side, in ms of its worker's time: here, in this worker's
+    steps at the prefill budget it now gives them beside its decode rows; there, in the prefill
+    worker's whole-chunk steps."""
+
+    here_ms: float
+    there_ms: float
+
+    @staticmethod
+    def of(cost: StepCost, decode_rows: int, budget: int, chunk: int) -> LocalPace:
+        """From this worker's fitted step cost: a step of `decode_rows` rows computes `budget`
+        prompt tokens in cost(budget, rows) ms; the prefill worker runs the same model on the
+        same share of cores (`kvfence up`), a step of `chunk` tokens and no rows."""
+        budget, chunk = max(1, budget), max(1, chunk)
+        return LocalPace(
+            cost.predict(budget, decode_rows) / budget, cost.predict(chunk, 0) / chunk
+        )
+
+
+def computes_here(
+    here: int, there: int, prompt: int, factor: float, limit: int, pace: LocalPace | None = None
+) -> bool:
+    """Whether a prompt of `prompt` tokens gets its first token sooner from this worker's own
+    steps, with `here` prompt tokens still to compute locally and `there` at the prefill worker;
+    with a pace each side's tokens cost its ms per token, a local one `factor` times that, and
+    the local queue needs no bound (its wait is priced); without one (nothing measured yet) a
+    local token costs `factor` remote ones and at most `limit` local tokens wait (one prompt
+    always may). factor <= 0: never (the PD path only)."""
+    if factor <= 0:
+        return False
+    if pace is not None:
+        return (here + prompt) * pace.here_ms * factor < (there + prompt) * pace.there_ms
+    if here and here + prompt > limit:
         return False
     return (here + prompt) * factor < there + prompt
 
@@ -65,18 +108,24 @@ class PendingPrompts:
     limit: int = 1 << 62  # local prompt tokens in flight at most (LOCAL_LIMIT_CHUNKS chunks)
     here: int = 0
     there: int = 0
+    remote: int = 0  # prompts counted in `there`: each holds a decode row once its KV is in
 
     def __post_init__(self) -> None:
         self._lock = threading.Lock()
 
-    def claim(self, prompt: int) -> bool:
-        """Choose where a prompt goes and count it there; True: computed here."""
+    def claim(self, prompt: int, price: Callable[[int], LocalPace | None] | None = None) -> bool:
+        """Choose where a prompt goes and count it there; True: computed here. price(remote):
+        the pace with `remote` prompts awaiting their KV from the prefill worker (None: not
+        priced): a burst's claims come faster than steps, so the rows they will decode are
+        counted as they are claimed, not at the last step."""
         with self._lock:
-            local = computes_here(self.here, self.there, prompt, self.factor, self.limit)
+            pace = price(self.remote) if price is not None else None
+            local = computes_here(self.here, self.there, prompt, self.factor, self.limit, pace)
             if local:
                 self.here += prompt
             else:
                 self.there += prompt
+                self.remote += 1
             return local
 
     def settle(self, local: bool, prompt: int) -> None:
@@ -86,6 +135,7 @@ class PendingPrompts:
                 self.here -= prompt
             else:
                 self.there -= prompt
+                self.remote -= 1
 
     def sink(self, local: bool, prompt: int, sink: Callable[[Any], None]) -> Callable[[Any], None]:
         """sink, settling the claim at its first output (a token, or the end of the request)."""
