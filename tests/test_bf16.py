@@ -57,9 +57,9 @@ def check(share: float, worst: float, what: str) -> None:
     assert worst <= MAX_GAP_ULPS, f"{what}: a step {worst:.1f} bf16 steps below the top logit"
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen3"])
-def test_bf16_unified_top1_agrees_with_transformers(arch, checkpoint_dir, prompts) -> None:
-    model_dir = checkpoint_dir(arch)
+@pytest.mark.parametrize("arch, tied", [("llama", False), ("llama", True), ("qwen3", False)])
+def test_bf16_unified_top1_agrees_with_transformers(arch, tied, checkpoint_dir, prompts) -> None:
+    model_dir = checkpoint_dir(arch, **({"tie_word_embeddings": True} if tied else {}))
     llm = LLM(str(model_dir), dtype="bfloat16", kv_pool_tokens=8192, context_length=256,
               chunked_prefill_size=32)
     assert llm.engine.pool.k.dtype == torch.bfloat16
@@ -84,3 +84,22 @@ def test_bf16_1p1d_top1_agrees_with_transformers(checkpoint_dir, prompts) -> Non
     finally:
         pair.close()
     check(*agreement(model_dir, prompts, [r.token_ids for r in got]), "1P1D")
+
+
+def test_bf16_tied_head_is_prepacked_beside_the_embedding(checkpoint_dir) -> None:
+    """A tied bf16 head is reordered for oneDNN into a copy of its own: the embedding keeps its
+    plain rows (lookups read them, not the head), and the logits are the tied matrix's."""
+    import torch.nn.functional as F
+
+    llm = LLM(str(checkpoint_dir("llama", tie_word_embeddings=True)), dtype="bfloat16",
+              kv_pool_tokens=256, context_length=64)
+    cm = llm.engine.runner.model
+    assert cm.head is not None and cm.head.onednn is not None
+    assert not cm.embeds_from_head
+    table = cm.model.embed_tokens.weight
+    assert table.shape == (cm.config.vocab_size, cm.config.hidden_size)
+    assert cm.lm_head.weight is table
+    hidden = torch.randn(3, cm.config.hidden_size, generator=torch.Generator().manual_seed(0))
+    hidden = hidden.to(torch.bfloat16)
+    want = F.linear(hidden, table).float()
+    torch.testing.assert_close(cm.logits(hidden), want, rtol=2**-7, atol=1e-3)

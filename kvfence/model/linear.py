@@ -92,7 +92,7 @@ class Projection:
 
     def rows(self, ids: torch.Tensor) -> torch.Tensor:
         """Rows `ids` of W [out, in] (an embedding lookup when W is a tied LM head)."""
-        assert self.onednn is None, "a tied head is never prepacked: its rows are the embedding"
+        assert self.onednn is None, "oneDNN's layout gives no rows back: embed from the table"
         if self.panels is None:
             assert self.w_t is not None
             return self.w_t.t().index_select(0, ids)

@@ -230,6 +230,6 @@ def install_collectives(model: CausalLM, group: RankGroup, layout: TpLayout) -> 
         model.head = ParallelPackedHead(model.head, group, layout)  # type: ignore[assignment]
     else:
         model.lm_head = ParallelHead(model.lm_head, group, layout)  # type: ignore[assignment]
-    if model.head is None or not model.config.tie_word_embeddings:
+    if not model.embeds_from_head:
         embed = model.model.embed_tokens
         model.model.embed_tokens = ParallelEmbedding(embed, group, layout)  # type: ignore[assignment]
