@@ -176,11 +176,15 @@ def main(argv: list[str] | None = None) -> int:
         for srv in servers.values():
             srv.wait_ready()
         for pas in range(a.passes):
-            for c in a.concurrency:
+            for ci, c in enumerate(a.concurrency):
+                # Fresh prompts per run, the same for every side of it: a run that re-sent an
+                # earlier run's prompts (one seed per pass, as before) found them in kvfence's
+                # prefix cache (vLLM runs with it off), so C=32 came after C=8 half computed.
+                seed = pas * len(a.concurrency) + ci
                 order = sides[pas % len(sides) :] + sides[: pas % len(sides)]
                 for side in order:
                     out = work / f"{side}-c{c}-p{pas}.json"
-                    argv_ = client_command(a.vllm_python, servers[side].url, model, a, c, pas, out)
+                    argv_ = client_command(a.vllm_python, servers[side].url, model, a, c, seed, out)
                     log_command(argv_)
                     subprocess.run(argv_, check=True, stdout=subprocess.DEVNULL)
                     row = summarise(json.loads(out.read_text()))
