@@ -147,7 +147,9 @@ def chunk_flops(runner: ModelRunner, prefix: int, chunk: int = CHUNK) -> float:
     return float(dense + attention)
 
 
-def rate(model: Path, prefixes: list[int], reps: int, backend: str) -> dict:
+def rate(
+    model: Path, prefixes: list[int], reps: int, backend: str, clock=time.perf_counter
+) -> dict:
     runner = runner_for(model, max(prefixes) + CHUNK, backend)
     for k, v in runner.kv_caches:  # random cached K/V, finite
         k.normal_()
@@ -160,9 +162,9 @@ def rate(model: Path, prefixes: list[int], reps: int, backend: str) -> dict:
     times: dict[int, list[float]] = {p: [] for p in cases}
     for _ in range(reps):
         for prefix in cases:
-            t = time.perf_counter()
+            t = clock()
             chunk_forward(runner, prefix, CHUNK)
-            times[prefix].append(time.perf_counter() - t)
+            times[prefix].append(clock() - t)
     for prefix in cases:
         s = statistics.median(times[prefix])
         out["cases"].append(
@@ -213,6 +215,9 @@ def main() -> None:
     ap.add_argument("--short", type=int, default=4096)
     ap.add_argument("--long", type=int, default=32768)
     ap.add_argument("--reps", type=int, default=5)
+    ap.add_argument("--cpu-time", action="store_true",
+                    help="rate: one thread, timed by this process's CPU time (a direction on a "
+                         "loaded host, where other processes' preemption would skew wall time)")
     ap.add_argument("--backend", choices=("auto", "native", "torch"), default="auto")
     ap.add_argument("--memory-layers", type=int, default=2,
                     help="layers of the memory case's model (its widths are --model's or SmolLM's)")
@@ -225,8 +230,12 @@ def main() -> None:
         return
     result: dict = {"command": this_command(), "machine": machine(), "chunk": CHUNK}
     if args.only != "memory":
+        if args.cpu_time:
+            torch.set_num_threads(1)
+        clock = time.process_time if args.cpu_time else time.perf_counter
         result["rate"] = rate(bench_model(args.model, args.tiny), args.prefixes, args.reps,
-                              args.backend)
+                              args.backend, clock)
+        result["rate"]["clock"] = "process cpu time, 1 thread" if args.cpu_time else "wall"
         print(f"attention backend: {result['rate']['attention']}")
         for c in result["rate"]["cases"]:
             print(
