@@ -64,6 +64,22 @@ def test_kernel_equals_sdpa_over_the_rows_own_slots(kernel, heads, kv_heads, d, 
     torch.testing.assert_close(got, reference(q, kc, vc, table, ctx, window), atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("window", [0, 7])
+@pytest.mark.parametrize("heads,kv_heads,d", [(4, 4, 32), (6, 2, 64), (4, 1, 128)])
+def test_kernel_bf16_vector_paths_equal_sdpa(kernel, heads, kv_heads, d, window) -> None:
+    """bf16 caches take the float32 paths' 16-slot scores and register-blocked P.V (loads widen
+    to float32 exactly): SDPA's answer over the bf16 values, to bf16 output rounding."""
+    q, kc, vc, table, ctx = random_case(heads, kv_heads, CTX_SETS["many"], torch.bfloat16,
+                                        pages=128, d=d)
+    got = kernel(q, kc, vc, table, ctx, PAGE, d**-0.5, window)
+    assert got.dtype == torch.bfloat16
+    torch.testing.assert_close(
+        got.float(), reference(q, kc, vc, table, ctx, window), atol=1e-2, rtol=2**-7
+    )
+    kc_p, vc_p = poisoned_outside(kc, vc, table, ctx, window)
+    assert torch.equal(kernel(q, kc_p, vc_p, table, ctx, PAGE, d**-0.5, window), got)
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_kernel_half_precision_caches(kernel, dtype) -> None:
     q, kc, vc, table, ctx = random_case(6, 2, [3, 40], dtype=dtype)

@@ -41,7 +41,7 @@ inline void axpy(float a, const T* x, float* y, int64_t d) {
     for (int64_t i = 0; i < d; ++i) y[i] += a * static_cast<float>(x[i]);
 }
 
-// float32 with head_dim % 16 == 0: scores for 16 slots at a time, each a 16-lane partial sum
+// head_dim % 16 == 0: scores for 16 slots at a time, each a 16-lane partial sum
 // (vec16.h), then one transpose-and-add tree instead of 16 horizontal reductions:
 // out lane i = the sum of p[i]'s 16 lanes.
 inline v16 reduce16(const v16* p) {
@@ -72,19 +72,19 @@ inline float sum16(v16 v) {
     return s;
 }
 
-// float32 P.V for the query heads [qh0, qh0 + gb) of KV head h, gb <= GB: the GB x NV
+// P.V for the query heads [qh0, qh0 + gb) of KV head h, gb <= GB: the GB x NV
 // accumulators stay in registers while each V row segment is loaded once.
-template <int NV, int GB>
-inline void pv_block(const float* vc, const int64_t* pages, int64_t page_size, int64_t row,
+template <int NV, int GB, typename T>
+inline void pv_block(const T* vc, const int64_t* pages, int64_t page_size, int64_t row,
                      int64_t t0, int64_t n, int64_t h, int64_t qh0, int gb, const float* scores,
                      int64_t len, float* acc) {
     constexpr int D = NV * 16;
     v16 a[GB][NV] = {};
     for (int64_t t = t0; t < n; ++t) {
-        const float* vr = vc + (pages[t / page_size] * page_size + t % page_size) * row + h * D;
+        const T* vr = vc + (pages[t / page_size] * page_size + t % page_size) * row + h * D;
         if (t + PREFETCH_SLOTS < n) {
             const int64_t ahead = t + PREFETCH_SLOTS;
-            const float* r = vc + (pages[ahead / page_size] * page_size + ahead % page_size) * row;
+            const T* r = vc + (pages[ahead / page_size] * page_size + ahead % page_size) * row;
             for (int j = 0; j < NV; ++j) prefetch_l2(r + h * D + 16 * j);
         }
         v16 v[NV];
@@ -99,15 +99,21 @@ inline void pv_block(const float* vc, const int64_t* pages, int64_t page_size, i
         for (int j = 0; j < NV; ++j) store16(acc + (qh0 + g) * D + 16 * j, a[g][j]);
 }
 
-template <int NV, int GB>
-void pv_heads(const float* vc, const int64_t* pages, int64_t page_size, int64_t row, int64_t t0,
+template <int NV, int GB, typename T>
+void pv_heads(const T* vc, const int64_t* pages, int64_t page_size, int64_t row, int64_t t0,
               int64_t n, int64_t h0, int64_t h1, int64_t G, const float* scores, int64_t len,
               float* acc) {
     for (int64_t h = h0; h < h1; ++h)
         for (int64_t g = 0; g < G; g += GB)
-            pv_block<NV, GB>(vc, pages, page_size, row, t0, n, h, h * G + g,
+            pv_block<NV, GB, T>(vc, pages, page_size, row, t0, n, h, h * G + g,
                              static_cast<int>(std::min<int64_t>(GB, G - g)), scores, len, acc);
 }
+
+// Caches the vector paths read (vec16.h loads either, widening bf16 to float32 exactly); a
+// float16 cache takes the scalar loops.
+template <typename T>
+constexpr bool kVectorCache =
+    std::is_same<T, float>::value || std::is_same<T, c10::BFloat16>::value;
 
 template <typename T>
 void decode_kernel(const T* q, const T* kc, const T* vc, const int64_t* pt, const int64_t* ctx,
@@ -134,10 +140,10 @@ void decode_kernel(const T* q, const T* kc, const T* vc, const int64_t* pt, cons
                 qf[i] = static_cast<float>(q[b * H * D + i]) * scale;
             const int64_t* pages = pt + b * P;
             int64_t t = t0;
-            if constexpr (std::is_same<T, float>::value) {
+            if constexpr (kVectorCache<T>) {
                 if (D % 16 == 0) {
                     v16 part[16];
-                    const float* rows[16];
+                    const T* rows[16];
                     for (; t + 16 <= n; t += 16) {
                         for (int i = 0; i < 16; ++i)
                             rows[i] = kc + (pages[(t + i) / page_size] * page_size +
@@ -145,8 +151,8 @@ void decode_kernel(const T* q, const T* kc, const T* vc, const int64_t* pt, cons
                         // Pages are scattered: start a later block's rows on their way now.
                         const int64_t ahead = t + PREFETCH_SLOTS;
                         for (int64_t i = ahead; i < std::min(ahead + 16, n); ++i) {
-                            const float* r = kc + (pages[i / page_size] * page_size +
-                                                   i % page_size) * row + h0 * D;
+                            const T* r = kc + (pages[i / page_size] * page_size +
+                                               i % page_size) * row + h0 * D;
                             for (int64_t c = 0; c < (h1 - h0) * D; c += 16) prefetch_l2(r + c);
                         }
                         for (int64_t h = h0; h < h1; ++h)
@@ -154,7 +160,7 @@ void decode_kernel(const T* q, const T* kc, const T* vc, const int64_t* pt, cons
                                 const int64_t qh = h * G + g;
                                 const float* qq = &qf[qh * D];
                                 for (int i = 0; i < 16; ++i) {
-                                    const float* kr = rows[i] + h * D;
+                                    const T* kr = rows[i] + h * D;
                                     v16 acc = load16(qq) * load16(kr);
                                     for (int64_t j = 16; j < D; j += 16)
                                         acc += load16(qq + j) * load16(kr + j);
@@ -195,9 +201,9 @@ void decode_kernel(const T* q, const T* kc, const T* vc, const int64_t* pt, cons
                 inv[qh] = 1.f / z;
             }
             bool pv_done = false;
-            if constexpr (std::is_same<T, float>::value) {
+            if constexpr (kVectorCache<T>) {
                 if (D == 64 || D == 128) {  // the common head sizes get register-blocked P.V
-                    (D == 64 ? pv_heads<4, 4> : pv_heads<8, 2>)(vc, pages, page_size, row, t0, n,
+                    (D == 64 ? pv_heads<4, 4, T> : pv_heads<8, 2, T>)(vc, pages, page_size, row, t0, n,
                                                                h0, h1, G, scores.data(), len,
                                                                acc.data());
                     pv_done = true;
