@@ -103,3 +103,16 @@ def test_bf16_tied_head_is_prepacked_beside_the_embedding(checkpoint_dir) -> Non
     hidden = hidden.to(torch.bfloat16)
     want = F.linear(hidden, table).float()
     torch.testing.assert_close(cm.logits(hidden), want, rtol=2**-7, atol=1e-3)
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_bf16_plan_counts_the_tied_head_copy(checkpoint_dir, tied) -> None:
+    """Preflight's weight bytes are what the bf16 model holds: a tied head's oneDNN copy is a
+    second vocab x hidden table beside the embedding, counted once more."""
+    model_dir = checkpoint_dir("llama", **({"tie_word_embeddings": True} if tied else {}))
+    llm = LLM(str(model_dir), dtype="bfloat16", kv_pool_tokens=256, context_length=64)
+    cm = llm.engine.runner.model
+    copy = cm.config.vocab_size * cm.config.hidden_size * 2
+    assert llm.engine.plan.model_bytes == cm.weight_bytes()
+    fp32 = LLM(str(model_dir), kv_pool_tokens=256, context_length=64)
+    assert llm.engine.plan.model_bytes == fp32.engine.plan.model_bytes // 2 + (copy if tied else 0)

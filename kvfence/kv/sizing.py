@@ -324,6 +324,7 @@ def plan_pool(
     max_running_requests: int = 64,
     model_name: str | None = None,
     lora_bytes: int = 0,
+    head_copy_bytes: int = 0,
 ) -> PoolPlan:
     """Size one rank's KV pool. An explicit kv_pool_tokens wins over the memory-derived size.
 
@@ -352,6 +353,7 @@ def plan_pool(
     kv_dtype = resolve_kv_dtype(dtype, kv_cache_dtype)
     per_token = kv_bytes_per_token(mc, kv_dtype, tp_size)
     model_bytes, weights_source = _weight_bytes(mc, dtype, tp_size, model_dir)
+    model_bytes += head_copy_bytes
     reserve = activation_reserve_bytes(
         mc, dtype, tp_size, chunked_prefill_size, max_running_requests
     )
@@ -422,7 +424,21 @@ def plan_for_engine(
         model_name=cfg.served_model_name or Path(cfg.model).name,
         lora_bytes=lora_slot_bytes(mc, cfg.enable_lora, cfg.max_loras, cfg.max_lora_rank,
                                    cfg.dtype),
+        head_copy_bytes=tied_head_copy_bytes(mc, cfg),
     )
+
+
+def tied_head_copy_bytes(mc: ModelShape, cfg: EngineConfig) -> int:
+    """bf16 on CPU reorders a tied LM head for oneDNN into a copy of its own beside the
+    embedding (CausalLM.prepack_onednn): a second vocab x hidden table, split by tp."""
+    if not (
+        getattr(mc, "tie_word_embeddings", False)
+        and cfg.device == "cpu"
+        and cfg.dtype == "bfloat16"
+        and cfg.linear_backend == "auto"
+    ):
+        return 0
+    return math.ceil(mc.vocab_size * mc.hidden_size * dtype_bytes(cfg.dtype) / cfg.tp_size)
 
 
 def lora_slot_bytes(
