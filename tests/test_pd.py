@@ -173,11 +173,17 @@ def test_pd_a_decode_taking_prompts_keeps_the_narrow_step_target(model_dir: str)
 
     node = pd_node(EngineConfig(model=model_dir, kv_pool_tokens=1024, context_length=CTX),
                    "decode", 5.0)  # fmt: skip
-    for factor, wide in ((1.0, AUTO_STEP_FACTOR), (0.0, node.engine.wide_step_factor)):
+    from kvfence.pd.local_prefill import LOCAL_BACKLOG_STEPS
+
+    for factor, wide, backlog in (
+        (1.0, AUTO_STEP_FACTOR, LOCAL_BACKLOG_STEPS),
+        (0.0, node.engine.wide_step_factor, node.engine.prefill_backlog_steps),
+    ):
         svc = decode_service(replace(node, pd=replace(node.pd, decode_local_prefill=factor)),
                              Faults())  # fmt: skip
         try:
             assert svc.engine.scheduler.limits.step.wide_factor == wide
+            assert svc.engine.scheduler.limits.step.backlog_steps == backlog
             assert svc.pending.limit == node.engine.chunked_prefill_size
         finally:
             svc.shutdown()

@@ -26,7 +26,12 @@ from kvfence.kv.pool import Grant
 from kvfence.pd import glue, kvio, wire
 from kvfence.pd import protocol as p
 from kvfence.pd.decode_runs import Room, RunReceiver
-from kvfence.pd.local_prefill import LOCAL_LIMIT_CHUNKS, LocalPace, PendingPrompts
+from kvfence.pd.local_prefill import (
+    LOCAL_BACKLOG_STEPS,
+    LOCAL_LIMIT_CHUNKS,
+    LocalPace,
+    PendingPrompts,
+)
 from kvfence.pd.peers import UNAVAILABLE, Dialer
 from kvfence.pd.pool_port import PortRuleBroken
 from kvfence.pd.service import PdService
@@ -62,8 +67,11 @@ class DecodeService(PdService):
         # 1): a prompt's fate must not then depend on which side computes it.
         local_prefill = 0.0 if cfg.unsafe_skip_preflight else local_prefill
         if local_prefill > 0:
-            # Its prompts have the prefill worker to go to: no wide step target (local_prefill.py).
-            cfg = replace(cfg, wide_step_factor=AUTO_STEP_FACTOR)
+            # Its prompts have the prefill worker to go to: no wide step target, and no backlog
+            # share beyond the time target (local_prefill.py: the queue is priced at it).
+            cfg = replace(
+                cfg, wide_step_factor=AUTO_STEP_FACTOR, prefill_backlog_steps=LOCAL_BACKLOG_STEPS
+            )
         super().__init__(cfg, backend, tls, faults, timeout_s, limits)
         limit = LOCAL_LIMIT_CHUNKS * cfg.chunked_prefill_size
         self.pending = PendingPrompts(local_prefill, limit)

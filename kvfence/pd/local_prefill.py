@@ -21,11 +21,11 @@ token) and what a token costs each (LocalPace): here when
 here_ms is a token's share of this worker's steps at the prefill budget its time target gives
 them beside its decode rows (fit on its own steps: kvfence/engine/step_budget.py), there_ms a
 token of the prefill worker's whole-chunk steps (the same model on the same share of cores
-under `kvfence up`). The budget's floors are left out of here_ms: the backlog floor grows with
-the local queue, and pricing it would send more prompts here the longer the queue (the
-runaway a fixed bound used to stop). Priced, the local queue needs no bound: it stays as long as
-its wait is no worse. Before the cost is fit, a local token costs `factor` remote ones and at
-most LOCAL_LIMIT_CHUNKS chunks wait here.
+under `kvfence up`). The backlog floor is off at such a decode (LOCAL_BACKLOG_STEPS): it grows
+with the local queue, so its steps would outgrow the price (and priced, it would send more
+prompts here the longer the queue: the runaway a fixed bound used to stop). Priced, the local
+queue needs no bound: it stays as long as its wait is no worse. Before the cost is fit, a local
+token costs `factor` remote ones and at most LOCAL_LIMIT_CHUNKS chunks wait here.
 
 Why priced and unbounded: with the bound of one chunk, a burst (a closed loop's first C
 prompts) left the decode worker two of them at C=32 and the prefill worker thirty: 1P1D /
@@ -33,8 +33,12 @@ serve goodput at 2 s x 100 ms 0.12x on EPYC (benchmarks/RESULTS.md "Goodput agai
 defaults"; a step log of a loaded 1P1D run showed the same, the decode decoding 2-4 rows in
 50-70 ms steps while the prefill worker's queue took 36 s). The model of the two workers
 (benchmarks/pd_local_sim.py, step costs scaled to EPYC's serve throughput) put the priced rule
-at 0.91-0.94x of serve's goodput at C=32 against 0.51-0.78x with the bound, C=8 unchanged
-(0.88-0.90x); leaving the backlog floor out of the decode's budget too cost C=32 0.77-0.88x.
+at 0.77-0.88x of serve's goodput at C=32 (0.91-0.94x with the backlog floor on, whose steps
+made ITL p99 4-5x on loaded cores) against 0.51-0.78x with the bound, C=8 unchanged
+(0.88-0.90x). Measured 1P1D against the bounded rule in one tree (benchmarks/goodput.py, 32
+fresh prompts, 3 alternating pairs on 2 cores at load 2-5, so a direction): C=32 throughput
+0.89-1.30x, TTFT p50 0.61-0.82x, ITL p99 3.8-5x (the decode's 2x-target steps beside ~25 rows),
+C=8 equal; no 1P1D run met TPOT 100 ms at C=32 on cores that loaded.
 
 `factor` scales the local side: `kvfence up` asks 1 (the waits as priced). The view is this
 worker's own requests: with several decodes per prefill it undercounts the prefill's queue,
@@ -57,6 +61,11 @@ from kvfence.engine.step_budget import StepCost
 # of prompts of its own: compared by tokens alone (factor 1, 1P1D at C=32 on 2 cores), the local
 # queue grew to thousands of tokens and its backlog floor to 0.75 s steps: ITL p99 30x.
 LOCAL_LIMIT_CHUNKS = 1
+# A decode that takes prompts computes them at its time target, the pace they are priced at:
+# its backlog share (--prefill-backlog-steps) is this small, so a long local queue never
+# lengthens its steps (at 16, the default, a C=32 burst's local queue of ~3,300 tokens made
+# 500-750 ms steps on 2 loaded cores: ITL p99 4-5x the bounded rule's).
+LOCAL_BACKLOG_STEPS = 1 << 20
 # `kvfence up`'s default: a prompt is computed here when its first token comes sooner here.
 UP_FACTOR = 1.0
 
