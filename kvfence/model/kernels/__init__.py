@@ -13,11 +13,12 @@ path, which gives the same results (to float rounding), only slower.
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import logging
 import platform
-import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager, suppress
 from dataclasses import dataclass
 from functools import cache
 from pathlib import Path
@@ -29,10 +30,8 @@ HERE = Path(__file__).resolve().parent
 HEADER = HERE / "vec16.h"  # included by every kernel: part of each build's key
 
 
-@cache
-def _build(stem: str) -> object | None:
-    """The extension module compiled from `<stem>.cpp`, or None when it cannot be built here (the
-    reason is logged once)."""
+def build_name(stem: str) -> str:
+    """The extension's name for `<stem>.cpp`: its build directory under torch's cache."""
     src = HERE / f"{stem}.cpp"
     # -march=native: the build is cached per host CPU (the name carries the CPU model and the
     # source hash), so a shared cache directory never hands one CPU another's binary. The
@@ -40,19 +39,26 @@ def _build(stem: str) -> object | None:
     # checkouts sharing one name would rebuild each other's kernel at every start.
     key = src.read_bytes() + HEADER.read_bytes() + str(src).encode() + platform.machine().encode()
     key += _cpu_id()
-    tag = hashlib.sha256(key).hexdigest()
-    name = f"kvfence_{stem}_{tag[:12]}"
+    return f"kvfence_{stem}_{hashlib.sha256(key).hexdigest()[:12]}"
+
+
+@cache
+def _build(stem: str) -> object | None:
+    """The extension module compiled from `<stem>.cpp`, or None when it cannot be built here (the
+    reason is logged once)."""
+    name = build_name(stem)
     try:
         from torch.utils.cpp_extension import _get_build_directory, load
 
-        _drop_stale_lock(Path(_get_build_directory(name, verbose=False)) / "lock")
-        return load(
-            name=name,
-            sources=[str(src)],
-            extra_cflags=["-O3", "-march=native", "-fopenmp", "-fno-math-errno"],
-            extra_ldflags=["-fopenmp"],
-            verbose=env.kernel_verbose(),
-        )
+        build_dir = Path(_get_build_directory(name, verbose=False))
+        with _builder_lock(build_dir):
+            return load(
+                name=name,
+                sources=[str(HERE / f"{stem}.cpp")],
+                extra_cflags=["-O3", "-march=native", "-fopenmp", "-fno-math-errno"],
+                extra_ldflags=["-fopenmp"],
+                verbose=env.kernel_verbose(),
+            )
     except Exception as e:  # no compiler, no ninja, a broken toolchain: fall back, say why
         log.warning("native kernel %s unavailable (%s); using the torch path", stem, e)
         return None
@@ -108,15 +114,23 @@ class FusedEpilogue:
     rope_store: Callable
 
 
-def _drop_stale_lock(lock: Path, max_age_s: float = 300.0) -> None:
-    """torch's build lock is a plain file that every other process waits on forever; a build
-    killed midway (a test or an operator stopping a cluster) would leave it behind."""
-    try:
-        if time.time() - lock.stat().st_mtime > max_age_s:
-            lock.unlink()
-            log.warning("removed a stale kernel build lock %s", lock)
-    except FileNotFoundError:
-        pass
+@contextmanager
+def _builder_lock(build_dir: Path) -> Iterator[None]:
+    """Hold an flock on the build directory while torch builds or loads into it. torch's own
+    lock is a plain file that every other process waits on forever, and a build killed midway
+    (a test, or an operator stopping a cluster while a worker compiles) leaves it behind. The
+    flock dies with its holder, so while it is held no other process is inside torch's build
+    here, and a torch lock file found then is a dead build's: it goes."""
+    build_dir.mkdir(parents=True, exist_ok=True)
+    with open(build_dir / "kvfence.flock", "a") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)  # waits only on a live process's build
+        try:
+            with suppress(FileNotFoundError):
+                (build_dir / "lock").unlink()
+                log.warning("removed a dead kernel build's lock in %s", build_dir)
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
 
 
 def _cpu_id() -> bytes:
@@ -126,4 +140,3 @@ def _cpu_id() -> bytes:
     except OSError:
         return b""
     return "\n".join(x for x in lines if x.startswith(("model name", "flags"))).encode()
-
