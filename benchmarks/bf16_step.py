@@ -22,6 +22,7 @@ from benchmarks.common import (  # noqa: E402
     bench_model,
     machine,
     random_prompts,
+    submit_prompts,
     this_command,
     write_json,
 )
@@ -117,7 +118,6 @@ def main(argv: list[str] | None = None) -> int:
     import torch
 
     from kvfence.engine.llm import LLM
-    from kvfence.engine.request import GenerateRequest, RequestOutput, SamplingParams
 
     cmd = this_command()
     model = bench_model(a.model, a.tiny)
@@ -138,15 +138,8 @@ def main(argv: list[str] | None = None) -> int:
 
     def decode_steps(engine: object, batch: int, probe: Probe) -> list[float]:
         """Step times while `batch` sequences of prompt_len decode (not the prefill)."""
-        done: set[str] = set()
-
-        def sink(o: RequestOutput) -> None:
-            if o.finished:
-                done.add(o.request_id)
-
-        params = SamplingParams(max_tokens=a.steps + 2, temperature=0.0, ignore_eos=True)
-        for prompt in random_prompts(batch, a.prompt_len, vocab, seed=batch):
-            engine.submit(GenerateRequest(f"r{next(ids)}", "b", tuple(prompt), params), sink)
+        prompts = random_prompts(batch, a.prompt_len, vocab, seed=batch)
+        done = submit_prompts(engine, prompts, a.steps + 2, ids)
         engine.step()  # the prefill
         times = []
         probe.begin()
@@ -160,12 +153,9 @@ def main(argv: list[str] | None = None) -> int:
         return times
 
     def prefill_steps(engine: object, rounds: int, probe: Probe) -> list[float]:
-        params = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
         times = []
         for r in range(rounds):
-            for prompt in random_prompts(pre_n, pre_len, vocab, seed=1000 + r):
-                engine.submit(GenerateRequest(f"p{next(ids)}", "b", tuple(prompt), params),
-                              lambda o: None)
+            submit_prompts(engine, random_prompts(pre_n, pre_len, vocab, seed=1000 + r), 1, ids)
             probe.begin()
             t = time.perf_counter()
             engine.step()

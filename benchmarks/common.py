@@ -100,6 +100,23 @@ def random_prompts(n: int, length: int, vocab: int, seed: int) -> list[list[int]
     return [[rng.randrange(2, vocab) for _ in range(length)] for _ in range(n)]
 
 
+def submit_prompts(engine, prompts: list[list[int]], max_tokens: int, ids) -> set[str]:  # type: ignore[no-untyped-def]
+    """Submit greedy requests (EOS ignored) straight to an engine, ids drawn from the `ids`
+    counter; the returned set gathers the ids of those that finish as the caller steps it."""
+    from kvfence.engine.request import GenerateRequest, RequestOutput, SamplingParams
+
+    done: set[str] = set()
+
+    def sink(o: RequestOutput) -> None:
+        if o.finished:
+            done.add(o.request_id)
+
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+    for prompt in prompts:
+        engine.submit(GenerateRequest(f"r{next(ids)}", "bench", tuple(prompt), params), sink)
+    return done
+
+
 # --pin: on a host of few cores, two processes streaming to each other over loopback tend to
 # end up on one core taking turns while the other core idles (the receiver's wake-up is a sync
 # one, placed on the sender's core), now and then for a whole transfer (benchmarks/RESULTS.md

@@ -23,6 +23,7 @@ from benchmarks.common import (  # noqa: E402
     machine,
     random_prompts,
     ratio_ci,
+    submit_prompts,
     this_command,
     write_json,
 )
@@ -49,7 +50,7 @@ def main(argv: list[str] | None = None) -> int:
     import torch
 
     from kvfence.engine.llm import LLM
-    from kvfence.engine.request import GenerateRequest, RequestOutput, SamplingParams
+    from kvfence.engine.request import SamplingParams
 
     cmd = this_command()
     model = bench_model(a.model, a.tiny)
@@ -72,15 +73,8 @@ def main(argv: list[str] | None = None) -> int:
     def decode_step_ms(batch: int) -> float:
         """Median time of an engine step while `batch` sequences decode (the prefill step and
         the last, which frees them, are not counted)."""
-        done: set[str] = set()
-
-        def sink(o: RequestOutput) -> None:
-            if o.finished:
-                done.add(o.request_id)
-
-        params = SamplingParams(max_tokens=a.steps + 2, temperature=0.0, ignore_eos=True)
-        for prompt in random_prompts(batch, a.prompt_len, vocab, seed=batch):
-            engine.submit(GenerateRequest(f"r{next(ids)}", "bench", tuple(prompt), params), sink)
+        prompts = random_prompts(batch, a.prompt_len, vocab, seed=batch)
+        done = submit_prompts(engine, prompts, a.steps + 2, ids)
         times = []
         while len(done) < batch:
             t = time.perf_counter()
@@ -90,12 +84,9 @@ def main(argv: list[str] | None = None) -> int:
 
     def prefill_step_ms() -> float:
         """Median time of the step that prefills pre_n fresh prompts of pre_len tokens."""
-        params = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
         times = []
         for r in range(a.prefill_rounds):
-            for prompt in random_prompts(pre_n, pre_len, vocab, seed=1000 + r):
-                rid = f"p{next(ids)}"
-                engine.submit(GenerateRequest(rid, "bench", tuple(prompt), params), lambda o: None)
+            submit_prompts(engine, random_prompts(pre_n, pre_len, vocab, seed=1000 + r), 1, ids)
             t = time.perf_counter()
             engine.step()
             times.append(time.perf_counter() - t)

@@ -86,6 +86,7 @@ SMOKE = {
     ],
     "linear_kernels": ["--tiny", "--rows", "1,8", "--repeats", "1"],
     "fused_epilogue": ["--tiny", "--batches", "1,2", "--steps", "3", "--alternations", "1"],
+    "bf16_step": ["--tiny", "--batches", "1,2", "--steps", "3", "--alternations", "1"],
     "moe_step": ["--tiny", "--batches", "1", "--steps", "2"],
     "up_threads": [
         "--tiny",
