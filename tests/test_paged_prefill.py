@@ -60,14 +60,18 @@ def allowed_slots(ctx_lens, q_lens, table, window, n_slots) -> torch.Tensor:
 def run_both(kernel, ctx_lens, q_lens, heads, kv_heads, d, window, dtype, seed=0):
     kc, vc, _, table, g = random_rows(ctx_lens, q_lens, kv_heads, d, dtype, seed)
     q = torch.randn(sum(q_lens), heads, d, generator=g).to(dtype)
-    rows = rows_of(ctx_lens, q_lens, table, window)
-    scale = d**-0.5
+    return kernel_and_reference(kernel, q, kc, vc, rows_of(ctx_lens, q_lens, table, window), PAGE)
+
+
+def kernel_and_reference(kernel, q, kc, vc, rows, page):
+    """The kernel's output for `rows` and the float32 reference gather's, side by side."""
+    scale = q.shape[-1] ** -0.5
     want = ReferenceBackend(torch.device("cpu"), NULL, torch.float32).plan(rows).run(
         q.float(), kc.float(), vc.float(), scale, None
     )
     got = torch.empty_like(q)
-    kernel(q, kc, vc, rows.page_table, rows.ctx_lens, rows.q_starts, rows.q_lens, PAGE, scale,
-           window, got)
+    kernel(q, kc, vc, rows.page_table, rows.ctx_lens, rows.q_starts, rows.q_lens, page, scale,
+           rows.window, got)
     return got, want
 
 
@@ -183,14 +187,7 @@ def run_tiles(kernel, prefixes, q_lens, heads, kv_heads, d, window, page, dtype,
         covers_step=True,
     )
     q = torch.randn(sum(q_lens), heads, d, generator=g).to(dtype)
-    scale = d**-0.5
-    want = ReferenceBackend(torch.device("cpu"), NULL, torch.float32).plan(rows).run(
-        q.float(), kc.float(), vc.float(), scale, None
-    )
-    got = torch.empty_like(q)
-    kernel(q, kc, vc, rows.page_table, rows.ctx_lens, rows.q_starts, rows.q_lens, page, scale,
-           window, got)
-    return got, want
+    return kernel_and_reference(kernel, q, kc, vc, rows, page)
 
 
 @pytest.mark.parametrize("q_len", [1, 15, 17, 513])
