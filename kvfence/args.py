@@ -259,7 +259,8 @@ PREFILL_BACKLOG_STEPS = _engine(
     type=int,
     metavar="STEPS",
     help="a step that also decodes takes at least 1/STEPS of the prompt tokens waiting, so a "
-    "burst of prompts drains in about STEPS steps (the TTFT side; lower: earlier first tokens)",
+    "burst of prompts drains in about STEPS steps (the TTFT side; lower: earlier first tokens; "
+    "0: no such floor)",
 )
 PREFILL_PACE = _engine(
     "--prefill-pace",

@@ -155,8 +155,8 @@ class EngineConfig:
             raise ConfigError("--shared-prefix-file needs --enable-prefix-caching")
         if self.max_decode_step_ms is not None and not self.max_decode_step_ms >= 0:
             raise ConfigError(f"--max-decode-step-ms {self.max_decode_step_ms}: must be >= 0")
-        if self.prefill_backlog_steps < 1:
-            raise ConfigError(f"--prefill-backlog-steps {self.prefill_backlog_steps}: must be >= 1")
+        if self.prefill_backlog_steps < 0:
+            raise ConfigError(f"--prefill-backlog-steps {self.prefill_backlog_steps}: must be >= 0")
         if not self.prefill_pace >= 0:
             raise ConfigError(f"--prefill-pace {self.prefill_pace}: must be >= 0")
         if not self.wide_step_factor >= 1:

@@ -62,10 +62,10 @@ from kvfence.engine.step_budget import StepCost
 # queue grew to thousands of tokens and its backlog floor to 0.75 s steps: ITL p99 30x.
 LOCAL_LIMIT_CHUNKS = 1
 # A decode that takes prompts computes them at its time target, the pace they are priced at:
-# its backlog share (--prefill-backlog-steps) is this small, so a long local queue never
-# lengthens its steps (at 16, the default, a C=32 burst's local queue of ~3,300 tokens made
+# it has no backlog floor (--prefill-backlog-steps 0), so a long local queue never lengthens
+# its steps (at 16, the default, a C=32 burst's local queue of ~3,300 tokens made
 # 500-750 ms steps on 2 loaded cores: ITL p99 4-5x the bounded rule's).
-LOCAL_BACKLOG_STEPS = 1 << 20
+LOCAL_BACKLOG_STEPS = 0
 # `kvfence up`'s default: a prompt is computed here when its first token comes sooner here.
 UP_FACTOR = 1.0
 
