@@ -101,8 +101,16 @@ def start(engine: str, a: argparse.Namespace, model: Path, tmp: Path, shared: Pa
             extra += ["--shared-prefix-file", str(shared)]
         if engine == "kvfence-nobudget":
             extra += ["--max-decode-step-ms", "0"]
-        return kvfence_server("serve", model, a.context_length, a.pool_tokens, log, extra=extra)
-    return vllm_server(a.vllm_python, model, a.context_length, log, prefix_caching=True)
+        extra += ["--dtype", a.dtype]
+        return kvfence_server("serve", model, a.context_length, pool_tokens(a), log, extra=extra)
+    return vllm_server(a.vllm_python, model, a.context_length, log, prefix_caching=True,
+                       dtype=a.dtype)
+
+
+def pool_tokens(a: argparse.Namespace) -> int:
+    """kvfence's pool in tokens: the same bytes as vLLM's KV space, so a bf16 pool (half the
+    bytes per token) holds twice the tokens, as vLLM's does."""
+    return a.pool_tokens * (2 if a.dtype == "bfloat16" else 1)
 
 
 def shared_prompt_file(a: argparse.Namespace, path: Path, seed: int) -> None:
@@ -145,7 +153,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--context-length", type=int, default=2048)
     # vLLM's CPU KV space is 1 GiB here (VLLM_CPU_KVCACHE_SPACE=1): about 23k tokens of this
     # model; kvfence gets the same room for running requests plus its cache.
-    p.add_argument("--pool-tokens", type=int, default=23_000)
+    p.add_argument("--pool-tokens", type=int, default=23_000, help="in float32; doubled in bf16")
+    p.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32",
+                   help="both engines' weights, activations and KV cache")
     p.add_argument("--vllm-python", default="/work/vllm-venv/bin/python")
     p.add_argument("--out", default=str(RESULTS))
     p.add_argument("--name", default="prefix_cache")
