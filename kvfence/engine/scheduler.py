@@ -18,6 +18,7 @@ from kvfence.engine.fairness import next_waiting
 from kvfence.engine.prompt_logprobs import NO_SCORES, scored_range
 from kvfence.engine.sequence import SeqMode, SeqStatus, Sequence
 from kvfence.engine.step_budget import BudgetPolicy, Deadlines, StepBudget
+from kvfence.engine.waves import Wave, mode
 from kvfence.faults import Faults
 from kvfence.kv.pool import KVPool, OwnershipError
 from kvfence.kv.prefix import Namespace, lora_identity
@@ -69,6 +70,9 @@ class Scheduler:
         # Cache keys of pages a running sequence is computing and will seal: an identical
         # prompt (n > 1, a retry) waits for them rather than computing them a second time.
         self.inflight: dict[bytes, Sequence] = {}
+        # Waves (kvfence/engine/waves.py): whether the last step filled one, and its leader.
+        self._filling = False
+        self._leader: Sequence | None = None
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
@@ -125,11 +129,9 @@ class Scheduler:
         chunks: list[ScheduledChunk] = []
         preempted_before = self.num_preemptions
         decoding = [s for s in self.running if s.in_decode]
-        for seq in decoding:
-            if seq.status is not SeqStatus.RUNNING:
-                continue  # preempted by an earlier sequence in this loop
-            if self._ensure_slot(seq):
-                chunks.append(_chunk(seq, 1))
+        wave = self._wave(decoding, now)
+        if wave is not Wave.FILL:  # a fill's streams (its leader, its held prompts) wait for it
+            self._decode(decoding, chunks)
         # Prefill tokens to compute this step: the whole chunk size when nothing decodes, else
         # what the step-time target leaves beside these decodes. Only computed tokens are
         # charged: a prompt's cached prefix is skipped by _enter before its chunk is sized.
@@ -146,11 +148,16 @@ class Scheduler:
             if budget == 0:
                 break
             if not seq.in_decode and seq.status is SeqStatus.RUNNING:
-                n = min(seq.num_uncomputed, budget)
-                chunks.append(_chunk(seq, n))
-                budget -= n
-        # After a preemption the pool is short: admitting now would only thrash.
-        may_admit = self.num_preemptions == preempted_before
+                n = self._hold(seq, min(seq.num_uncomputed, budget), wave)
+                if n:
+                    chunks.append(_chunk(seq, n))
+                    budget -= n
+        # After a preemption the pool is short: admitting now would only thrash. A deferred
+        # prompt waits for the streams to drain (a wave computes it).
+        may_admit = self.num_preemptions == preempted_before and wave not in (
+            Wave.DEFER,
+            Wave.RELEASE,
+        )
         while (
             may_admit
             and budget > 0
@@ -187,10 +194,79 @@ class Scheduler:
                 continue
             seq.status = SeqStatus.RUNNING
             self.running.append(seq)
-            n = min(seq.num_uncomputed, budget)
-            chunks.append(_chunk(seq, n))
-            budget -= n
+            n = self._hold(seq, min(seq.num_uncomputed, budget), wave)
+            if n:
+                chunks.append(_chunk(seq, n))
+                budget -= n
+        if wave is Wave.FILL and not chunks:
+            # Nothing more could join or be computed (the pool, a cap): the wave starts now.
+            self._filling = False
+            self._decode([s for s in self.running if s.in_decode], chunks)
         return chunks
+
+    def _decode(self, decoding: list[Sequence], chunks: list[ScheduledChunk]) -> None:
+        """A one-token chunk for each decoding sequence that (still) has a slot."""
+        for seq in decoding:
+            if seq.status is not SeqStatus.RUNNING:
+                continue  # preempted by an earlier sequence in this loop
+            if self._ensure_slot(seq):
+                chunks.append(_chunk(seq, 1))
+
+    def _wave(self, decoding: list[Sequence], now: float) -> Wave:
+        """This step's wave mode (kvfence/engine/waves.py): only with both latency targets set
+        and only where every sequence is computed and decoded here (a PD role's transfers run
+        on their own clock)."""
+        step = self.limits.step
+        if step.target_tpot_ms is None or step.target_ttft_ms is None or any(
+            s.mode is not SeqMode.FULL
+            for s in (*self.running, *self.waiting, *self.handoff.values())
+        ):
+            self._filling = False
+            return Wave.OFF
+        streams = [
+            s.admitted.max_tokens - s.num_output
+            for s in decoding
+            if s.output_ids and not (self._filling and s is self._leader)
+        ]
+        prompts = list(self._prompt_work(now))
+        held = all(s.num_uncomputed <= 1 for s in self.running if not s.output_ids)
+        filled = held and (
+            not self.waiting or len(self.running) >= self.limits.max_running_requests
+        )
+        was_filling = self._filling
+        wave = mode(
+            was_filling,
+            streams,
+            prompts,
+            self.step_budget.model.cost(),
+            step.max_chunk,
+            filled,
+        )
+        self._filling = wave is Wave.FILL
+        if self._filling and not was_filling:
+            self._leader = None
+        return wave
+
+    def _prompt_work(self, now: float) -> Iterable[tuple[int, float]]:
+        """(tokens to compute, ms left to the TTFT target) of each prompt with no first token:
+        running (held ones too) and waiting."""
+        ttft = self.limits.step.target_ttft_ms or 0.0
+        for s in self.running:
+            if not s.output_ids and s.status is SeqStatus.RUNNING:
+                yield s.num_uncomputed, (s.arrived - now) * 1000.0 + ttft
+        for s in self.waiting:
+            if not s.output_ids:
+                yield len(s.token_ids), (s.arrived - now) * 1000.0 + ttft
+
+    def _hold(self, seq: Sequence, n: int, wave: Wave) -> int:
+        """The tokens of seq's chunk this step: in a fill, one short of its prompt's end (its
+        first token waits for the wave), unless it leads the wave."""
+        if wave is not Wave.FILL or n < seq.num_uncomputed or seq.output_ids:
+            return n
+        if self._leader is None:
+            self._leader = seq
+            return n
+        return n - 1
 
     def _backlog(self) -> int:
         """Prompt tokens waiting to be computed: the rest of the running prefills, and the

@@ -1,0 +1,107 @@
+"""Waves: with both latency targets set (`--target-tpot-ms`, `--target-ttft-ms`), prompts are
+computed while no stream decodes, as a group, and their first tokens come out together, so a
+stream's time per output token is its decode steps alone and the prompts' compute lands in
+their time to first token, the target that has room for it. Arithmetic only: the scheduler
+(kvfence/engine/scheduler.py) hands in the fitted step cost, the streams' remaining tokens and
+the prompts' deadlines, and asks which mode the step is in.
+
+Why: a stream's TPOT is (its last token - its first) / (tokens - 1), so every prompt chunk that
+rides in a step while it decodes is charged to it. In a closed loop of C streams each stream
+carries the other streams' replacements' prompts: at C=8, 256 -> 64 on EPYC about 8 x 360 ms
+of prefill beside 64 decode steps of ~35 ms, a TPOT of (2.9 s + 2.2 s) / 63 = 81 ms whatever
+the chunk size (measured 62-67 ms: TPOT p50 67 ms against vLLM's 44, and 62 ms with a 50 ms
+target, which the step budget's floors overrule). A target of 50 ms leaves each stream
+63 x (50 - 35) = 945 ms of others' prefill in its whole life, less than three prompts, so the
+target can only be held if prompts are computed when nobody decodes: vLLM's closed loop does
+this by accident (its waves prefill together, TTFT p50 2.4 s, TPOT 44 ms); SGLang runs a
+prefill batch before decodes; Sarathi-Serve's stall-free batching takes the opposite side
+(every step decodes, chunks sized to the TBT target), which is what the step budget does when
+the waves cannot keep the TTFT target.
+
+The modes of a step:
+- FILL: no stream outside the wave decodes: whole chunks (no decode row bounds the budget),
+  the waiting prompts join, and every prompt keeps its last token uncomputed (it is "held": the
+  step that computes it samples the first token) except the wave's leader, the first to finish,
+  whose first token comes at once; the leader then waits for the wave (one long gap, its TPOT
+  ~ (fill + 63 decode steps) / 63, ~75 ms at C=8) while the others get TPOT = the decode step.
+  One fast first token per wave is what a TTFT target tighter than the one set asks of a few
+  requests (goodput at 1 s x 100 ms), bought with one gap: the ITL tail stays the decode step.
+- RELEASE: the wave has nothing left to compute but held tokens: one step computes them all
+  and decodes the leader; from then the wave's streams decode in lockstep.
+- DEFER: streams decode and every waiting prompt can still meet its TTFT target after they
+  drain and a wave computes it: nothing is admitted.
+- OFF: the step budget alone (kvfence/engine/step_budget.py): nothing measured yet, or the
+  wave could not keep the TTFT target (too many prompts for one wave: the prompts are late
+  either way, so mixing them with decodes at least starts the streams sooner).
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Iterable
+
+from kvfence.engine.step_budget import StepCost
+
+
+class Wave(enum.Enum):
+    OFF = "off"
+    FILL = "fill"
+    RELEASE = "release"
+    DEFER = "defer"
+
+
+def drain_ms(cost: StepCost, remaining: Iterable[int]) -> float:
+    """ms until streams with these output tokens still to come have all finished, in
+    decode-only steps (a step of n rows costs cost.predict(0, n); rows leave as they finish)."""
+    left = sorted(r for r in remaining if r > 0)
+    total, done = 0.0, 0
+    for i, r in enumerate(left):
+        total += (r - done) * cost.predict(0, len(left) - i)
+        done = r
+    return total
+
+
+def fill_ms(cost: StepCost, tokens: int, chunk: int) -> float:
+    """ms to compute `tokens` prompt tokens in steps of at most `chunk` with no decode rows, and
+    the release step after them."""
+    if tokens <= 0:
+        return 0.0
+    steps = -(-tokens // max(1, chunk))
+    return steps * cost.a + tokens * cost.b + cost.a
+
+
+def on_time(cost: StepCost, chunk: int, wait_ms: float, tokens: int, min_left_ms: float) -> bool:
+    """Whether a wave of `tokens` prompt tokens, started after `wait_ms`, gives every one of its
+    held first tokens within its TTFT target (`min_left_ms`: the tightest prompt's time left)."""
+    return wait_ms + fill_ms(cost, tokens, chunk) <= min_left_ms
+
+
+def mode(
+    filling: bool,
+    streams: Iterable[int],
+    prompts: Iterable[tuple[int, float]],
+    cost: StepCost | None,
+    chunk: int,
+    filled: bool,
+) -> Wave:
+    """The step's mode. filling: the last step was a FILL; streams: output tokens still to come
+    of every stream that decodes outside the wave; prompts: (tokens to compute, ms left to its
+    TTFT target) of each prompt with no first token yet, held ones included; filled: nothing of
+    the wave is left to compute but held tokens, and no waiting prompt can join it."""
+    if cost is None:
+        return Wave.OFF
+    left = list(streams)
+    work = list(prompts)
+    tokens = sum(t for t, _ in work)
+    min_left = min((ms for _, ms in work), default=float("inf"))
+    if filling:
+        if left or not on_time(cost, chunk, 0.0, tokens, min_left):
+            return Wave.OFF  # a stream from outside, or a wave too big for the target
+        return Wave.RELEASE if filled else Wave.FILL
+    if not work:
+        return Wave.OFF
+    if not left:
+        return Wave.FILL if on_time(cost, chunk, 0.0, tokens, min_left) else Wave.OFF
+    if on_time(cost, chunk, drain_ms(cost, left), tokens, min_left):
+        return Wave.DEFER
+    return Wave.OFF

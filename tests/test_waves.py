@@ -1,0 +1,163 @@
+"""Waves (kvfence/engine/waves.py): with both latency targets set, prompts are computed while no
+stream decodes and their first tokens come out together. The arithmetic with made-up costs and
+times, then the engine's steps from a fixed cost model: what each step computes, never how long
+it took."""
+
+from __future__ import annotations
+
+import pytest
+from conftest import random_prompts
+
+from kvfence.engine.llm import LLM
+from kvfence.engine.request import GenerateRequest, SamplingParams
+from kvfence.engine.step_budget import StepCost, StepCostModel
+from kvfence.engine.waves import Wave, drain_ms, fill_ms, mode, on_time
+
+COST = StepCost(a=10.0, b=1.0, c=5.0)  # ms: fixed, per prefill token, per decode row
+
+
+def test_streams_drain_in_decode_only_steps_as_they_finish() -> None:
+    # Two rows for 2 steps (20 ms each), then one row for 3 more (15 ms each).
+    assert drain_ms(COST, [5, 2]) == pytest.approx(2 * 20 + 3 * 15)
+    assert drain_ms(COST, []) == 0.0
+    assert drain_ms(COST, [0, -1]) == 0.0
+
+
+def test_a_fill_is_whole_chunks_and_the_release_step() -> None:
+    # 600 tokens in chunks of 256: 3 steps, then the step that samples the held first tokens.
+    assert fill_ms(COST, 600, 256) == pytest.approx(3 * 10 + 600 + 10)
+    assert fill_ms(COST, 0, 256) == 0.0
+
+
+def test_a_wave_is_on_time_when_its_tightest_prompt_is() -> None:
+    assert on_time(COST, 256, 0.0, 600, min_left_ms=640.0)
+    assert not on_time(COST, 256, 0.0, 600, min_left_ms=639.0)
+    assert not on_time(COST, 256, 1.0, 600, min_left_ms=640.0)  # after a wait
+
+
+def test_nothing_measured_is_the_step_budget_alone() -> None:
+    assert mode(False, [], [(100, 1e9)], None, 256, False) is Wave.OFF
+
+
+def test_with_no_stream_decoding_the_prompts_fill_a_wave() -> None:
+    assert mode(False, [], [(100, 1e9), (300, 1e9)], COST, 256, False) is Wave.FILL
+    assert mode(False, [], [], COST, 256, False) is Wave.OFF  # nothing to compute
+
+
+def test_a_wave_too_big_for_the_ttft_target_is_not_formed() -> None:
+    # 400 tokens: 2 steps + release = 420 ms; the tightest prompt has 419 left.
+    assert mode(False, [], [(100, 1e9), (300, 419.0)], COST, 256, False) is Wave.OFF
+    assert mode(True, [], [(100, 1e9), (300, 419.0)], COST, 256, False) is Wave.OFF
+
+
+def test_a_waiting_prompt_waits_for_the_streams_while_it_stays_on_time() -> None:
+    # Two streams drain in 85 ms; a 100-token wave then takes 120 ms.
+    assert mode(False, [5, 2], [(100, 205.0)], COST, 256, False) is Wave.DEFER
+    assert mode(False, [5, 2], [(100, 204.0)], COST, 256, False) is Wave.OFF
+
+
+def test_a_filled_wave_is_released_and_a_stream_from_outside_ends_a_fill() -> None:
+    assert mode(True, [], [(1, 1e9), (1, 1e9)], COST, 256, True) is Wave.RELEASE
+    assert mode(True, [], [(1, 1e9), (40, 1e9)], COST, 256, False) is Wave.FILL
+    assert mode(True, [3], [(1, 1e9)], COST, 256, False) is Wave.OFF
+
+
+def test_the_wave_moves_prefill_out_of_the_streams_tpot() -> None:
+    # The docstring's arithmetic, C=8, 256 -> 64: 8 prompts of 360 ms, decode steps of 35 ms.
+    cost = StepCost(a=0.0, b=360.0 / 256, c=35.0 / 8)
+    prefill, decode = 8 * cost.predict(256, 0), drain_ms(cost, [63] * 8)
+    staggered = (prefill + decode) / 63  # every prompt rides in some stream's gaps
+    assert staggered == pytest.approx(80.7, abs=0.1)
+    assert decode / 63 == pytest.approx(35.0)  # in a wave: the decode step alone
+    # The TTFT the wave costs the last prompt stays within a 4 s target.
+    assert on_time(cost, 512, 0.0, 8 * 256, 4000.0)
+
+
+class FixedCost(StepCostModel):
+    def cost(self) -> StepCost:
+        return COST
+
+
+def run_steps(llm: LLM, prompts: list[list[int]], max_tokens: int):  # type: ignore[no-untyped-def]
+    """Submit every prompt, step to the end; (per step: decode rows, prefill tokens, requests
+    whose first token it made) and each request's tokens."""
+    engine = llm.engine
+    engine.scheduler.step_budget.model = FixedCost()
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+    outs: dict[int, list[int]] = {i: [] for i in range(len(prompts))}
+    for i, p in enumerate(prompts):
+        engine.submit(
+            GenerateRequest(str(i), "t", tuple(p), params),
+            lambda o, i=i: outs[i].extend(o.new_token_ids),
+        )
+    steps = []
+    while engine.has_work():
+        before = {i: len(v) for i, v in outs.items()}
+        chunks = []
+        real = engine.runner.run
+
+        def spy(cs, real=real, chunks=chunks):  # type: ignore[no-untyped-def]
+            chunks.extend(cs)
+            return real(cs)
+
+        engine.runner.run = spy  # type: ignore[method-assign]
+        engine.step()
+        engine.runner.run = real  # type: ignore[method-assign]
+        firsts = {i for i, v in outs.items() if before[i] == 0 and v}
+        rows = sum(1 for c in chunks if c.seq.output_ids and c.length == 1)
+        steps.append((rows, sum(c.length for c in chunks if not c.seq.output_ids), firsts))
+    return steps, [outs[i] for i in range(len(prompts))]
+
+
+def test_a_wave_holds_first_tokens_until_every_prompt_is_computed(checkpoint_dir) -> None:
+    model_dir = str(checkpoint_dir("llama"))
+    prompts = random_prompts([40, 40, 40, 40], vocab=256, seed=11)
+    params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+    want = [c.token_ids for c in LLM(model_dir, kv_pool_tokens=2048).generate(prompts, params)]
+    llm = LLM(
+        model_dir,
+        kv_pool_tokens=2048,
+        chunked_prefill_size=64,
+        enable_prefix_caching=False,
+        target_tpot_ms=50.0,
+        target_ttft_ms=1e9,
+    )
+    steps, got = run_steps(llm, prompts, 4)
+    assert got == want, "holding a prompt's last token changed an answer"
+    firsts = [f for _, _, f in steps if f]
+    # The leader's first token at once, the other three's together, in the step after the fill.
+    assert firsts == [{0}, {1, 2, 3}]
+    release = next(n for n, (_, _, f) in enumerate(steps) if f == {1, 2, 3})
+    # No prompt token is computed beside a decoding stream: the fill ran with no decode rows
+    # (the leader waited), and after it every step only decodes.
+    assert all(rows == 0 for rows, _, _ in steps[:release])
+    assert all(p <= 3 for _, p, _ in steps[release:])  # only the held last tokens
+    assert all(p == 0 for _, p, _ in steps[release + 1 :])
+
+
+def test_a_prompt_arriving_beside_streams_waits_for_them_while_on_time(checkpoint_dir) -> None:
+    model_dir = str(checkpoint_dir("llama"))
+    first, late = random_prompts([20, 30], vocab=256, seed=12)
+    params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+    for ttft, deferred in ((1e9, True), (1.0, False)):
+        llm = LLM(
+            model_dir,
+            kv_pool_tokens=2048,
+            chunked_prefill_size=64,
+            enable_prefix_caching=False,
+            target_tpot_ms=50.0,
+            target_ttft_ms=ttft,
+        )
+        engine = llm.engine
+        engine.scheduler.step_budget.model = FixedCost()
+        engine.submit(GenerateRequest("a", "t", tuple(first), params), lambda o: None)
+        engine.step()  # a's prompt (a wave of one: its leader)
+        engine.step()  # the wave is released: a decodes from now on
+        engine.submit(GenerateRequest("b", "t", tuple(late), params), lambda o: None)
+        engine.step()
+        waiting = [s.request_id for s in engine.scheduler.waiting]
+        # With time to spare b waits for a to finish; with none (the wave could not be on time)
+        # the step budget takes it beside a's decode, as without targets.
+        assert (waiting == ["b"]) is deferred, (ttft, waiting)
+        while engine.scheduler.has_work():
+            engine.step()
