@@ -296,7 +296,8 @@ TARGET_TTFT_MS = _engine(
     type=float,
     metavar="MS",
     help="hold each prompt's time to first token within MS: steps take at least the prompt "
-    "tokens that keep every waiting prompt on time (wins over --target-tpot-ms)",
+    "tokens that keep every waiting prompt on time (wins over --target-tpot-ms); with both "
+    "targets, prompts are computed in waves while no stream decodes (kvfence/engine/waves.py)",
 )
 SKIP_TOKENIZER_INIT = _engine(
     "--skip-tokenizer-init",

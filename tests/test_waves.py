@@ -35,8 +35,11 @@ def test_a_wave_is_on_time_when_its_tightest_prompt_is() -> None:
     assert not on_time(COST, 256, 1.0, 600, min_left_ms=640.0)  # after a wait
 
 
-def test_nothing_measured_is_the_step_budget_alone() -> None:
-    assert mode(False, [], [(100, 1e9)], None, 256, False) is Wave.OFF
+def test_before_anything_is_measured_a_wave_forms_but_nothing_is_deferred() -> None:
+    # A closed loop's first prompts arrive together: mixed, they would stagger the streams.
+    assert mode(False, [], [(100, 1.0)], None, 256, False) is Wave.FILL
+    assert mode(True, [], [(1, 1.0)], None, 256, True) is Wave.RELEASE
+    assert mode(False, [5], [(100, 1e9)], None, 256, False) is Wave.OFF
 
 
 def test_with_no_stream_decoding_the_prompts_fill_a_wave() -> None:
@@ -78,11 +81,24 @@ class FixedCost(StepCostModel):
         return COST
 
 
+def waves_llm(model_dir: str, ttft_ms: float) -> LLM:
+    """An engine with both targets set and COST for its step cost."""
+    llm = LLM(
+        model_dir,
+        kv_pool_tokens=2048,
+        chunked_prefill_size=64,
+        enable_prefix_caching=False,
+        target_tpot_ms=50.0,
+        target_ttft_ms=ttft_ms,
+    )
+    llm.engine.scheduler.step_budget.model = FixedCost()
+    return llm
+
+
 def run_steps(llm: LLM, prompts: list[list[int]], max_tokens: int):  # type: ignore[no-untyped-def]
     """Submit every prompt, step to the end; (per step: decode rows, prefill tokens, requests
     whose first token it made) and each request's tokens."""
     engine = llm.engine
-    engine.scheduler.step_budget.model = FixedCost()
     params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
     outs: dict[int, list[int]] = {i: [] for i in range(len(prompts))}
     for i, p in enumerate(prompts):
@@ -114,15 +130,7 @@ def test_a_wave_holds_first_tokens_until_every_prompt_is_computed(checkpoint_dir
     prompts = random_prompts([40, 40, 40, 40], vocab=256, seed=11)
     params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
     want = [c.token_ids for c in LLM(model_dir, kv_pool_tokens=2048).generate(prompts, params)]
-    llm = LLM(
-        model_dir,
-        kv_pool_tokens=2048,
-        chunked_prefill_size=64,
-        enable_prefix_caching=False,
-        target_tpot_ms=50.0,
-        target_ttft_ms=1e9,
-    )
-    steps, got = run_steps(llm, prompts, 4)
+    steps, got = run_steps(waves_llm(model_dir, 1e9), prompts, 4)
     assert got == want, "holding a prompt's last token changed an answer"
     firsts = [f for _, _, f in steps if f]
     # The leader's first token at once, the other three's together, in the step after the fill.
@@ -140,16 +148,7 @@ def test_a_prompt_arriving_beside_streams_waits_for_them_while_on_time(checkpoin
     first, late = random_prompts([20, 30], vocab=256, seed=12)
     params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
     for ttft, deferred in ((1e9, True), (1.0, False)):
-        llm = LLM(
-            model_dir,
-            kv_pool_tokens=2048,
-            chunked_prefill_size=64,
-            enable_prefix_caching=False,
-            target_tpot_ms=50.0,
-            target_ttft_ms=ttft,
-        )
-        engine = llm.engine
-        engine.scheduler.step_budget.model = FixedCost()
+        engine = waves_llm(model_dir, ttft).engine
         engine.submit(GenerateRequest("a", "t", tuple(first), params), lambda o: None)
         engine.step()  # a's prompt (a wave of one: its leader)
         engine.step()  # the wave is released: a decodes from now on

@@ -30,8 +30,8 @@ The modes of a step:
   and decodes the leader; from then the wave's streams decode in lockstep.
 - DEFER: streams decode and every waiting prompt can still meet its TTFT target after they
   drain and a wave computes it: nothing is admitted.
-- OFF: the step budget alone (kvfence/engine/step_budget.py): nothing measured yet, or the
-  wave could not keep the TTFT target (too many prompts for one wave: the prompts are late
+- OFF: the step budget alone (kvfence/engine/step_budget.py): the wave could not keep the
+  TTFT target (too many prompts for one wave: the prompts are late
   either way, so mixing them with decodes at least starts the streams sooner).
 """
 
@@ -88,20 +88,25 @@ def mode(
     of every stream that decodes outside the wave; prompts: (tokens to compute, ms left to its
     TTFT target) of each prompt with no first token yet, held ones included; filled: nothing of
     the wave is left to compute but held tokens, and no waiting prompt can join it."""
-    if cost is None:
-        return Wave.OFF
     left = list(streams)
     work = list(prompts)
     tokens = sum(t for t, _ in work)
     min_left = min((ms for _, ms in work), default=float("inf"))
+
+    def fits(wait_ms: float) -> bool:
+        # Before anything is measured a wave is taken to fit: a closed loop's first C prompts
+        # arrive together, and mixed they start the streams staggered, which later waves
+        # cannot undo within the TTFT target (each would wait for the last stream to drain).
+        return cost is None or on_time(cost, chunk, wait_ms, tokens, min_left)
+
     if filling:
-        if left or not on_time(cost, chunk, 0.0, tokens, min_left):
+        if left or not fits(0.0):
             return Wave.OFF  # a stream from outside, or a wave too big for the target
         return Wave.RELEASE if filled else Wave.FILL
     if not work:
         return Wave.OFF
     if not left:
-        return Wave.FILL if on_time(cost, chunk, 0.0, tokens, min_left) else Wave.OFF
-    if on_time(cost, chunk, drain_ms(cost, left), tokens, min_left):
+        return Wave.FILL if fits(0.0) else Wave.OFF
+    if cost is not None and fits(drain_ms(cost, left)):
         return Wave.DEFER
     return Wave.OFF
