@@ -64,18 +64,24 @@ def _build(stem: str) -> object | None:
         return None
 
 
-def paged_decode() -> Callable | None:
+def paged_decode(widened: bool = False) -> Callable | None:
     """The compiled `paged_decode(q, k_cache, v_cache, page_table, ctx_lens, page_size, scale,
-    window)`, or None when it cannot be built here."""
+    window)`, or None when it cannot be built here. `widened`: as paged_prefill's."""
     mod = _build("paged_decode")
-    return None if mod is None else mod.paged_decode  # type: ignore[attr-defined]
+    if mod is None:
+        return None
+    return mod.paged_decode_widened if widened else mod.paged_decode  # type: ignore[attr-defined]
 
 
-def paged_prefill() -> Callable | None:
+def paged_prefill(widened: bool = False) -> Callable | None:
     """The compiled `paged_prefill(q, k_cache, v_cache, page_table, ctx_lens, q_starts, q_lens,
-    page_size, scale, window, out)`, or None when it cannot be built here."""
+    page_size, scale, window, out)`, or None when it cannot be built here. `widened`: the path
+    that widens bf16 to float32 for every product, which hosts without bf16 dot products take
+    (for tests and benchmarks that compare the two)."""
     mod = _build("paged_prefill")
-    return None if mod is None else mod.paged_prefill  # type: ignore[attr-defined]
+    if mod is None:
+        return None
+    return mod.paged_prefill_widened if widened else mod.paged_prefill  # type: ignore[attr-defined]
 
 
 def packed_gemm() -> PackedGemm | None:

@@ -4,7 +4,8 @@
 // page's stale tail (or another grant's data) is never read, not even to be masked out.
 //
 // q [B, H, D], k_cache / v_cache [slots, KVH, D] (one layer), page_table [B, P] int64,
-// ctx_lens [B] int64. Returns [B, H, D]. Accumulates in float32 for every cache dtype.
+// ctx_lens [B] int64. Returns [B, H, D]. Accumulates in float32 for every cache dtype; bf16 pages
+// take the host's bf16 dot products where it has them (decode_job_bf16).
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
@@ -115,10 +116,143 @@ template <typename T>
 constexpr bool kVectorCache =
     std::is_same<T, float>::value || std::is_same<T, c10::BFloat16>::value;
 
+#ifdef __AVX512BF16__
+// bf16 pages with the host's bf16 dot products (vec16.h), as transformers' bf16 attention
+// computes: Q.K of the bf16 values as they are (the scale multiplies the float32 score, so Q is
+// not rounded again), the probabilities rounded to bf16 for P.V, every sum in float32. A K row
+// and a query row are both [D] contiguous, so their pairs (d, d + 1) line up as they lie; P.V
+// pairs two slots, so each pair of V rows is interleaved in registers as it is loaded, once
+// for all the query heads that share it.
+constexpr int64_t kDotMaxD = 128;  // P.V's accumulators stay in registers up to this head size
+
+// P.V for the query heads [qh0, qh0 + gb) of KV head h, gb <= GB, D = 32 NV2: probs holds each
+// head's probabilities as bf16, slot pairs per 32-bit word, `words` words per head.
+template <int NV2, int GB>
+inline void pv_block_bf16(const c10::BFloat16* vc, const int64_t* pages, int64_t page_size,
+                          int64_t row, int64_t t0, int64_t n, int64_t h, int64_t qh0, int gb,
+                          const u32_mem* probs, int64_t words, float* acc) {
+    constexpr int D = NV2 * 32;
+    v16 a[GB][2 * NV2] = {};
+    auto at = [&](int64_t t) {
+        return vc + (pages[t / page_size] * page_size + t % page_size) * row + h * D;
+    };
+    for (int64_t t = t0; t < n; t += 2) {
+        const c10::BFloat16* v0 = at(t);
+        const c10::BFloat16* v1 = t + 1 < n ? at(t + 1) : nullptr;  // never past the context
+        for (int64_t ahead = t + PREFETCH_SLOTS; ahead < std::min(t + PREFETCH_SLOTS + 2, n);
+             ++ahead)
+            for (int j = 0; j < NV2; ++j) prefetch_l2(at(ahead) + 32 * j);
+        __m512i w[2 * NV2];
+        for (int j = 0; j < NV2; ++j)
+            interleave_bf16(_mm512_loadu_si512(v0 + 32 * j),
+                            v1 ? _mm512_loadu_si512(v1 + 32 * j) : __m512i{}, w[2 * j],
+                            w[2 * j + 1]);
+        for (int g = 0; g < GB; ++g) {
+            if (g >= gb) break;
+            const __m512i p = _mm512_set1_epi32(
+                static_cast<int>(probs[(qh0 + g) * words + (t - t0) / 2]));
+            for (int j = 0; j < 2 * NV2; ++j) a[g][j] = dot_bf16(a[g][j], p, w[j]);
+        }
+    }
+    for (int g = 0; g < gb; ++g)
+        for (int j = 0; j < 2 * NV2; ++j) store16(acc + (qh0 + g) * D + 16 * j, a[g][j]);
+}
+
+template <int NV2>
+void pv_heads_bf16(const c10::BFloat16* vc, const int64_t* pages, int64_t page_size, int64_t row,
+                   int64_t t0, int64_t n, int64_t h0, int64_t h1, int64_t G, const u32_mem* probs,
+                   int64_t words, float* acc) {
+    constexpr int GB = NV2 <= 2 ? 4 : 2;
+    for (int64_t h = h0; h < h1; ++h)
+        for (int64_t g = 0; g < G; g += GB)
+            pv_block_bf16<NV2, GB>(vc, pages, page_size, row, t0, n, h, h * G + g,
+                                   static_cast<int>(std::min<int64_t>(GB, G - g)), probs, words,
+                                   acc);
+}
+
+// One job (row b, KV heads [h0, h1)) of decode_kernel for bf16 pages, D % 32 == 0, D <= 128.
+void decode_job_bf16(const c10::BFloat16* q, const c10::BFloat16* kc, const c10::BFloat16* vc,
+                     const int64_t* pages, int64_t n, int64_t t0, int64_t b, int64_t h0,
+                     int64_t h1, int64_t H, int64_t G, int64_t D, int64_t row,
+                     int64_t page_size, float scale, float* scores, unsigned short* probs,
+                     float* acc, float* inv, c10::BFloat16* out) {
+    const int64_t len = n - t0, words = (len + 1) / 2, nc = D / 32;
+    const c10::BFloat16* qb = q + b * H * D;
+    auto slot_row = [&](int64_t t) {
+        return kc + (pages[t / page_size] * page_size + t % page_size) * row;
+    };
+    int64_t t = t0;
+    v16 part[16];
+    const c10::BFloat16* rows[16];
+    for (; t < n; t += 16) {
+        const int m = static_cast<int>(std::min<int64_t>(16, n - t));
+        for (int i = 0; i < m; ++i) rows[i] = slot_row(t + i);
+        const int64_t ahead = t + PREFETCH_SLOTS;
+        for (int64_t i = ahead; i < std::min(ahead + 16, n); ++i)
+            for (int64_t c = 0; c < (h1 - h0) * D; c += 32) prefetch_l2(slot_row(i) + h0 * D + c);
+        for (int64_t h = h0; h < h1; ++h)
+            for (int64_t qh = h * G; qh < (h + 1) * G; ++qh) {
+                __m512i qv[kDotMaxD / 32];
+                for (int64_t c = 0; c < nc; ++c) qv[c] = _mm512_loadu_si512(qb + qh * D + 32 * c);
+                for (int i = 0; i < m; ++i) {
+                    const c10::BFloat16* kr = rows[i] + h * D;
+                    v16 s = {};
+                    for (int64_t c = 0; c < nc; ++c)
+                        s = dot_bf16(s, qv[c], _mm512_loadu_si512(kr + 32 * c));
+                    part[i] = s;
+                }
+                float* dst = &scores[qh * len + (t - t0)];
+                if (m == 16)
+                    store16(dst, reduce16(part) * scale);
+                else
+                    for (int i = 0; i < m; ++i) dst[i] = sum16(part[i]) * scale;
+            }
+    }
+    for (int64_t qh = h0 * G; qh < h1 * G; ++qh) {
+        float* s = &scores[qh * len];
+        unsigned short* p = &probs[qh * 2 * words];
+        v16 mv = v16{} + s[0];
+        int64_t i = 0;
+        for (; i + 16 <= len; i += 16) {
+            const v16 x = load16(s + i);
+            mv = mv > x ? mv : x;
+        }
+        float m = s[0];
+        for (int k = 0; k < 16; ++k) m = std::max(m, mv[k]);
+        for (; i < len; ++i) m = std::max(m, s[i]);
+        v16 zv = {};
+        for (i = 0; i + 16 <= len; i += 16) {
+            const v16 e = exp16(load16(s + i) - m);
+            *reinterpret_cast<u16x16_mem*>(p + i) = narrow_bf16(e);
+            zv += e;
+        }
+        float z = sum16(zv);
+        for (; i < len; ++i) {
+            const float e = std::exp(s[i] - m);
+            p[i] = c10::BFloat16(e).x;
+            z += e;
+        }
+        if (len % 2) p[len] = 0;  // a lone last slot's partner
+        inv[qh] = 1.f / z;
+    }
+    const u32_mem* pw = reinterpret_cast<const u32_mem*>(probs);
+    switch (nc) {
+        case 1: pv_heads_bf16<1>(vc, pages, page_size, row, t0, n, h0, h1, G, pw, words, acc); break;
+        case 2: pv_heads_bf16<2>(vc, pages, page_size, row, t0, n, h0, h1, G, pw, words, acc); break;
+        case 3: pv_heads_bf16<3>(vc, pages, page_size, row, t0, n, h0, h1, G, pw, words, acc); break;
+        default: pv_heads_bf16<4>(vc, pages, page_size, row, t0, n, h0, h1, G, pw, words, acc);
+    }
+    c10::BFloat16* o = out + b * H * D;
+    for (int64_t qh = h0 * G; qh < h1 * G; ++qh)
+        for (int64_t i = 0; i < D; ++i)
+            o[qh * D + i] = static_cast<c10::BFloat16>(acc[qh * D + i] * inv[qh]);
+}
+#endif
+
 template <typename T>
 void decode_kernel(const T* q, const T* kc, const T* vc, const int64_t* pt, const int64_t* ctx,
                    T* out, int64_t B, int64_t H, int64_t KVH, int64_t D, int64_t P,
-                   int64_t page_size, float scale, int64_t window) {
+                   int64_t page_size, float scale, int64_t window, bool widen) {
     // A job is one sequence and a range of its KV heads. A slot's K (and V) row holds every KV
     // head, KVH * D contiguous values, and a page is page_size such rows back to back, so a job
     // with all heads streams whole pages; small batches split by head to keep every core busy.
@@ -131,11 +265,26 @@ void decode_kernel(const T* q, const T* kc, const T* vc, const int64_t* pt, cons
     at::parallel_for(0, B * per_b, 1, [&](int64_t begin, int64_t end) {
         std::vector<float> scores(H * std::max<int64_t>(max_ctx, 1));
         std::vector<float> qf(H * D), acc(H * D), inv(H);
+#ifdef __AVX512BF16__
+        constexpr bool bf16 = std::is_same<T, c10::BFloat16>::value;
+        const bool use_dot = bf16 && !widen && D % 32 == 0 && D <= kDotMaxD;
+        std::vector<unsigned short> probs(use_dot ? H * (max_ctx + 1) : 0);
+#endif
         for (int64_t job = begin; job < end; ++job) {
             const int64_t b = job / per_b, h0 = (job % per_b) * heads, h1 = h0 + heads;
             const int64_t n = ctx[b];
             const int64_t t0 = window > 0 ? std::max<int64_t>(0, n - window) : 0;
             const int64_t len = n - t0;
+#ifdef __AVX512BF16__
+            if constexpr (bf16) {
+                if (use_dot) {
+                    decode_job_bf16(q, kc, vc, pt + b * P, n, t0, b, h0, h1, H, G, D, row,
+                                    page_size, scale, scores.data(), probs.data(), acc.data(),
+                                    inv.data(), out);
+                    continue;
+                }
+            }
+#endif
             for (int64_t i = h0 * G * D; i < h1 * G * D; ++i)
                 qf[i] = static_cast<float>(q[b * H * D + i]) * scale;
             const int64_t* pages = pt + b * P;
@@ -228,7 +377,7 @@ void decode_kernel(const T* q, const T* kc, const T* vc, const int64_t* pt, cons
 
 torch::Tensor paged_decode(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
                            torch::Tensor page_table, torch::Tensor ctx_lens, int64_t page_size,
-                           double scale, int64_t window) {
+                           double scale, int64_t window, bool widen) {
     TORCH_CHECK(q.dim() == 3 && k_cache.dim() == 3 && v_cache.dim() == 3, "bad ranks");
     TORCH_CHECK(q.is_contiguous() && k_cache.is_contiguous() && v_cache.is_contiguous(),
                 "q and caches must be contiguous");
@@ -256,9 +405,25 @@ torch::Tensor paged_decode(torch::Tensor q, torch::Tensor k_cache, torch::Tensor
         decode_kernel<scalar_t>(q.data_ptr<scalar_t>(), k_cache.data_ptr<scalar_t>(),
                                 v_cache.data_ptr<scalar_t>(), pt_p, ctx_p,
                                 out.data_ptr<scalar_t>(), B, H, KVH, D, P, page_size,
-                                static_cast<float>(scale), window);
+                                static_cast<float>(scale), window, widen);
     });
     return out;
+}
+
+torch::Tensor paged_decode_dot(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
+                               torch::Tensor page_table, torch::Tensor ctx_lens,
+                               int64_t page_size, double scale, int64_t window) {
+    return paged_decode(q, k_cache, v_cache, page_table, ctx_lens, page_size, scale, window,
+                        false);
+}
+
+// The path every host takes: bf16 widened to float32 (exact), kept callable where the bf16 dot
+// products exist so that tests and benchmarks can hold the two against each other.
+torch::Tensor paged_decode_widened(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
+                                   torch::Tensor page_table, torch::Tensor ctx_lens,
+                                   int64_t page_size, double scale, int64_t window) {
+    return paged_decode(q, k_cache, v_cache, page_table, ctx_lens, page_size, scale, window,
+                        true);
 }
 
 }  // namespace
@@ -267,6 +432,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     // The GIL is released while a kernel runs, as torch releases it for its own ops: the
     // server's event loop must keep streaming tokens while the engine thread computes.
     const auto nogil = py::call_guard<py::gil_scoped_release>();
-    m.def("paged_decode", &paged_decode, nogil,
+    m.def("paged_decode", &paged_decode_dot, nogil,
           "decode attention read in place from the paged KV pool");
+    m.def("paged_decode_widened", &paged_decode_widened, nogil,
+          "paged_decode with bf16 widened to float32 for every product, as hosts without bf16 "
+          "dot products compute it");
 }

@@ -10,9 +10,10 @@
 // A job's queries lie in vector lanes (transposed once per job), so a tile's scores are computed
 // keys x query lanes with each key's elements broadcast straight from its page, the softmax's
 // max and sum run down the keys lane by lane (no horizontal reductions), and the output adds
-// probabilities x V rows read from their pages too: a float32 tile is never copied. Other cache
-// dtypes are widened to float32 a tile at a time (rows, never transposed); every product
-// accumulates in float32.
+// probabilities x V rows read from their pages too: a float32 tile is never copied. bf16 pages
+// take the host's bf16 dot products where it has them (run_job_bf16, whose K rows are read in
+// place too); other cache dtypes, and bf16 elsewhere, are widened to float32 a tile at a time
+// (rows, never transposed). Every product accumulates in float32.
 //
 // q [N, H, D]: row b's queries are q[q_starts[b] : q_starts[b] + q_lens[b]]. k_cache, v_cache
 // [slots, KVH, D] (one layer); page_table [B, P], ctx_lens, q_starts, q_lens [B] int64. The
@@ -273,11 +274,225 @@ void run_job(const Job& job, const T* q, const T* kc, const T* vc, const int64_t
     }
 }
 
+#ifdef __AVX512BF16__
+// bf16 pages with the host's bf16 dot products (vec16.h), as transformers' bf16 attention and
+// flash-attention kernels compute: Q.K of the bf16 values as they are (the scale is applied to
+// the float32 scores, so Q is not rounded again), P rounded to bf16 for P.V, every sum in float32.
+// The pairs vdpbf16ps takes lie where the dot products need them: a K row's elements (d, d + 1)
+// are adjacent in its page, so a key's pair is one 32-bit broadcast read in place, and each
+// lane's query pair is one word of the job's transposed queries. P.V pairs two keys: a tile's V
+// rows are interleaved once into (key t, key t + 1) pairs per column, which every block of the
+// job then reads, and the softmax writes its probabilities straight as such pairs.
+typedef unsigned int u32;
+
+struct ScratchBf16 {
+    // qw [blocks][D / 2][QB] and pw [KT / 2][QB]: per lane, a word of two bf16 (query elements
+    // 2d, 2d + 1; probabilities of keys 2t, 2t + 1). vw [KT / 2][D]: per column, keys 2t, 2t + 1.
+    std::vector<u32> qw, pw, vw, zeros;
+    std::vector<float> o, m, l, s, corr, pos, lo;
+    std::vector<const u32*> kp;
+    ScratchBf16(int64_t Mp, int64_t D)
+        : qw(Mp * D / 2), pw(KT / 2 * QB), vw(KT / 2 * D), zeros(D / 2, 0u), o(Mp * D), m(Mp),
+          l(Mp), s(KT * QB), corr(QB), pos(Mp), lo(Mp), kp(KT) {}
+};
+
+// scores() with bf16 pairs: per pair of elements, three loads of the lanes' query words and N
+// broadcasts of the keys' words feed 3 N dot products; the float32 sums are then scaled.
+template <int N, bool MASKED>
+inline void scores_bf16(const u32* const* kp, const u32* qw, int64_t D2, float qscale, float* S,
+                        int64_t key0, const float* pos, const float* lo, int64_t rows, v16* mx) {
+    const u32* k[N];
+    for (int i = 0; i < N; ++i) k[i] = kp[i];
+    v16 acc[N][3] = {};
+    for (int64_t d = 0; d < D2; ++d) {
+        const __m512i q0 = _mm512_loadu_si512(qw + d * QB), q1 = _mm512_loadu_si512(qw + d * QB + 16),
+                      q2 = _mm512_loadu_si512(qw + d * QB + 32);
+        for (int i = 0; i < N; ++i) {
+            const __m512i kv = _mm512_set1_epi32(static_cast<int>(k[i][d]));
+            acc[i][0] = dot_bf16(acc[i][0], q0, kv);
+            acc[i][1] = dot_bf16(acc[i][1], q1, kv);
+            acc[i][2] = dot_bf16(acc[i][2], q2, kv);
+        }
+    }
+    const v16 floor = v16{} + FLOOR;
+    for (int j = 0; j < 3; ++j) {
+        v16 pv = {}, lv = {};
+        if (MASKED) {
+            pv = load16(pos + 16 * j);
+            lv = load16(lo + 16 * j);
+        }
+        for (int i = 0; i < N; ++i) {
+            v16 s = acc[i][j] * qscale;
+            if (MASKED) {
+                const v16 key = v16{} + static_cast<float>(key0 + i);
+                s = (key <= pv) & (key >= lv) ? s : floor;
+            }
+            store16(S + i * QB + 16 * j, s);
+            if (i < rows) mx[j] = mx[j] > s ? mx[j] : s;
+        }
+    }
+}
+
+// softmax_block(), writing the probabilities as bf16 pairs of keys into pw (a lone last key's
+// partner is 0). The sum l adds them unrounded, as flash attention does.
+inline void softmax_bf16(const float* S, int64_t n, bool masked, const v16* mx, float* m,
+                         float* l, float* corr, u32* pw) {
+    const v16 floor = v16{} + FLOOR;
+    auto prob = [&](int64_t t, int j, v16 m_new) {
+        if (t >= n) return v16{};
+        const v16 s = load16(S + t * QB + 16 * j);
+        const v16 p = exp2_16(s - m_new);
+        return masked ? (s > floor ? p : v16{}) : p;
+    };
+    for (int j = 0; j < 3; ++j) {
+        const v16 m_old = load16(m + 16 * j);
+        const v16 m_new = m_old > mx[j] ? m_old : mx[j];
+        const v16 c = exp2_16(m_old - m_new);
+        store16(corr + 16 * j, c);
+        v16 z = {};
+        for (int64_t t = 0; t < n; t += 2) {
+            const v16 p0 = prob(t, j, m_new), p1 = prob(t + 1, j, m_new);
+            z += p0 + p1;
+            _mm512_storeu_si512(pw + (t / 2) * QB + 16 * j, pair_bf16(p0, p1));
+        }
+        store16(m + 16 * j, m_new);
+        store16(l + 16 * j, load16(l + 16 * j) * c + z);
+    }
+}
+
+// outputs() with bf16 pairs: per pair of keys, NV loads of V words and MR broadcasts of the
+// rows' probability words feed MR NV dot products.
+template <int NV>
+inline void outputs_bf16(const u32* pw, const u32* vw, int64_t pairs, int64_t col,
+                         const float* corr, float* O, int64_t D) {
+    v16 acc[MR][NV];
+    for (int r = 0; r < MR; ++r)
+        for (int j = 0; j < NV; ++j) acc[r][j] = load16(O + r * D + col + 16 * j) * corr[r];
+    for (int64_t t = 0; t < pairs; ++t) {
+        __m512i v[NV];
+        for (int j = 0; j < NV; ++j) v[j] = _mm512_loadu_si512(vw + t * D + col + 16 * j);
+        for (int r = 0; r < MR; ++r) {
+            const __m512i p = _mm512_set1_epi32(static_cast<int>(pw[t * QB + r]));
+            for (int j = 0; j < NV; ++j) acc[r][j] = dot_bf16(acc[r][j], p, v[j]);
+        }
+    }
+    for (int r = 0; r < MR; ++r)
+        for (int j = 0; j < NV; ++j) store16(O + r * D + col + 16 * j, acc[r][j]);
+}
+
+// run_job() for bf16 pages whose head size is whole vectors of pairs (D % 32 == 0).
+void run_job_bf16(const Job& job, const c10::BFloat16* q, const c10::BFloat16* kc,
+                  const c10::BFloat16* vc, const int64_t* pt, const int64_t* ctx,
+                  const int64_t* q_starts, const int64_t* q_lens, c10::BFloat16* out, int64_t H,
+                  int64_t KVH, int64_t D, int64_t P, int64_t page_size, float scale,
+                  int64_t window, ScratchBf16& w) {
+    const int64_t G = H / KVH, row = KVH * D, b = job.row, h = job.head, D2 = D / 2;
+    const int64_t n_ctx = ctx[b], first_pos = n_ctx - q_lens[b];
+    const int64_t M = (job.last - job.first) * G;
+    const int64_t blocks = (M + QB - 1) / QB, Mp = blocks * QB;
+    const float qscale = scale * 1.4426950408889634f;
+    const int64_t* pages = pt + b * P;
+    for (int64_t mi = 0; mi < Mp; ++mi) {
+        const int64_t i = job.first + mi / G, g = mi % G;
+        u32* dst = &w.qw[(mi / QB) * D2 * QB + mi % QB];
+        if (mi < M) {
+            const auto* src = reinterpret_cast<const u32_mem*>(
+                q + ((q_starts[b] + i) * H + h * G + g) * D);
+            for (int64_t d = 0; d < D2; ++d) dst[d * QB] = src[d];
+            const int64_t p = first_pos + i;
+            w.pos[mi] = static_cast<float>(p);
+            w.lo[mi] = window > 0 ? static_cast<float>(std::max<int64_t>(0, p - window + 1)) : 0.f;
+        } else {
+            for (int64_t d = 0; d < D2; ++d) dst[d * QB] = 0u;
+            w.pos[mi] = -1.f;
+            w.lo[mi] = -FLOOR;
+        }
+    }
+    std::fill(w.o.begin(), w.o.begin() + Mp * D, 0.f);
+    std::fill(w.m.begin(), w.m.begin() + Mp, FLOOR);
+    std::fill(w.l.begin(), w.l.begin() + Mp, 0.f);
+    const int64_t last_pos = first_pos + job.last - 1;
+    const int64_t lo = window > 0 ? std::max<int64_t>(0, first_pos + job.first - window + 1) : 0;
+    const c10::BFloat16* vrow[2];
+    for (int64_t t0 = lo; t0 <= last_pos; t0 += KT) {
+        const int64_t n = std::min(KT, last_pos + 1 - t0);
+        const int64_t n_next = std::min(KT, last_pos + 1 - t0 - KT);
+        int64_t page = t0 / page_size, in_page = t0 % page_size;
+        for (int64_t t = 0; t < KT; ++t, ++in_page) {
+            if (t >= n) {
+                w.kp[t] = w.zeros.data();
+                continue;
+            }
+            if (in_page == page_size) ++page, in_page = 0;
+            const int64_t slot = pages[page] * page_size + in_page;
+            w.kp[t] = reinterpret_cast<const u32*>(kc + slot * row + h * D);
+            if (t < n_next) {
+                const int64_t pn = t0 + KT + t;
+                const int64_t sn = pages[pn / page_size] * page_size + pn % page_size;
+                for (int64_t d = 0; d < D; d += 32) {
+                    __builtin_prefetch(kc + sn * row + h * D + d);
+                    __builtin_prefetch(vc + sn * row + h * D + d);
+                }
+            }
+            vrow[t % 2] = vc + slot * row + h * D;
+            if (t % 2 == 1 || t == n - 1) {  // a pair of V rows (or a lone last one and zeros)
+                u32* dst = &w.vw[(t / 2) * D];
+                for (int64_t d = 0; d < D; d += 32) {
+                    const __m512i a = _mm512_loadu_si512(vrow[0] + d);
+                    const __m512i z = t % 2 ? _mm512_loadu_si512(vrow[1] + d) : __m512i{};
+                    __m512i lo_w, hi_w;
+                    interleave_bf16(a, z, lo_w, hi_w);
+                    _mm512_storeu_si512(dst + d, lo_w);
+                    _mm512_storeu_si512(dst + d + 16, hi_w);
+                }
+            }
+        }
+        const int64_t t_end = t0 + n - 1, pairs = (n + 1) / 2;
+        for (int64_t qb = 0; qb < blocks; ++qb) {
+            const float* pos = &w.pos[qb * QB];
+            const float* lov = &w.lo[qb * QB];
+            const int64_t real = std::min<int64_t>(QB, M - qb * QB);
+            const int64_t min_pos = pos[0], max_pos = pos[real - 1];
+            const int64_t min_lo = lov[0], max_lo = lov[real - 1];
+            if (max_pos < t0 || min_lo > t_end) continue;
+            const bool masked = t_end > min_pos || t0 < max_lo;
+            float* S = w.s.data();
+            const u32* qw = &w.qw[qb * D2 * QB];
+            v16 mx[3] = {v16{} + FLOOR, v16{} + FLOOR, v16{} + FLOOR};
+            for (int64_t k = 0; k < n; k += NK) {
+                if (masked)
+                    scores_bf16<NK, true>(&w.kp[k], qw, D2, qscale, S + k * QB, t0 + k, pos, lov,
+                                          n - k, mx);
+                else
+                    scores_bf16<NK, false>(&w.kp[k], qw, D2, qscale, S + k * QB, t0 + k, pos, lov,
+                                           n - k, mx);
+            }
+            softmax_bf16(S, n, masked, mx, &w.m[qb * QB], &w.l[qb * QB], w.corr.data(),
+                         w.pw.data());
+            for (int64_t r = 0; r < QB; r += MR) {
+                float* O = &w.o[(qb * QB + r) * D];
+                int64_t col = 0;
+                for (; col + 64 <= D; col += 64)
+                    outputs_bf16<4>(w.pw.data() + r, w.vw.data(), pairs, col, &w.corr[r], O, D);
+                if (col < D)  // D % 32 == 0: one pair of vectors left
+                    outputs_bf16<2>(w.pw.data() + r, w.vw.data(), pairs, col, &w.corr[r], O, D);
+            }
+        }
+    }
+    for (int64_t mi = 0; mi < M; ++mi) {
+        const int64_t i = job.first + mi / G, g = mi % G;
+        const float inv = 1.f / w.l[mi];
+        c10::BFloat16* dst = out + ((q_starts[b] + i) * H + h * G + g) * D;
+        for (int64_t d = 0; d < D; ++d) dst[d] = static_cast<c10::BFloat16>(w.o[mi * D + d] * inv);
+    }
+}
+#endif
+
 template <typename T>
 void prefill_kernel(const T* q, const T* kc, const T* vc, const int64_t* pt, const int64_t* ctx,
                     const int64_t* q_starts, const int64_t* q_lens, T* out, int64_t B, int64_t H,
                     int64_t KVH, int64_t D, int64_t P, int64_t page_size, float scale,
-                    int64_t window) {
+                    int64_t window, bool widen) {
     const int64_t G = H / KVH, Dp = (D + 15) / 16 * 16;
     int64_t per_job = std::max<int64_t>(1, JOB_QUERIES / G);  // query tokens per job
     auto count = [&](int64_t n) {
@@ -303,6 +518,20 @@ void prefill_kernel(const T* q, const T* kc, const T* vc, const int64_t* pt, con
     const int64_t n_jobs = static_cast<int64_t>(jobs.size());
     const int64_t workers = std::min<int64_t>(at::get_num_threads(), n_jobs);
     const int64_t max_lanes = (per_job * G + QB - 1) / QB * QB;
+#ifdef __AVX512BF16__
+    if constexpr (std::is_same<T, c10::BFloat16>::value) {
+        if (!widen && D % 32 == 0) {
+            at::parallel_for(0, workers, 1, [&](int64_t begin, int64_t end) {
+                ScratchBf16 w(max_lanes, D);
+                for (int64_t unused = begin; unused < end; ++unused)
+                    for (int64_t j = next++; j < n_jobs; j = next++)
+                        run_job_bf16(jobs[j], q, kc, vc, pt, ctx, q_starts, q_lens, out, H, KVH,
+                                     D, P, page_size, scale, window, w);
+            });
+            return;
+        }
+    }
+#endif
     at::parallel_for(0, workers, 1, [&](int64_t begin, int64_t end) {
         Scratch w(max_lanes, D, Dp);
         for (int64_t unused = begin; unused < end; ++unused)
@@ -315,7 +544,7 @@ void prefill_kernel(const T* q, const T* kc, const T* vc, const int64_t* pt, con
 void paged_prefill(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
                    torch::Tensor page_table, torch::Tensor ctx_lens, torch::Tensor q_starts,
                    torch::Tensor q_lens, int64_t page_size, double scale, int64_t window,
-                   torch::Tensor out) {
+                   torch::Tensor out, bool widen) {
     TORCH_CHECK(q.dim() == 3 && k_cache.dim() == 3 && v_cache.dim() == 3, "bad ranks");
     TORCH_CHECK(q.is_contiguous() && k_cache.is_contiguous() && v_cache.is_contiguous() &&
                     out.is_contiguous(),
@@ -349,8 +578,26 @@ void paged_prefill(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache
         prefill_kernel<scalar_t>(q.data_ptr<scalar_t>(), k_cache.data_ptr<scalar_t>(),
                                  v_cache.data_ptr<scalar_t>(), pt_p, ctx_p, qs_p, ql_p,
                                  out.data_ptr<scalar_t>(), B, H, KVH, D, P, page_size,
-                                 static_cast<float>(scale), window);
+                                 static_cast<float>(scale), window, widen);
     });
+}
+
+void paged_prefill_dot(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
+                       torch::Tensor page_table, torch::Tensor ctx_lens, torch::Tensor q_starts,
+                       torch::Tensor q_lens, int64_t page_size, double scale, int64_t window,
+                       torch::Tensor out) {
+    paged_prefill(q, k_cache, v_cache, page_table, ctx_lens, q_starts, q_lens, page_size, scale,
+                  window, out, false);
+}
+
+// The path every host takes: bf16 widened to float32 (exact), kept callable where the bf16 dot
+// products exist so that tests and benchmarks can hold the two against each other.
+void paged_prefill_widened(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
+                           torch::Tensor page_table, torch::Tensor ctx_lens,
+                           torch::Tensor q_starts, torch::Tensor q_lens, int64_t page_size,
+                           double scale, int64_t window, torch::Tensor out) {
+    paged_prefill(q, k_cache, v_cache, page_table, ctx_lens, q_starts, q_lens, page_size, scale,
+                  window, out, true);
 }
 
 }  // namespace
@@ -358,6 +605,9 @@ void paged_prefill(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     // The GIL is released while a kernel runs, as torch releases it for its own ops.
     const auto nogil = py::call_guard<py::gil_scoped_release>();
-    m.def("paged_prefill", &paged_prefill, nogil,
+    m.def("paged_prefill", &paged_prefill_dot, nogil,
           "prefill-chunk attention read in place from the paged KV pool, written into out");
+    m.def("paged_prefill_widened", &paged_prefill_widened, nogil,
+          "paged_prefill with bf16 widened to float32 for every product, as hosts without bf16 "
+          "dot products compute it");
 }

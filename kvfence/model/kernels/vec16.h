@@ -69,3 +69,38 @@ inline v16 load16(const c10::BFloat16* p) {
 inline void store16(c10::BFloat16* p, v16 v) {
     *reinterpret_cast<u16x16_mem*>(p) = narrow_bf16(v);
 }
+
+#ifdef __AVX512BF16__
+#include <immintrin.h>
+
+// bfloat16 dot products (vdpbf16ps): each float32 lane adds the two products of its lane's pair
+// of bf16 values in a and b. A bf16 x bf16 product is exact in float32, so only the adds round:
+// a dot product of bf16 values matches the widening path's to float32 rounding, at half the
+// instructions and with no widening of either side.
+typedef unsigned int u32_mem __attribute__((aligned(2), may_alias));
+
+inline v16 dot_bf16(v16 acc, __m512i a, __m512i b) {
+    return _mm512_dpbf16_ps(acc, reinterpret_cast<__m512bh>(a), reinterpret_cast<__m512bh>(b));
+}
+
+// 32 bf16 values (a's) and another 32 (b's) interleaved into pairs: lo holds (a_i, b_i) for
+// i < 16, hi for i >= 16. The pairs a P.V product wants: two keys' values of one column.
+inline void interleave_bf16(__m512i a, __m512i b, __m512i& lo, __m512i& hi) {
+    const __m512i i_lo = _mm512_set_epi16(47, 15, 46, 14, 45, 13, 44, 12, 43, 11, 42, 10, 41, 9,
+                                          40, 8, 39, 7, 38, 6, 37, 5, 36, 4, 35, 3, 34, 2, 33, 1,
+                                          32, 0);
+    const __m512i i_hi = _mm512_add_epi16(i_lo, _mm512_set1_epi16(16));
+    lo = _mm512_permutex2var_epi16(a, i_lo, b);
+    hi = _mm512_permutex2var_epi16(a, i_hi, b);
+}
+
+// Two keys' probabilities (16 lanes each) rounded to bf16 (to nearest even, as torch rounds) and
+// paired per lane: (p0_i, p1_i), the a operand of a P.V product.
+inline __m512i pair_bf16(v16 p0, v16 p1) {
+    const __m512i packed = reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(p1, p0));  // p0s, p1s
+    const __m512i idx = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9,
+                                         24, 8, 23, 7, 22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1,
+                                         16, 0);
+    return _mm512_permutexvar_epi16(idx, packed);
+}
+#endif
