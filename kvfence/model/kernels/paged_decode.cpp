@@ -73,6 +73,30 @@ inline float sum16(v16 v) {
     return s;
 }
 
+// Softmax's numerators over one head's scores s[0, len), in place: exp(s - max s); returns their
+// sum. With pb, each is also written to pb rounded to bf16, as P.V's bf16 dot products take it.
+inline float exp_row(float* s, int64_t len, unsigned short* pb) {
+    float m = -std::numeric_limits<float>::infinity();
+#pragma omp simd reduction(max : m)
+    for (int64_t i = 0; i < len; ++i) m = std::max(m, s[i]);
+    float z = 0.f;
+    int64_t i = 0;
+    v16 zv = {};
+    for (; i + 16 <= len; i += 16) {
+        const v16 e = exp16(load16(s + i) - m);
+        store16(s + i, e);
+        if (pb) *reinterpret_cast<u16x16_mem*>(pb + i) = narrow_bf16(e);
+        zv += e;
+    }
+    z = sum16(zv);
+    for (; i < len; ++i) {
+        s[i] = std::exp(s[i] - m);
+        if (pb) pb[i] = c10::BFloat16(s[i]).x;
+        z += s[i];
+    }
+    return z;
+}
+
 // P.V for the query heads [qh0, qh0 + gb) of KV head h, gb <= GB: the GB x NV
 // accumulators stay in registers while each V row segment is loaded once.
 template <int NV, int GB, typename T>
@@ -209,39 +233,15 @@ void decode_job_bf16(const c10::BFloat16* q, const c10::BFloat16* kc, const c10:
             }
     }
     for (int64_t qh = h0 * G; qh < h1 * G; ++qh) {
-        float* s = &scores[qh * len];
         unsigned short* p = &probs[qh * 2 * words];
-        v16 mv = v16{} + s[0];
-        int64_t i = 0;
-        for (; i + 16 <= len; i += 16) {
-            const v16 x = load16(s + i);
-            mv = mv > x ? mv : x;
-        }
-        float m = s[0];
-        for (int k = 0; k < 16; ++k) m = std::max(m, mv[k]);
-        for (; i < len; ++i) m = std::max(m, s[i]);
-        v16 zv = {};
-        for (i = 0; i + 16 <= len; i += 16) {
-            const v16 e = exp16(load16(s + i) - m);
-            *reinterpret_cast<u16x16_mem*>(p + i) = narrow_bf16(e);
-            zv += e;
-        }
-        float z = sum16(zv);
-        for (; i < len; ++i) {
-            const float e = std::exp(s[i] - m);
-            p[i] = c10::BFloat16(e).x;
-            z += e;
-        }
+        const float z = exp_row(&scores[qh * len], len, p);
         if (len % 2) p[len] = 0;  // a lone last slot's partner
         inv[qh] = 1.f / z;
     }
     const u32_mem* pw = reinterpret_cast<const u32_mem*>(probs);
-    switch (nc) {
-        case 1: pv_heads_bf16<1>(vc, pages, page_size, row, t0, n, h0, h1, G, pw, words, acc); break;
-        case 2: pv_heads_bf16<2>(vc, pages, page_size, row, t0, n, h0, h1, G, pw, words, acc); break;
-        case 3: pv_heads_bf16<3>(vc, pages, page_size, row, t0, n, h0, h1, G, pw, words, acc); break;
-        default: pv_heads_bf16<4>(vc, pages, page_size, row, t0, n, h0, h1, G, pw, words, acc);
-    }
+    constexpr decltype(&pv_heads_bf16<1>) pv[] = {pv_heads_bf16<1>, pv_heads_bf16<2>,
+                                                  pv_heads_bf16<3>, pv_heads_bf16<4>};
+    pv[nc - 1](vc, pages, page_size, row, t0, n, h0, h1, G, pw, words, acc);
     c10::BFloat16* o = out + b * H * D;
     for (int64_t qh = h0 * G; qh < h1 * G; ++qh)
         for (int64_t i = 0; i < D; ++i)
@@ -330,24 +330,7 @@ void decode_kernel(const T* q, const T* kc, const T* vc, const int64_t* pt, cons
                     }
             }
             for (int64_t qh = h0 * G; qh < h1 * G; ++qh) {
-                float* s = &scores[qh * len];
-                float m = -std::numeric_limits<float>::infinity();
-#pragma omp simd reduction(max : m)
-                for (int64_t i = 0; i < len; ++i) m = std::max(m, s[i]);
-                float z = 0.f;
-                int64_t i = 0;
-                v16 zv = {};
-                for (; i + 16 <= len; i += 16) {
-                    const v16 e = exp16(load16(s + i) - m);
-                    store16(s + i, e);
-                    zv += e;
-                }
-                z = sum16(zv);
-                for (; i < len; ++i) {
-                    s[i] = std::exp(s[i] - m);
-                    z += s[i];
-                }
-                inv[qh] = 1.f / z;
+                inv[qh] = 1.f / exp_row(&scores[qh * len], len, nullptr);
             }
             bool pv_done = false;
             if constexpr (kVectorCache<T>) {

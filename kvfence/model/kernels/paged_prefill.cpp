@@ -46,27 +46,12 @@ struct Job {
     int64_t row, head, first, last;  // tokens [first, last) of the row, for KV head `head`
 };
 
-// S[k][lane] = K_k . Q[lane] for N keys (key0, key0 + 1, ...) and one block's 48 query lanes:
-// per element d, three vector loads of the transposed queries and N broadcasts of the keys'
-// d-th elements (read where the keys lie) feed 3 N fused multiply-adds. Where MASKED, a score
-// whose key the lane may not see (past its position, before its window) is stored as FLOOR.
-// mx gathers each lane's max over the first `rows` keys (the others lie past the tile).
+// N keys' scores for a block's lanes, acc[key][lanes / 16], into S: where MASKED, a score whose
+// key the lane may not see (past its position, before its window) is stored as FLOOR. mx gathers
+// each lane's max over the first `rows` keys (the others lie past the tile).
 template <int N, bool MASKED>
-inline void scores(const float* const* kp, const float* qt, int64_t D, float* S, int64_t key0,
-                   const float* pos, const float* lo, int64_t rows, v16* mx) {
-    const float* k[N];
-    for (int i = 0; i < N; ++i) k[i] = kp[i];
-    v16 acc[N][3] = {};
-    for (int64_t d = 0; d < D; ++d) {
-        const v16 q0 = load16(qt + d * QB), q1 = load16(qt + d * QB + 16),
-                  q2 = load16(qt + d * QB + 32);
-        for (int i = 0; i < N; ++i) {
-            const float kv = k[i][d];
-            acc[i][0] += kv * q0;
-            acc[i][1] += kv * q1;
-            acc[i][2] += kv * q2;
-        }
-    }
+inline void store_scores(const v16 (&acc)[N][3], float* S, int64_t key0, const float* pos,
+                         const float* lo, int64_t rows, v16* mx) {
     const v16 floor = v16{} + FLOOR;
     for (int j = 0; j < 3; ++j) {
         v16 pv = {}, lv = {};
@@ -84,6 +69,28 @@ inline void scores(const float* const* kp, const float* qt, int64_t D, float* S,
             if (i < rows) mx[j] = mx[j] > s ? mx[j] : s;
         }
     }
+}
+
+// S[k][lane] = K_k . Q[lane] for N keys (key0, key0 + 1, ...) and one block's 48 query lanes:
+// per element d, three vector loads of the transposed queries and N broadcasts of the keys'
+// d-th elements (read where the keys lie) feed 3 N fused multiply-adds.
+template <int N, bool MASKED>
+inline void scores(const float* const* kp, const float* qt, int64_t D, float* S, int64_t key0,
+                   const float* pos, const float* lo, int64_t rows, v16* mx) {
+    const float* k[N];
+    for (int i = 0; i < N; ++i) k[i] = kp[i];
+    v16 acc[N][3] = {};
+    for (int64_t d = 0; d < D; ++d) {
+        const v16 q0 = load16(qt + d * QB), q1 = load16(qt + d * QB + 16),
+                  q2 = load16(qt + d * QB + 32);
+        for (int i = 0; i < N; ++i) {
+            const float kv = k[i][d];
+            acc[i][0] += kv * q0;
+            acc[i][1] += kv * q1;
+            acc[i][2] += kv * q2;
+        }
+    }
+    store_scores<N, MASKED>(acc, S, key0, pos, lo, rows, mx);
 }
 
 // O[r][col, col + 16 NV) = O[r][...] * corr[r] + sum_t P[t][r] V_t[col, ...) for MR query rows:
@@ -118,17 +125,6 @@ inline void outputs_rows(const float* P, const float* const* vp, int64_t n, cons
     }
 }
 
-// One worker's scratch: sized by the job (queries x head size x tile), never by the context.
-struct Scratch {
-    // Each lane's position and window start, as floats (exact below 2^24 tokens) for the masks'
-    // lane-wise compares.
-    std::vector<float> qt, o, m, l, s, corr, kbuf, vbuf, zeros, pos, lo;
-    std::vector<const float*> kp, vp;
-    Scratch(int64_t Mp, int64_t D, int64_t Dp)
-        : qt(Mp * D), o(Mp * Dp), m(Mp), l(Mp), s(KT * QB), corr(QB), kbuf(KT * D),
-          vbuf(KT * Dp, 0.f), zeros(Dp, 0.f), pos(Mp), lo(Mp), kp(KT), vp(KT) {}
-};
-
 // 2^x on 16 lanes for softmax's x <= 0 (scores are in base-2 units: log2(e) is folded into the
 // query scale). Cheaper than exp16 by the reduction's multiplies: rounding x to an integer n
 // with the 1.5 * 2^23 trick leaves n in the sum's low bits (no conversion), r = x - n is exact,
@@ -149,36 +145,112 @@ inline v16 exp2_16(v16 x) {
     return p * as_float16(bits);
 }
 
-// A block's lanes fold one tile's scores (their maxima mx) into their running max m, sum l and
-// output rows: the scores become probabilities in place, zero where a key is masked, and corr
-// holds each lane's rescale of its earlier output.
-inline void softmax_block(float* S, int64_t n, bool masked, const v16* mx, float* m, float* l,
-                          float* corr) {
-    const v16 floor = v16{} + FLOOR;
+// A block's lanes fold one tile's scores (their maxima mx) into their running max m and sum l:
+// corr holds each lane's rescale of its earlier output, and probs(j, m_new) turns the scores of
+// lanes [16 j, 16 j + 16) into probabilities where P.V reads them and returns their sum.
+template <typename Probs>
+inline void fold_tile(const v16* mx, float* m, float* l, float* corr, Probs probs) {
     for (int j = 0; j < 3; ++j) {
         const v16 m_old = load16(m + 16 * j);
         const v16 m_new = m_old > mx[j] ? m_old : mx[j];
         const v16 c = exp2_16(m_old - m_new);
         store16(corr + 16 * j, c);
-        v16 z = {};
-        for (int64_t t = 0; t < n; ++t) {
-            const v16 s = load16(S + t * QB + 16 * j);
-            v16 p = exp2_16(s - m_new);
-            if (masked) p = s > floor ? p : v16{};
-            store16(S + t * QB + 16 * j, p);
-            z += p;
-        }
+        const v16 z = probs(j, m_new);
         store16(m + 16 * j, m_new);
         store16(l + 16 * j, load16(l + 16 * j) * c + z);
     }
 }
 
-template <typename T>
+// The probability of score s: 0 where a key is masked.
+inline v16 prob(v16 s, v16 m_new, bool masked) {
+    const v16 p = exp2_16(s - m_new);
+    return masked ? (s > v16{} + FLOOR ? p : v16{}) : p;
+}
+
+// fold_tile with the probabilities in place of the scores.
+inline void softmax_block(float* S, int64_t n, bool masked, const v16* mx, float* m, float* l,
+                          float* corr) {
+    fold_tile(mx, m, l, corr, [&](int j, v16 m_new) {
+        v16 z = {};
+        for (int64_t t = 0; t < n; ++t) {
+            const v16 p = prob(load16(S + t * QB + 16 * j), m_new, masked);
+            store16(S + t * QB + 16 * j, p);
+            z += p;
+        }
+        return z;
+    });
+}
+
+// A job's scratch and steps, one type per path (Widened here, Pairs for bf16 dot products); run_job
+// walks the tiles and blocks for either. Sized by the job (queries x head size x tile), never
+// by the context. pos and lo: each lane's position and window start, as floats (exact below
+// 2^24 tokens) for the masks' lane-wise compares.
+struct Widened {
+    std::vector<float> qt, o, m, l, s, corr, kbuf, vbuf, zeros, pos, lo;
+    std::vector<const float*> kp, vp;
+    int64_t D, Dp;
+    Widened(int64_t Mp, int64_t D, int64_t Dp)
+        : qt(Mp * D), o(Mp * Dp), m(Mp), l(Mp), s(KT * QB), corr(QB), kbuf(KT * D),
+          vbuf(KT * Dp, 0.f), zeros(Dp, 0.f), pos(Mp), lo(Mp), kp(KT), vp(KT), D(D), Dp(Dp) {}
+
+    // Lane mi's query, transposed into its block and scaled; a padding lane's (src null) is 0.
+    template <typename T>
+    void query(int64_t mi, const T* src, float qscale) {
+        float* dst = &qt[(mi / QB) * D * QB + mi % QB];
+        if (src)
+            for (int64_t d = 0; d < D; ++d) dst[d * QB] = static_cast<float>(src[d]) * qscale;
+        else
+            for (int64_t d = 0; d < D; ++d) dst[d * QB] = 0.f;
+    }
+
+    // Key t (< n) of the tile: float32 rows are read in place, others widened (V rows also
+    // where they must be padded to whole vectors).
+    template <typename T>
+    void key(int64_t t, int64_t, const T* kr, const T* vr) {
+        constexpr bool in_place = std::is_same<T, float>::value;
+        if constexpr (in_place) {
+            kp[t] = kr;
+        } else {
+            float* kd = &kbuf[t * D];
+            for (int64_t d = 0; d < D; ++d) kd[d] = static_cast<float>(kr[d]);
+            kp[t] = kd;
+        }
+        if (in_place && D == Dp) {
+            vp[t] = reinterpret_cast<const float*>(vr);
+        } else {
+            float* vd = &vbuf[t * Dp];
+            for (int64_t d = 0; d < D; ++d) vd[d] = static_cast<float>(vr[d]);
+            vp[t] = vd;
+        }
+    }
+
+    void past(int64_t t) { kp[t] = zeros.data(); }  // score rows past the tile read zeros
+
+    // Block qb's lanes over the tile's n keys from key t0 (its queries are scaled already).
+    void block(int64_t qb, int64_t n, int64_t t0, bool masked, float) {
+        const float* p = &pos[qb * QB];
+        const float* lv = &lo[qb * QB];
+        float* S = s.data();
+        const float* q = &qt[qb * D * QB];
+        v16 mx[3] = {v16{} + FLOOR, v16{} + FLOOR, v16{} + FLOOR};
+        for (int64_t k = 0; k < n; k += NK) {
+            if (masked)
+                scores<NK, true>(&kp[k], q, D, S + k * QB, t0 + k, p, lv, n - k, mx);
+            else
+                scores<NK, false>(&kp[k], q, D, S + k * QB, t0 + k, p, lv, n - k, mx);
+        }
+        softmax_block(S, n, masked, mx, &m[qb * QB], &l[qb * QB], corr.data());
+        for (int64_t r = 0; r < QB; r += MR)
+            outputs_rows(S + r, vp.data(), n, &corr[r], &o[(qb * QB + r) * Dp], Dp);
+    }
+};
+
+template <typename T, typename W>
 void run_job(const Job& job, const T* q, const T* kc, const T* vc, const int64_t* pt,
              const int64_t* ctx, const int64_t* q_starts, const int64_t* q_lens, T* out,
-             int64_t H, int64_t KVH, int64_t D, int64_t Dp, int64_t P, int64_t page_size,
-             float scale, int64_t window, Scratch& w) {
-    const int64_t G = H / KVH, row = KVH * D, b = job.row, h = job.head;
+             int64_t H, int64_t KVH, int64_t D, int64_t P, int64_t page_size, float scale,
+             int64_t window, W& w) {
+    const int64_t G = H / KVH, row = KVH * D, b = job.row, h = job.head, Dp = w.Dp;
     const int64_t n_ctx = ctx[b], first_pos = n_ctx - q_lens[b];  // position of query 0
     const int64_t M = (job.last - job.first) * G;  // query lanes, token-major: m = i * G + g
     const int64_t blocks = (M + QB - 1) / QB, Mp = blocks * QB;
@@ -186,15 +258,13 @@ void run_job(const Job& job, const T* q, const T* kc, const T* vc, const int64_t
     const int64_t* pages = pt + b * P;
     for (int64_t mi = 0; mi < Mp; ++mi) {
         const int64_t i = job.first + mi / G, g = mi % G;
-        float* dst = &w.qt[(mi / QB) * D * QB + mi % QB];
         if (mi < M) {
-            const T* src = q + ((q_starts[b] + i) * H + h * G + g) * D;
-            for (int64_t d = 0; d < D; ++d) dst[d * QB] = static_cast<float>(src[d]) * qscale;
+            w.query(mi, q + ((q_starts[b] + i) * H + h * G + g) * D, qscale);
             const int64_t p = first_pos + i;
             w.pos[mi] = static_cast<float>(p);
             w.lo[mi] = window > 0 ? static_cast<float>(std::max<int64_t>(0, p - window + 1)) : 0.f;
         } else {  // a padding lane sees no key: its output is never written
-            for (int64_t d = 0; d < D; ++d) dst[d * QB] = 0.f;
+            w.query(mi, static_cast<const T*>(nullptr), qscale);
             w.pos[mi] = -1.f;
             w.lo[mi] = -FLOOR;
         }
@@ -204,21 +274,17 @@ void run_job(const Job& job, const T* q, const T* kc, const T* vc, const int64_t
     std::fill(w.l.begin(), w.l.begin() + Mp, 0.f);
     const int64_t last_pos = first_pos + job.last - 1;
     const int64_t lo = window > 0 ? std::max<int64_t>(0, first_pos + job.first - window + 1) : 0;
-    constexpr bool in_place = std::is_same<T, float>::value;
-    const bool v_in_place = in_place && D == Dp;  // else V rows are padded to whole vectors
     for (int64_t t0 = lo; t0 <= last_pos; t0 += KT) {
         const int64_t n = std::min(KT, last_pos + 1 - t0);
         const int64_t n_next = std::min(KT, last_pos + 1 - t0 - KT);  // <= 0 after the last
         int64_t page = t0 / page_size, in_page = t0 % page_size;  // walked, not divided per key
         for (int64_t t = 0; t < KT; ++t, ++in_page) {
-            if (t >= n) {  // score rows past the tile read zeros; no output reads them
-                w.kp[t] = w.zeros.data();
+            if (t >= n) {
+                w.past(t);
                 continue;
             }
             if (in_page == page_size) ++page, in_page = 0;
             const int64_t slot = pages[page] * page_size + in_page;
-            const T* kr = kc + slot * row + h * D;
-            const T* vr = vc + slot * row + h * D;
             if (t < n_next) {  // the next tile's rows start loading while this one computes
                 const int64_t pn = t0 + KT + t;
                 const int64_t sn = pages[pn / page_size] * page_size + pn % page_size;
@@ -227,20 +293,7 @@ void run_job(const Job& job, const T* q, const T* kc, const T* vc, const int64_t
                     __builtin_prefetch(vc + sn * row + h * D + d);
                 }
             }
-            if constexpr (in_place) {
-                w.kp[t] = kr;
-            } else {
-                float* kd = &w.kbuf[t * D];
-                for (int64_t d = 0; d < D; ++d) kd[d] = static_cast<float>(kr[d]);
-                w.kp[t] = kd;
-            }
-            if (v_in_place) {
-                w.vp[t] = reinterpret_cast<const float*>(vr);
-            } else {
-                float* vd = &w.vbuf[t * Dp];
-                for (int64_t d = 0; d < D; ++d) vd[d] = static_cast<float>(vr[d]);
-                w.vp[t] = vd;
-            }
+            w.key(t, n, kc + slot * row + h * D, vc + slot * row + h * D);
         }
         const int64_t t_end = t0 + n - 1;
         for (int64_t qb = 0; qb < blocks; ++qb) {
@@ -251,19 +304,7 @@ void run_job(const Job& job, const T* q, const T* kc, const T* vc, const int64_t
             const int64_t min_pos = pos[0], max_pos = pos[real - 1];
             const int64_t min_lo = lov[0], max_lo = lov[real - 1];
             if (max_pos < t0 || min_lo > t_end) continue;  // no lane sees any of this tile
-            const bool masked = t_end > min_pos || t0 < max_lo;
-            float* S = w.s.data();
-            const float* qt = &w.qt[qb * D * QB];
-            v16 mx[3] = {v16{} + FLOOR, v16{} + FLOOR, v16{} + FLOOR};
-            for (int64_t k = 0; k < n; k += NK) {
-                if (masked)
-                    scores<NK, true>(&w.kp[k], qt, D, S + k * QB, t0 + k, pos, lov, n - k, mx);
-                else
-                    scores<NK, false>(&w.kp[k], qt, D, S + k * QB, t0 + k, pos, lov, n - k, mx);
-            }
-            softmax_block(S, n, masked, mx, &w.m[qb * QB], &w.l[qb * QB], w.corr.data());
-            for (int64_t r = 0; r < QB; r += MR)
-                outputs_rows(S + r, w.vp.data(), n, &w.corr[r], &w.o[(qb * QB + r) * Dp], Dp);
+            w.block(qb, n, t0, t_end > min_pos || t0 < max_lo, qscale);
         }
     }
     for (int64_t mi = 0; mi < M; ++mi) {
@@ -285,27 +326,18 @@ void run_job(const Job& job, const T* q, const T* kc, const T* vc, const int64_t
 // job then reads, and the softmax writes its probabilities straight as such pairs.
 typedef unsigned int u32;
 
-struct ScratchBf16 {
-    // qw [blocks][D / 2][QB] and pw [KT / 2][QB]: per lane, a word of two bf16 (query elements
-    // 2d, 2d + 1; probabilities of keys 2t, 2t + 1). vw [KT / 2][D]: per column, keys 2t, 2t + 1.
-    std::vector<u32> qw, pw, vw, zeros;
-    std::vector<float> o, m, l, s, corr, pos, lo;
-    std::vector<const u32*> kp;
-    ScratchBf16(int64_t Mp, int64_t D)
-        : qw(Mp * D / 2), pw(KT / 2 * QB), vw(KT / 2 * D), zeros(D / 2, 0u), o(Mp * D), m(Mp),
-          l(Mp), s(KT * QB), corr(QB), pos(Mp), lo(Mp), kp(KT) {}
-};
-
 // scores() with bf16 pairs: per pair of elements, three loads of the lanes' query words and N
 // broadcasts of the keys' words feed 3 N dot products; the float32 sums are then scaled.
 template <int N, bool MASKED>
-inline void scores_bf16(const u32* const* kp, const u32* qw, int64_t D2, float qscale, float* S,
-                        int64_t key0, const float* pos, const float* lo, int64_t rows, v16* mx) {
-    const u32* k[N];
+inline void scores_bf16(const u32_mem* const* kp, const u32* qw, int64_t D2, float qscale,
+                        float* S, int64_t key0, const float* pos, const float* lo, int64_t rows,
+                        v16* mx) {
+    const u32_mem* k[N];
     for (int i = 0; i < N; ++i) k[i] = kp[i];
     v16 acc[N][3] = {};
     for (int64_t d = 0; d < D2; ++d) {
-        const __m512i q0 = _mm512_loadu_si512(qw + d * QB), q1 = _mm512_loadu_si512(qw + d * QB + 16),
+        const __m512i q0 = _mm512_loadu_si512(qw + d * QB),
+                      q1 = _mm512_loadu_si512(qw + d * QB + 16),
                       q2 = _mm512_loadu_si512(qw + d * QB + 32);
         for (int i = 0; i < N; ++i) {
             const __m512i kv = _mm512_set1_epi32(static_cast<int>(k[i][d]));
@@ -314,50 +346,26 @@ inline void scores_bf16(const u32* const* kp, const u32* qw, int64_t D2, float q
             acc[i][2] = dot_bf16(acc[i][2], q2, kv);
         }
     }
-    const v16 floor = v16{} + FLOOR;
-    for (int j = 0; j < 3; ++j) {
-        v16 pv = {}, lv = {};
-        if (MASKED) {
-            pv = load16(pos + 16 * j);
-            lv = load16(lo + 16 * j);
-        }
-        for (int i = 0; i < N; ++i) {
-            v16 s = acc[i][j] * qscale;
-            if (MASKED) {
-                const v16 key = v16{} + static_cast<float>(key0 + i);
-                s = (key <= pv) & (key >= lv) ? s : floor;
-            }
-            store16(S + i * QB + 16 * j, s);
-            if (i < rows) mx[j] = mx[j] > s ? mx[j] : s;
-        }
-    }
+    for (int i = 0; i < N; ++i)
+        for (int j = 0; j < 3; ++j) acc[i][j] *= qscale;
+    store_scores<N, MASKED>(acc, S, key0, pos, lo, rows, mx);
 }
 
 // softmax_block(), writing the probabilities as bf16 pairs of keys into pw (a lone last key's
 // partner is 0). The sum l adds them unrounded, as flash attention does.
 inline void softmax_bf16(const float* S, int64_t n, bool masked, const v16* mx, float* m,
                          float* l, float* corr, u32* pw) {
-    const v16 floor = v16{} + FLOOR;
-    auto prob = [&](int64_t t, int j, v16 m_new) {
-        if (t >= n) return v16{};
-        const v16 s = load16(S + t * QB + 16 * j);
-        const v16 p = exp2_16(s - m_new);
-        return masked ? (s > floor ? p : v16{}) : p;
-    };
-    for (int j = 0; j < 3; ++j) {
-        const v16 m_old = load16(m + 16 * j);
-        const v16 m_new = m_old > mx[j] ? m_old : mx[j];
-        const v16 c = exp2_16(m_old - m_new);
-        store16(corr + 16 * j, c);
+    fold_tile(mx, m, l, corr, [&](int j, v16 m_new) {
         v16 z = {};
         for (int64_t t = 0; t < n; t += 2) {
-            const v16 p0 = prob(t, j, m_new), p1 = prob(t + 1, j, m_new);
+            const v16 p0 = prob(load16(S + t * QB + 16 * j), m_new, masked);
+            const v16 p1 = t + 1 < n ? prob(load16(S + (t + 1) * QB + 16 * j), m_new, masked)
+                                     : v16{};
             z += p0 + p1;
             _mm512_storeu_si512(pw + (t / 2) * QB + 16 * j, pair_bf16(p0, p1));
         }
-        store16(m + 16 * j, m_new);
-        store16(l + 16 * j, load16(l + 16 * j) * c + z);
-    }
+        return z;
+    });
 }
 
 // outputs() with bf16 pairs: per pair of keys, NV loads of V words and MR broadcasts of the
@@ -380,112 +388,68 @@ inline void outputs_bf16(const u32* pw, const u32* vw, int64_t pairs, int64_t co
         for (int j = 0; j < NV; ++j) store16(O + r * D + col + 16 * j, acc[r][j]);
 }
 
-// run_job() for bf16 pages whose head size is whole vectors of pairs (D % 32 == 0).
-void run_job_bf16(const Job& job, const c10::BFloat16* q, const c10::BFloat16* kc,
-                  const c10::BFloat16* vc, const int64_t* pt, const int64_t* ctx,
-                  const int64_t* q_starts, const int64_t* q_lens, c10::BFloat16* out, int64_t H,
-                  int64_t KVH, int64_t D, int64_t P, int64_t page_size, float scale,
-                  int64_t window, ScratchBf16& w) {
-    const int64_t G = H / KVH, row = KVH * D, b = job.row, h = job.head, D2 = D / 2;
-    const int64_t n_ctx = ctx[b], first_pos = n_ctx - q_lens[b];
-    const int64_t M = (job.last - job.first) * G;
-    const int64_t blocks = (M + QB - 1) / QB, Mp = blocks * QB;
-    const float qscale = scale * 1.4426950408889634f;
-    const int64_t* pages = pt + b * P;
-    for (int64_t mi = 0; mi < Mp; ++mi) {
-        const int64_t i = job.first + mi / G, g = mi % G;
-        u32* dst = &w.qw[(mi / QB) * D2 * QB + mi % QB];
-        if (mi < M) {
-            const auto* src = reinterpret_cast<const u32_mem*>(
-                q + ((q_starts[b] + i) * H + h * G + g) * D);
-            for (int64_t d = 0; d < D2; ++d) dst[d * QB] = src[d];
-            const int64_t p = first_pos + i;
-            w.pos[mi] = static_cast<float>(p);
-            w.lo[mi] = window > 0 ? static_cast<float>(std::max<int64_t>(0, p - window + 1)) : 0.f;
-        } else {
-            for (int64_t d = 0; d < D2; ++d) dst[d * QB] = 0u;
-            w.pos[mi] = -1.f;
-            w.lo[mi] = -FLOOR;
+// The scratch and steps of the bf16 dot-product path, for run_job; D % 32 == 0.
+struct Pairs {
+    // qw [blocks][D / 2][QB] and pw [KT / 2][QB]: per lane, a word of two bf16 (query elements
+    // 2d, 2d + 1; probabilities of keys 2t, 2t + 1). vw [KT / 2][D]: per column, keys 2t, 2t + 1.
+    std::vector<u32> qw, pw, vw, zeros;
+    std::vector<float> o, m, l, s, corr, pos, lo;
+    std::vector<const u32_mem*> kp;
+    const c10::BFloat16* v_even = nullptr;  // the V row of the tile's last even key
+    int64_t D, Dp;
+    Pairs(int64_t Mp, int64_t D)
+        : qw(Mp * D / 2), pw(KT / 2 * QB), vw(KT / 2 * D), zeros(D / 2, 0u), o(Mp * D), m(Mp),
+          l(Mp), s(KT * QB), corr(QB), pos(Mp), lo(Mp), kp(KT), D(D), Dp(D) {}
+
+    void query(int64_t mi, const c10::BFloat16* src, float) {
+        u32* dst = &qw[(mi / QB) * (D / 2) * QB + mi % QB];
+        const auto* words = reinterpret_cast<const u32_mem*>(src);
+        for (int64_t d = 0; d < D / 2; ++d) dst[d * QB] = src ? words[d] : 0u;
+    }
+
+    // Key t (< n): K read in place; V rows interleaved a pair at a time (a lone last key's
+    // partner is zeros, never the slot after it).
+    void key(int64_t t, int64_t n, const c10::BFloat16* kr, const c10::BFloat16* vr) {
+        kp[t] = reinterpret_cast<const u32_mem*>(kr);
+        if (t % 2 == 0) v_even = vr;
+        if (t % 2 == 0 && t < n - 1) return;
+        u32* dst = &vw[(t / 2) * D];
+        for (int64_t d = 0; d < D; d += 32) {
+            const __m512i odd = t % 2 ? _mm512_loadu_si512(vr + d) : __m512i{};
+            __m512i lo_w, hi_w;
+            interleave_bf16(_mm512_loadu_si512(v_even + d), odd, lo_w, hi_w);
+            _mm512_storeu_si512(dst + d, lo_w);
+            _mm512_storeu_si512(dst + d + 16, hi_w);
         }
     }
-    std::fill(w.o.begin(), w.o.begin() + Mp * D, 0.f);
-    std::fill(w.m.begin(), w.m.begin() + Mp, FLOOR);
-    std::fill(w.l.begin(), w.l.begin() + Mp, 0.f);
-    const int64_t last_pos = first_pos + job.last - 1;
-    const int64_t lo = window > 0 ? std::max<int64_t>(0, first_pos + job.first - window + 1) : 0;
-    const c10::BFloat16* vrow[2];
-    for (int64_t t0 = lo; t0 <= last_pos; t0 += KT) {
-        const int64_t n = std::min(KT, last_pos + 1 - t0);
-        const int64_t n_next = std::min(KT, last_pos + 1 - t0 - KT);
-        int64_t page = t0 / page_size, in_page = t0 % page_size;
-        for (int64_t t = 0; t < KT; ++t, ++in_page) {
-            if (t >= n) {
-                w.kp[t] = w.zeros.data();
-                continue;
-            }
-            if (in_page == page_size) ++page, in_page = 0;
-            const int64_t slot = pages[page] * page_size + in_page;
-            w.kp[t] = reinterpret_cast<const u32*>(kc + slot * row + h * D);
-            if (t < n_next) {
-                const int64_t pn = t0 + KT + t;
-                const int64_t sn = pages[pn / page_size] * page_size + pn % page_size;
-                for (int64_t d = 0; d < D; d += 32) {
-                    __builtin_prefetch(kc + sn * row + h * D + d);
-                    __builtin_prefetch(vc + sn * row + h * D + d);
-                }
-            }
-            vrow[t % 2] = vc + slot * row + h * D;
-            if (t % 2 == 1 || t == n - 1) {  // a pair of V rows (or a lone last one and zeros)
-                u32* dst = &w.vw[(t / 2) * D];
-                for (int64_t d = 0; d < D; d += 32) {
-                    const __m512i a = _mm512_loadu_si512(vrow[0] + d);
-                    const __m512i z = t % 2 ? _mm512_loadu_si512(vrow[1] + d) : __m512i{};
-                    __m512i lo_w, hi_w;
-                    interleave_bf16(a, z, lo_w, hi_w);
-                    _mm512_storeu_si512(dst + d, lo_w);
-                    _mm512_storeu_si512(dst + d + 16, hi_w);
-                }
-            }
+
+    void past(int64_t t) { kp[t] = reinterpret_cast<const u32_mem*>(zeros.data()); }
+
+    void block(int64_t qb, int64_t n, int64_t t0, bool masked, float qscale) {
+        const float* p = &pos[qb * QB];
+        const float* lv = &lo[qb * QB];
+        float* S = s.data();
+        const u32* q = &qw[qb * (D / 2) * QB];
+        v16 mx[3] = {v16{} + FLOOR, v16{} + FLOOR, v16{} + FLOOR};
+        for (int64_t k = 0; k < n; k += NK) {
+            if (masked)
+                scores_bf16<NK, true>(&kp[k], q, D / 2, qscale, S + k * QB, t0 + k, p, lv, n - k,
+                                      mx);
+            else
+                scores_bf16<NK, false>(&kp[k], q, D / 2, qscale, S + k * QB, t0 + k, p, lv,
+                                       n - k, mx);
         }
-        const int64_t t_end = t0 + n - 1, pairs = (n + 1) / 2;
-        for (int64_t qb = 0; qb < blocks; ++qb) {
-            const float* pos = &w.pos[qb * QB];
-            const float* lov = &w.lo[qb * QB];
-            const int64_t real = std::min<int64_t>(QB, M - qb * QB);
-            const int64_t min_pos = pos[0], max_pos = pos[real - 1];
-            const int64_t min_lo = lov[0], max_lo = lov[real - 1];
-            if (max_pos < t0 || min_lo > t_end) continue;
-            const bool masked = t_end > min_pos || t0 < max_lo;
-            float* S = w.s.data();
-            const u32* qw = &w.qw[qb * D2 * QB];
-            v16 mx[3] = {v16{} + FLOOR, v16{} + FLOOR, v16{} + FLOOR};
-            for (int64_t k = 0; k < n; k += NK) {
-                if (masked)
-                    scores_bf16<NK, true>(&w.kp[k], qw, D2, qscale, S + k * QB, t0 + k, pos, lov,
-                                          n - k, mx);
-                else
-                    scores_bf16<NK, false>(&w.kp[k], qw, D2, qscale, S + k * QB, t0 + k, pos, lov,
-                                           n - k, mx);
-            }
-            softmax_bf16(S, n, masked, mx, &w.m[qb * QB], &w.l[qb * QB], w.corr.data(),
-                         w.pw.data());
-            for (int64_t r = 0; r < QB; r += MR) {
-                float* O = &w.o[(qb * QB + r) * D];
-                int64_t col = 0;
-                for (; col + 64 <= D; col += 64)
-                    outputs_bf16<4>(w.pw.data() + r, w.vw.data(), pairs, col, &w.corr[r], O, D);
-                if (col < D)  // D % 32 == 0: one pair of vectors left
-                    outputs_bf16<2>(w.pw.data() + r, w.vw.data(), pairs, col, &w.corr[r], O, D);
-            }
+        softmax_bf16(S, n, masked, mx, &m[qb * QB], &l[qb * QB], corr.data(), pw.data());
+        for (int64_t r = 0; r < QB; r += MR) {
+            float* O = &o[(qb * QB + r) * D];
+            int64_t col = 0;
+            for (; col + 64 <= D; col += 64)
+                outputs_bf16<4>(pw.data() + r, vw.data(), (n + 1) / 2, col, &corr[r], O, D);
+            if (col < D)  // D % 32 == 0: one pair of vectors left
+                outputs_bf16<2>(pw.data() + r, vw.data(), (n + 1) / 2, col, &corr[r], O, D);
         }
     }
-    for (int64_t mi = 0; mi < M; ++mi) {
-        const int64_t i = job.first + mi / G, g = mi % G;
-        const float inv = 1.f / w.l[mi];
-        c10::BFloat16* dst = out + ((q_starts[b] + i) * H + h * G + g) * D;
-        for (int64_t d = 0; d < D; ++d) dst[d] = static_cast<c10::BFloat16>(w.o[mi * D + d] * inv);
-    }
-}
+};
 #endif
 
 template <typename T>
@@ -518,27 +482,21 @@ void prefill_kernel(const T* q, const T* kc, const T* vc, const int64_t* pt, con
     const int64_t n_jobs = static_cast<int64_t>(jobs.size());
     const int64_t workers = std::min<int64_t>(at::get_num_threads(), n_jobs);
     const int64_t max_lanes = (per_job * G + QB - 1) / QB * QB;
+    auto run_all = [&](auto make_scratch) {
+        at::parallel_for(0, workers, 1, [&](int64_t begin, int64_t end) {
+            auto w = make_scratch();
+            for (int64_t unused = begin; unused < end; ++unused)
+                for (int64_t j = next++; j < n_jobs; j = next++)
+                    run_job(jobs[j], q, kc, vc, pt, ctx, q_starts, q_lens, out, H, KVH, D, P,
+                            page_size, scale, window, w);
+        });
+    };
 #ifdef __AVX512BF16__
     if constexpr (std::is_same<T, c10::BFloat16>::value) {
-        if (!widen && D % 32 == 0) {
-            at::parallel_for(0, workers, 1, [&](int64_t begin, int64_t end) {
-                ScratchBf16 w(max_lanes, D);
-                for (int64_t unused = begin; unused < end; ++unused)
-                    for (int64_t j = next++; j < n_jobs; j = next++)
-                        run_job_bf16(jobs[j], q, kc, vc, pt, ctx, q_starts, q_lens, out, H, KVH,
-                                     D, P, page_size, scale, window, w);
-            });
-            return;
-        }
+        if (!widen && D % 32 == 0) return run_all([&] { return Pairs(max_lanes, D); });
     }
 #endif
-    at::parallel_for(0, workers, 1, [&](int64_t begin, int64_t end) {
-        Scratch w(max_lanes, D, Dp);
-        for (int64_t unused = begin; unused < end; ++unused)
-            for (int64_t j = next++; j < n_jobs; j = next++)
-                run_job<T>(jobs[j], q, kc, vc, pt, ctx, q_starts, q_lens, out, H, KVH, D, Dp, P,
-                           page_size, scale, window, w);
-    });
+    run_all([&] { return Widened(max_lanes, D, Dp); });
 }
 
 void paged_prefill(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
