@@ -108,6 +108,7 @@ def run_steps(llm: LLM, prompts: list[list[int]], max_tokens: int):  # type: ign
         )
     steps = []
     while engine.has_work():
+        assert len(steps) < 500, "the engine stopped making progress (a wave that never starts?)"
         before = {i: len(v) for i, v in outs.items()}
         chunks = []
         real = engine.runner.run
@@ -158,5 +159,25 @@ def test_a_prompt_arriving_beside_streams_waits_for_them_while_on_time(checkpoin
         # With time to spare b waits for a to finish; with none (the wave could not be on time)
         # the step budget takes it beside a's decode, as without targets.
         assert (waiting == ["b"]) is deferred, (ttft, waiting)
-        while engine.scheduler.has_work():
-            engine.step()
+
+
+def test_a_wave_the_pool_cannot_grow_starts_with_what_it_holds(checkpoint_dir) -> None:
+    # Two 60-token prompts fill the pool (4 of its 10 pages each); the third cannot enter until
+    # one finishes. The fill must not wait for it: the wave starts, and the third follows.
+    model_dir = str(checkpoint_dir("llama"))
+    prompts = random_prompts([60, 60, 60], vocab=256, seed=13)
+    params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+    want = [c.token_ids for c in LLM(model_dir, kv_pool_tokens=2048).generate(prompts, params)]
+    llm = LLM(
+        model_dir,
+        context_length=128,
+        kv_pool_tokens=160,
+        page_size=16,
+        chunked_prefill_size=64,
+        enable_prefix_caching=False,
+        target_tpot_ms=50.0,
+        target_ttft_ms=1e9,
+    )
+    steps, got = run_steps(llm, prompts, 4)
+    assert got == want
+    assert [f for _, _, f in steps if f] == [{0}, {1}, {2}]
