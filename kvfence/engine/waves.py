@@ -29,7 +29,9 @@ The modes of a step:
 - RELEASE: the wave has nothing left to compute but held tokens: one step computes them all
   and decodes the leader; from then the wave's streams decode in lockstep.
 - DEFER: streams decode and every waiting prompt can still meet its TTFT target after they
-  drain and a wave computes it: nothing is admitted.
+  drain and a wave computes it: nothing is admitted. The drain is priced from each stream's
+  max_tokens, so a stream that may run long (a request without max_tokens) lets the prompts
+  beside it in as if there were no waves.
 - OFF: the step budget alone (kvfence/engine/step_budget.py): the wave could not keep the
   TTFT target (too many prompts for one wave: the prompts are late
   either way, so mixing them with decodes at least starts the streams sooner).
