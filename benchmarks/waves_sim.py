@@ -5,7 +5,8 @@ to the step budget alone. It prices the policy where the shared 2-core machine c
 figures goodput reads: the SLO grid, TTFT p50, ITL p99, TPOT p50. Steps as the scheduler makes
 them: a FILL step computes whole chunks with no decode row and holds every prompt's last token
 but the wave leader's; the step after the fill (RELEASE) computes the held tokens and decodes
-the leader; DEFER admits nothing; OFF is the step budget.
+the leader; a FILL step also gives a held prompt its first token early when
+waves.early_firsts allows; DEFER admits nothing; OFF is the step budget.
 
     .venv/bin/python benchmarks/waves_sim.py [--cost epyc]
 """
@@ -27,7 +28,7 @@ from kvfence.engine.step_budget import (  # noqa: E402
     StepCost,
     prefill_budget,
 )
-from kvfence.engine.waves import Wave, mode  # noqa: E402
+from kvfence.engine.waves import Wave, early_firsts, mode  # noqa: E402
 
 # step_budget_sim's Xeon-A cost, and one matched to EPYC's C=8 figures (a 256-token prompt
 # ~360 ms, an 8-row decode-only step ~35 ms: benchmarks/RESULTS.md "Goodput against vLLM").
@@ -43,6 +44,7 @@ def sim(c: int, n_prompts: int, policy: BudgetPolicy, cost: StepCost, lin=256, l
     running: list[dict] = []
     ttft, itl, met = [], [], []
     filling, leader = False, None
+    firsts_early: list[dict] = []  # the wave's streams beside its leader, while it fills
 
     def refill() -> None:
         nonlocal issued
@@ -56,12 +58,13 @@ def sim(c: int, n_prompts: int, policy: BudgetPolicy, cost: StepCost, lin=256, l
         prompts = [s for s in running if s["out"] == 0] + waiting
         w = Wave.OFF
         if waves:
-            left = [lout - s["out"] for s in streams if not (filling and s is leader)]
+            wave = [leader, *firsts_early]
+            left = [lout - s["out"] for s in streams if not (filling and s in wave)]
             work = [(s["unc"], s["arr"] - t + policy.target_ttft_ms) for s in prompts]
             filled = all(s["unc"] <= 1 for s in running if s["out"] == 0) and not waiting
             w = mode(filling, left, work, cost, CHUNK, filled)
             if w is Wave.FILL and not filling:
-                leader = None
+                leader, firsts_early = None, []
             filling = w is Wave.FILL
         # Decode rows: streams, and prompts whose last token is all that is left (held).
         rows = [] if w is Wave.FILL else [s for s in running if s["unc"] <= 1 and (
@@ -106,6 +109,19 @@ def sim(c: int, n_prompts: int, policy: BudgetPolicy, cost: StepCost, lin=256, l
             s = waiting.pop(0)
             running.append(s)
             take(s)
+        held = [s for s in running if s["out"] == 0 and s["unc"] == 1 and s not in firsts]
+        if w is Wave.FILL and ptoks and held:
+            rest = sum(max(0, s["unc"] - 1) for s in running if s["out"] == 0)
+            rest += sum(s["unc"] for s in waiting)
+            size = len(firsts_early) + len(waiting) + sum(s["out"] == 0 for s in running)
+            size += leader is not None and leader["out"] > 0
+            n = early_firsts(
+                cost, CHUNK, rest, size, lout - 1, policy.target_tpot_ms, len(firsts_early)
+            )
+            for s in held[:n]:
+                s["unc"], ptoks = 0, ptoks + 1
+                firsts.append(s)
+                firsts_early.append(s)
         if w is Wave.FILL and not ptoks:
             filling = False  # nothing more can join: the wave starts
         t += cost.predict(ptoks, len(rows))

@@ -11,7 +11,7 @@ from conftest import random_prompts
 from kvfence.engine.llm import LLM
 from kvfence.engine.request import GenerateRequest, SamplingParams
 from kvfence.engine.step_budget import StepCost, StepCostModel
-from kvfence.engine.waves import Wave, drain_ms, fill_ms, mode, on_time
+from kvfence.engine.waves import Wave, drain_ms, early_firsts, fill_ms, mode, on_time
 
 COST = StepCost(a=10.0, b=1.0, c=5.0)  # ms: fixed, per prefill token, per decode row
 
@@ -76,6 +76,23 @@ def test_the_wave_moves_prefill_out_of_the_streams_tpot() -> None:
     assert on_time(cost, 512, 0.0, 8 * 256, 4000.0)
 
 
+def test_early_first_tokens_keep_the_wave_gaps_under_their_share() -> None:
+    # 8 prompts of 64 out: 504 gaps, 4 may be long: the leader's and 3 early first tokens.
+    assert early_firsts(COST, 256, 0, 8, 63, 100.0, early=0) == 3
+    assert early_firsts(COST, 256, 0, 8, 63, 100.0, early=2) == 1
+    assert early_firsts(COST, 256, 0, 8, 63, 100.0, early=3) == 0
+    assert early_firsts(COST, 256, 0, 4, 3, 100.0, early=0) == 0  # too few gaps for one
+    assert early_firsts(None, 256, 0, 8, 63, 100.0, early=0) == 0
+
+
+def test_an_early_first_token_waits_only_for_a_rest_its_tpot_can_carry() -> None:
+    # 8 rows decode in 50 ms; a 50 ms stream at 80% of a 100 ms target can carry
+    # 63 x (80 - 50) = 1890 ms of the rest of the wave: 1,792 tokens (7 steps, release) fit.
+    assert fill_ms(COST, 1792, 256) == pytest.approx(1872.0)
+    assert early_firsts(COST, 256, 1792, 8, 63, 100.0, early=0) == 3
+    assert early_firsts(COST, 256, 1820, 8, 63, 100.0, early=0) == 0
+
+
 class FixedCost(StepCostModel):
     def cost(self) -> StepCost:
         return COST
@@ -126,13 +143,19 @@ def run_steps(llm: LLM, prompts: list[list[int]], max_tokens: int):  # type: ign
     return steps, [outs[i] for i in range(len(prompts))]
 
 
-def test_a_wave_holds_first_tokens_until_every_prompt_is_computed(checkpoint_dir) -> None:
-    model_dir = str(checkpoint_dir("llama"))
-    prompts = random_prompts([40, 40, 40, 40], vocab=256, seed=11)
-    params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+def four_in_a_wave(model_dir: str, seed: int, max_tokens: int):  # type: ignore[no-untyped-def]
+    """run_steps over four 40-token prompts, checking the answers against an engine without
+    targets (holding a prompt's last token must change nothing)."""
+    prompts = random_prompts([40, 40, 40, 40], vocab=256, seed=seed)
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
     want = [c.token_ids for c in LLM(model_dir, kv_pool_tokens=2048).generate(prompts, params)]
-    steps, got = run_steps(waves_llm(model_dir, 1e9), prompts, 4)
+    steps, got = run_steps(waves_llm(model_dir, 1e9), prompts, max_tokens)
     assert got == want, "holding a prompt's last token changed an answer"
+    return steps
+
+
+def test_a_wave_holds_first_tokens_until_every_prompt_is_computed(checkpoint_dir) -> None:
+    steps = four_in_a_wave(str(checkpoint_dir("llama")), seed=11, max_tokens=4)
     firsts = [f for _, _, f in steps if f]
     # The leader's first token at once, the other three's together, in the step after the fill.
     assert firsts == [{0}, {1, 2, 3}]
@@ -181,3 +204,10 @@ def test_a_wave_the_pool_cannot_grow_starts_with_what_it_holds(checkpoint_dir) -
     steps, got = run_steps(llm, prompts, 4)
     assert got == want
     assert [f for _, _, f in steps if f] == [{0}, {1}, {2}]
+
+
+def test_with_enough_gaps_a_held_prompt_gets_its_first_token_early(checkpoint_dir) -> None:
+    # 4 prompts x 63 more tokens: 252 gaps, 2 may be long (the leader's and one early first
+    # token), and the rest of the wave is short enough for the early one's TPOT.
+    steps = four_in_a_wave(str(checkpoint_dir("llama")), seed=14, max_tokens=64)
+    assert [f for _, _, f in steps if f] == [{0}, {1}, {2, 3}]

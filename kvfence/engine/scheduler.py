@@ -18,7 +18,7 @@ from kvfence.engine.fairness import next_waiting
 from kvfence.engine.prompt_logprobs import NO_SCORES, scored_range
 from kvfence.engine.sequence import SeqMode, SeqStatus, Sequence
 from kvfence.engine.step_budget import BudgetPolicy, Deadlines, StepBudget
-from kvfence.engine.waves import Wave, mode
+from kvfence.engine.waves import Wave, early_firsts, mode
 from kvfence.faults import Faults
 from kvfence.kv.pool import KVPool, OwnershipError
 from kvfence.kv.prefix import Namespace, lora_identity
@@ -70,9 +70,10 @@ class Scheduler:
         # Cache keys of pages a running sequence is computing and will seal: an identical
         # prompt (n > 1, a retry) waits for them rather than computing them a second time.
         self.inflight: dict[bytes, Sequence] = {}
-        # Waves (kvfence/engine/waves.py): whether the last step filled one, and its leader.
+        # Waves (kvfence/engine/waves.py): whether the last step filled one, and the streams
+        # whose first token came out during the fill (its leader first).
         self._filling = False
-        self._leader: Sequence | None = None
+        self._wave_firsts: list[Sequence] = []
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
@@ -198,6 +199,8 @@ class Scheduler:
             if n:
                 chunks.append(_chunk(seq, n))
                 budget -= n
+        if wave is Wave.FILL and chunks:
+            self._early_firsts(chunks)
         if wave is Wave.FILL and not chunks:
             # Nothing more could join or be computed (the pool, a cap): the wave starts now.
             self._filling = False
@@ -226,7 +229,7 @@ class Scheduler:
         streams = [
             s.admitted.max_tokens - s.num_output
             for s in decoding
-            if s.output_ids and not (self._filling and s is self._leader)
+            if s.output_ids and not (self._filling and s in self._wave_firsts)
         ]
         prompts = list(self._prompt_work(now))
         held = all(s.num_uncomputed <= 1 for s in self.running if not s.output_ids)
@@ -244,7 +247,7 @@ class Scheduler:
         )
         self._filling = wave is Wave.FILL
         if self._filling and not was_filling:
-            self._leader = None
+            self._wave_firsts = []
         return wave
 
     def _prompt_work(self, now: float) -> Iterable[tuple[int, float]]:
@@ -263,10 +266,39 @@ class Scheduler:
         first token waits for the wave), unless it leads the wave."""
         if wave is not Wave.FILL or n < seq.num_uncomputed or seq.output_ids:
             return n
-        if self._leader is None:
-            self._leader = seq
+        if not self._wave_firsts:
+            self._wave_firsts.append(seq)
             return n
         return n - 1
+
+    def _early_firsts(self, chunks: list[ScheduledChunk]) -> None:
+        """In a fill: first tokens for the held prompts that may have them before the wave ends
+        (waves.early_firsts), oldest first; each such chunk computes its last prompt token."""
+        held = [s for s in self.running if not s.output_ids and s.in_decode]
+        if not held:
+            return
+        step = self.limits.step
+        assert step.target_tpot_ms is not None
+        now = {c.seq.request_id: c.length for c in chunks}
+        rest = sum(
+            max(0, s.num_uncomputed - now.get(s.request_id, 0) - 1)
+            for s in self.running
+            if not s.output_ids and not s.in_decode
+        ) + sum(len(s.token_ids) for s in self.waiting)
+        size = len(self._wave_firsts) + len(self.waiting)
+        size += sum(not s.output_ids for s in self.running)
+        n = early_firsts(
+            self.step_budget.model.cost(),
+            step.max_chunk,
+            rest,
+            size,
+            min(s.admitted.max_tokens for s in held) - 1,
+            step.target_tpot_ms,
+            max(0, len(self._wave_firsts) - 1),
+        )
+        for seq in held[:n]:
+            chunks.append(_chunk(seq, 1))
+            self._wave_firsts.append(seq)
 
     def _backlog(self) -> int:
         """Prompt tokens waiting to be computed: the rest of the running prefills, and the
