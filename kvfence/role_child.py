@@ -20,6 +20,7 @@ from typing import Any
 
 from kvfence.config import NodeConfig
 from kvfence.engine.admission import Rejected
+from kvfence.engine.outbox import StepOutbox
 from kvfence.engine.request import GenerateRequest, RequestOutput
 from kvfence.faults import Faults
 from kvfence.lifetime import die_with_parent
@@ -39,41 +40,6 @@ def _crash(point: str) -> None:
     os.kill(os.getpid(), signal.SIGKILL)
 
 
-class Outbox:
-    """Outputs on their way up. The engine thread's wait for the end of its step (Engine's
-    `after_step` flushes them as one message); any other thread's go at once, behind them."""
-
-    def __init__(self, conn: Connection, send_lock: threading.Lock) -> None:
-        self._conn = conn
-        self._lock = send_lock
-        self._pending: list[tuple[int, RequestOutput]] = []
-        self.engine_thread: threading.Thread | None = None
-
-    def sink(self, handle: int) -> Any:
-        def put(out: RequestOutput) -> None:
-            with self._lock:
-                self._pending.append((handle, out))
-            if threading.current_thread() is not self.engine_thread:
-                self.flush()
-
-        return put
-
-    def step_done(self) -> None:
-        """Engine.after_step: only ever called on the engine thread, which it thereby names."""
-        self.engine_thread = threading.current_thread()
-        self.flush()
-
-    def flush(self) -> None:
-        with self._lock:
-            if not self._pending:
-                return
-            batch, self._pending = self._pending, []
-            try:
-                self._conn.send(("out", batch))
-            except OSError:  # the parent is gone; the command thread is ending the role
-                pass
-
-
 class Commands:
     """The command thread's side: each message from the parent, and liveness reports."""
 
@@ -81,12 +47,19 @@ class Commands:
         self.conn = conn
         self.role = role
         self.lock = send_lock
-        self.outbox = Outbox(conn, send_lock)
+        # The engine thread's outputs leave as one message a step.
+        self.outbox: StepOutbox[int] = StepOutbox(self._send_outputs, send_lock)
         self.submits = ThreadPoolExecutor(SUBMIT_THREADS, thread_name_prefix="kvfence-submit")
         self.alive = role.alive
         engine = getattr(role, "engine", None)
         if engine is not None:
-            engine.after_step = self.outbox.step_done
+            engine.step_end_hooks.append(self.outbox.step_done)
+
+    def _send_outputs(self, batch: list[tuple[int, RequestOutput]]) -> None:
+        try:
+            self.conn.send(("out", batch))
+        except OSError:  # the parent is gone; the command thread is ending the role
+            pass
 
     def reply(self, call: int, ok: bool, value: Any) -> None:
         with self.lock:

@@ -226,9 +226,9 @@ class Engine:
         self._stopping = threading.Event()
         self._draining = threading.Event()
         self.integrity_failures = 0
-        # Called on the engine thread after each pass of the loop: a sink that batches (the
-        # engine process's pipe, kvfence/role_child.py) sends one step's outputs at once.
-        self.after_step: Callable[[], None] = lambda: None
+        # Called on the engine thread after each pass of the loop (add them before start()): a
+        # sink that batches (kvfence/engine/outbox.py) sends one step's outputs at once.
+        self.step_end_hooks: list[Callable[[], None]] = []
 
     def _prefix_cache(self) -> PrefixCache:
         shared: list[list[int]] = []
@@ -343,7 +343,8 @@ class Engine:
 
     def _loop(self) -> None:
         while not self._stopping.is_set():
-            self.after_step()  # what the last step emitted leaves before the loop waits or steps
+            for hook in self.step_end_hooks:  # what the last step emitted leaves before the
+                hook()  # loop waits or steps
             if not self.has_work():
                 self._go_idle()
                 self._wake.wait(timeout=0.5)
@@ -368,7 +369,8 @@ class Engine:
                 log.exception("engine step failed; failing the running requests closed")
                 for seq in list(self.scheduler.running):
                     self._finish(seq, FinishReason.ERROR, "internal engine error", "engine_error")
-        self.after_step()
+        for hook in self.step_end_hooks:
+            hook()
 
     def _fail_closed(self, reason: str) -> None:
         """Every request this engine holds or was sent ends with an error (I5); every later

@@ -23,7 +23,7 @@ if TYPE_CHECKING:
 from kvfence.config import DEFAULT_MAX_TOOL_CALLS
 from kvfence.role import RoleService, TokenizerLike
 from kvfence.server import openapi
-from kvfence.server.app_state import AppState
+from kvfence.server.app_state import AppState, step_outbox
 from kvfence.server.auth import Authenticator, load_api_keys, single_authorization
 from kvfence.server.drain import DEFAULT_DRAIN_TIMEOUT_S, Drain, DrainingServer
 from kvfence.server.errors import (
@@ -94,6 +94,7 @@ def build_app(
         drain,
         OperatorGate(operator_key, api_keys is not None, faults),
         HopVerifier(operator_key, faults, dials=_role(engine) == "decode"),
+        step_outbox(engine),
     )
     # This worker process's id in /pd/info: a restarted worker reports another one, which is how
     # the router knows its prefix cache started empty (the router then forgets its predictions).

@@ -5,14 +5,18 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
+import logging
 import threading
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from starlette.types import Receive
 
 from kvfence.engine.admission import Rejected
+from kvfence.engine.engine import Engine
+from kvfence.engine.outbox import Batch, StepOutbox
 from kvfence.engine.request import FinishReason, GenerateRequest, RequestOutput
 from kvfence.faults import Faults
 from kvfence.role import RoleService
@@ -21,6 +25,39 @@ from kvfence.server.drain import Drain
 from kvfence.server.hop import HopVerifier
 from kvfence.server.metrics import ServerMetrics
 from kvfence.server.operator import OperatorGate
+
+log = logging.getLogger(__name__)
+# An output's way onto the event loop: the loop its Generation lives on, and what takes it there.
+Deliver = tuple[asyncio.AbstractEventLoop, Callable[[RequestOutput], None]]
+
+
+def _to_loops(batch: Batch[Deliver]) -> None:
+    """A step's outputs onto their loops: one wake-up of each loop, not one per token of every
+    stream (on a 2-core host each wake-up is a syscall here and a GIL hand-over there)."""
+    by_loop: dict[asyncio.AbstractEventLoop, list[tuple[Callable[..., None], RequestOutput]]] = {}
+    for (loop, deliver), out in batch:
+        by_loop.setdefault(loop, []).append((deliver, out))
+    for loop, items in by_loop.items():
+        with contextlib.suppress(RuntimeError):  # loop closed: server gone, engine lives on
+            loop.call_soon_threadsafe(_deliver_all, items)
+
+
+def _deliver_all(items: list[tuple[Callable[..., None], RequestOutput]]) -> None:
+    for deliver, out in items:
+        try:
+            deliver(out)
+        except Exception:  # one stream's failure must not cost the others their outputs
+            log.exception("delivering an output failed")
+
+
+def step_outbox(engine: RoleService) -> StepOutbox[Deliver]:
+    """The outbox an app's streams share: an in-process engine's outputs leave at the end of its
+    step; any other (an engine process's pipe reader, a test double) at once."""
+    outbox: StepOutbox[Deliver] = StepOutbox(_to_loops)
+    inner = getattr(engine, "engine", None)
+    if isinstance(inner, Engine):
+        inner.step_end_hooks.append(outbox.step_done)
+    return outbox
 
 
 @dataclass
@@ -33,6 +70,7 @@ class AppState:
     drain: Drain
     operator: OperatorGate
     hop: HopVerifier
+    outbox: StepOutbox[Deliver] | None = field(default=None)
 
 
 _CLIENT_GONE = object()
@@ -58,8 +96,10 @@ class Generation:
         faults: Faults | None = None,
         max_buffered: int = MAX_BUFFERED_EVENTS,
         on_close: Callable[[Generation], None] | None = None,
+        outbox: StepOutbox[Deliver] | None = None,
     ) -> None:
         self.engine = engine
+        self._outbox = outbox
         self._on_close = on_close
         self._faults = faults if faults is not None else Faults()
         self._max_buffered = max_buffered * max(1, len(requests))
@@ -78,6 +118,8 @@ class Generation:
 
     def _sink(self, index: int) -> Callable[[RequestOutput], None]:
         loop, deliver = self._loop, self._deliver
+        if self._outbox is not None:
+            return self._outbox.sink((loop, functools.partial(deliver, index)))
 
         def sink(out: RequestOutput) -> None:
             # Runs on the engine thread: hand over and return; never touch the queue directly.

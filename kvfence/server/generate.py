@@ -131,7 +131,9 @@ async def generate(
         for p, prompt in enumerate(prompts)
         for j in range(n)
     ]
-    gen = Generation(state.engine, reqs, state.faults, on_close=state.drain.untrack)
+    gen = Generation(
+        state.engine, reqs, state.faults, on_close=state.drain.untrack, outbox=state.outbox
+    )
     state.drain.track(gen)
     handed_off = False
     try:
