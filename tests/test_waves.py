@@ -98,13 +98,13 @@ class FixedCost(StepCostModel):
         return COST
 
 
-def waves_llm(model_dir: str, ttft_ms: float) -> LLM:
+def waves_llm(model_dir: str, ttft_ms: float, cache: bool = False) -> LLM:
     """An engine with both targets set and COST for its step cost."""
     llm = LLM(
         model_dir,
         kv_pool_tokens=2048,
         chunked_prefill_size=64,
-        enable_prefix_caching=False,
+        enable_prefix_caching=cache,
         target_tpot_ms=50.0,
         target_ttft_ms=ttft_ms,
     )
@@ -145,11 +145,12 @@ def run_steps(llm: LLM, prompts: list[list[int]], max_tokens: int):  # type: ign
 
 def four_in_a_wave(model_dir: str, seed: int, max_tokens: int):  # type: ignore[no-untyped-def]
     """run_steps over four 40-token prompts, checking the answers against an engine without
-    targets (holding a prompt's last token must change nothing)."""
+    targets (holding a prompt's last token must change nothing, the prefix cache on as served:
+    the pages a held prompt filled are sealed as any other's)."""
     prompts = random_prompts([40, 40, 40, 40], vocab=256, seed=seed)
     params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
     want = [c.token_ids for c in LLM(model_dir, kv_pool_tokens=2048).generate(prompts, params)]
-    steps, got = run_steps(waves_llm(model_dir, 1e9), prompts, max_tokens)
+    steps, got = run_steps(waves_llm(model_dir, 1e9, cache=True), prompts, max_tokens)
     assert got == want, "holding a prompt's last token changed an answer"
     return steps
 
@@ -211,3 +212,17 @@ def test_with_enough_gaps_a_held_prompt_gets_its_first_token_early(checkpoint_di
     # token), and the rest of the wave is short enough for the early one's TPOT.
     steps = four_in_a_wave(str(checkpoint_dir("llama")), seed=14, max_tokens=64)
     assert [f for _, _, f in steps if f] == [{0}, {1}, {2, 3}]
+
+
+def test_a_twin_prompt_in_a_wave_reuses_its_twins_pages(checkpoint_dir) -> None:
+    # The second copy waits for the first's pages (the prefix cache), which a fill computes
+    # and seals like any step: the wave neither stalls nor computes them twice.
+    model_dir = str(checkpoint_dir("llama"))
+    same, other = random_prompts([40, 40], vocab=256, seed=15)
+    prompts = [same, same, other]
+    params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+    want = [c.token_ids for c in LLM(model_dir, kv_pool_tokens=2048).generate(prompts, params)]
+    llm = waves_llm(model_dir, 1e9, cache=True)
+    steps, got = run_steps(llm, prompts, 4)
+    assert got == want
+    assert sum(p for _, p, _ in steps) < 3 * 40, "the twin's pages were computed twice"
