@@ -40,6 +40,10 @@ def test_before_anything_is_measured_a_wave_forms_but_nothing_is_deferred() -> N
     assert mode(False, [], [(100, 1.0)], None, 256, False) is Wave.FILL
     assert mode(True, [], [(1, 1.0)], None, 256, True) is Wave.RELEASE
     assert mode(False, [5], [(100, 1e9)], None, 256, False) is Wave.OFF
+    # Longer than the steps the fit needs (MIN_SAMPLES chunks): not started blind.
+    assert mode(False, [], [(8 * 256, 1.0)], None, 256, False) is Wave.FILL
+    assert mode(False, [], [(8 * 256 + 1, 1e9)], None, 256, False) is Wave.OFF
+    assert mode(True, [], [(8 * 256 + 1, 1e9)], None, 256, False) is Wave.OFF
 
 
 def test_with_no_stream_decoding_the_prompts_fill_a_wave() -> None:

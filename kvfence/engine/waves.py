@@ -47,7 +47,7 @@ import enum
 import math
 from collections.abc import Iterable
 
-from kvfence.engine.step_budget import StepCost
+from kvfence.engine.step_budget import MIN_SAMPLES, StepCost
 
 # At most this share of a wave's inter-token gaps may be a long one (the leader's, an early first
 # token's): the ITL p99 then stays a decode step.
@@ -108,10 +108,13 @@ def mode(
     min_left = min((ms for _, ms in work), default=float("inf"))
 
     def fits(wait_ms: float) -> bool:
-        # Before anything is measured a wave is taken to fit: a closed loop's first C prompts
-        # arrive together, and mixed they start the streams staggered, which later waves
-        # cannot undo within the TTFT target (each would wait for the last stream to drain).
-        return cost is None or on_time(cost, chunk, wait_ms, tokens, min_left)
+        # Before anything is measured a wave is taken to fit if its steps are no more than
+        # the fit needs: a closed loop's first C prompts arrive together, and mixed they start
+        # the streams staggered, which later waves cannot undo within the TTFT target (each
+        # would wait for the last stream to drain); a longer wave is not started blind.
+        if cost is None:
+            return tokens <= MIN_SAMPLES * chunk
+        return on_time(cost, chunk, wait_ms, tokens, min_left)
 
     if filling:
         if left or not fits(0.0):
