@@ -285,8 +285,8 @@ class Scheduler:
             for s in self.running
             if not s.output_ids and not s.in_decode
         ) + sum(len(s.token_ids) for s in self.waiting)
-        size = len(self._wave_firsts) + len(self.waiting)
-        size += sum(not s.output_ids for s in self.running)
+        size = len(self.waiting) + sum(not s.output_ids for s in self.running)
+        size += sum(bool(s.output_ids) for s in self._wave_firsts)  # the leader may have none yet
         n = early_firsts(
             self.step_budget.model.cost(),
             step.max_chunk,
