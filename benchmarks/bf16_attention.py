@@ -7,20 +7,25 @@ its own K/V cache with each row's pages scattered over it, and a step calls each
            tokens)
   decode   32x300 (32 rows, 300 tokens of context each)
 
-Printed per shape: ms per step of each path (median of the alternations), widened/dot per
-alternation (median, min-max), and each path's worst error against float32 attention over the
-same bf16 pages (layer 0). `--clock cpu` times the process's CPU seconds instead of the wall's:
-on a loaded host it keeps other processes' time out (not a worker's spin at a barrier).
+`--base-rev REV` adds a third side, the kernels as they were at git revision REV (built from
+that revision's sources), interleaved with the other two: a change's old/new in one process.
+Printed per shape: ms per step of each side (median of the alternations), each other side over
+dot per alternation (median, min-max), and each side's worst error against float32 attention
+over the same bf16 pages (layer 0). `--clock cpu` times the process's CPU seconds instead of the
+wall's: on a loaded host it keeps other processes' time out (not a worker's spin at a barrier).
 
-    .venv/bin/python benchmarks/bf16_attention.py
+    .venv/bin/python benchmarks/bf16_attention.py --base-rev e752c9e
     .venv/bin/python benchmarks/bf16_attention.py --tiny --alternations 2  # a smoke run
 """
 
 from __future__ import annotations
 
 import argparse
+import hashlib
 import statistics
+import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -29,9 +34,37 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks.common import RESULTS, machine, this_command, write_json  # noqa: E402
 
+ROOT = Path(__file__).resolve().parent.parent
+KERNELS = "kvfence/model/kernels"
 HEADS, KV_HEADS, DIM, PAGE = 9, 3, 64, 16  # SmolLM-135M's attention
 PREFILL = {"2x256": ([0, 0], [256, 256]), "512@2048": ([2048], [512])}
 DECODE = {"32x300": (32, 300)}
+
+
+def build_at(rev: str, stem: str) -> Callable:
+    """The kernel `stem` compiled from its source and header as they were at `rev`."""
+    from torch.utils.cpp_extension import load
+
+    from kvfence.model.kernels import HEADER
+
+    texts = {}
+    for name in (f"{stem}.cpp", HEADER.name):
+        texts[name] = subprocess.run(
+            ["git", "-C", str(ROOT), "show", f"{rev}:{KERNELS}/{name}"],
+            check=True, capture_output=True, text=True,
+        ).stdout
+    key = hashlib.sha256("".join(texts.values()).encode()).hexdigest()[:12]
+    mod_name = f"kvfence_bench_{stem}_{key}"
+    folder = Path(tempfile.mkdtemp())
+    for name, text in texts.items():
+        (folder / name).write_text(text)
+    mod = load(
+        name=mod_name,
+        sources=[str(folder / f"{stem}.cpp")],
+        extra_cflags=["-O3", "-march=native", "-fopenmp", "-fno-math-errno"],
+        extra_ldflags=["-fopenmp"],
+    )
+    return getattr(mod, stem)
 
 
 def scattered(rows: int, ctx: int, layers: int, gen) -> tuple:  # noqa: ANN001
@@ -98,6 +131,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--alternations", type=int, default=12)
     p.add_argument("--clock", choices=("wall", "cpu"), default="wall")
     p.add_argument("--threads", type=int, default=0, help="torch's threads (0: its default)")
+    p.add_argument("--base-rev", help="also time the kernels as they were at this git revision")
     p.add_argument("--out", default=str(RESULTS))
     p.add_argument("--name", default="bf16_attention")
     a = p.parse_args(argv)
@@ -115,11 +149,15 @@ def main(argv: list[str] | None = None) -> int:
         prefill, decode = {"2x32": ([0, 0], [32, 32]), "16@64": ([64], [16])}, {"4x40": (4, 40)}
     cases: dict[str, tuple] = {}
     gen = torch.Generator().manual_seed(0)
+    def sides_of(stem: str, tree: Callable) -> dict[str, Callable | None]:
+        sides = {"dot": tree(), "widened": tree(widened=True)}
+        return sides | ({"base": build_at(a.base_rev, stem)} if a.base_rev else {})
+
     for name, (prefixes, q_lens) in prefill.items():
-        sides = {"dot": kernels.paged_prefill(), "widened": kernels.paged_prefill(widened=True)}
+        sides = sides_of("paged_prefill", kernels.paged_prefill)
         cases[f"prefill {name}"] = (sides, *prefill_case(prefixes, q_lens, layers, gen))
     for name, (rows, ctx) in decode.items():
-        sides = {"dot": kernels.paged_decode(), "widened": kernels.paged_decode(widened=True)}
+        sides = sides_of("paged_decode", kernels.paged_decode)
         cases[f"decode {name}"] = (sides, *decode_case(rows, ctx, layers, gen))
 
     results = {}
@@ -137,29 +175,27 @@ def main(argv: list[str] | None = None) -> int:
                 for layer in range(layers):
                     call(sides[k], layer)
                 times[k].append(clock() - t)
-        ratios = sorted(w / d for w, d in zip(times["widened"], times["dot"], strict=True))
-        row = {
+        row: dict[str, object] = {
             k: {"ms": statistics.median(ts) * 1e3, "min_ms": min(ts) * 1e3}
             for k, ts in times.items()
         }
-        row["widened_over_dot"] = {
-            "median": statistics.median(ratios), "min": ratios[0], "max": ratios[-1]
-        }
+        line = [f"{name} ({layers} layers):"]
+        line += [f"{k} {statistics.median(ts) * 1e3:.2f} ms," for k, ts in times.items()]
+        for k in sides.keys() - {"dot"}:
+            r = sorted(x / d for x, d in zip(times[k], times["dot"], strict=True))
+            row[f"{k}_over_dot"] = {"median": statistics.median(r), "min": r[0], "max": r[-1]}
+            line.append(f"{k}/dot {statistics.median(r):.2f} ({r[0]:.2f}-{r[-1]:.2f}),")
         row["max_abs_error_vs_float32"] = error
         results[name] = row
-        print(
-            f"{name}: dot {row['dot']['ms']:.2f} ms, widened {row['widened']['ms']:.2f} ms per "
-            f"step ({layers} layers), widened/dot {statistics.median(ratios):.2f} "
-            f"({ratios[0]:.2f}-{ratios[-1]:.2f}); max error vs float32 dot {error['dot']:.2e} "
-            f"widened {error['widened']:.2e}",
-            flush=True,
-        )
+        line.append("max error vs float32 " + ", ".join(f"{k} {e:.2e}" for k, e in error.items()))
+        print(" ".join(line), flush=True)
     write_json(
         Path(a.out) / f"{a.name}.json",
         {
             "command": this_command(),
             "machine": machine(),
             "clock": a.clock,
+            "base_rev": a.base_rev,
             "threads": torch.get_num_threads(),
             "layers": layers,
             "shapes": results,
