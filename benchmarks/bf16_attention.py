@@ -21,50 +21,19 @@ wall's: on a loaded host it keeps other processes' time out (not a worker's spin
 from __future__ import annotations
 
 import argparse
-import hashlib
 import statistics
-import subprocess
 import sys
-import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from benchmarks.common import RESULTS, machine, this_command, write_json  # noqa: E402
+from benchmarks.common import RESULTS, kernel_at, machine, this_command, write_json  # noqa: E402
 
-ROOT = Path(__file__).resolve().parent.parent
-KERNELS = "kvfence/model/kernels"
 HEADS, KV_HEADS, DIM, PAGE = 9, 3, 64, 16  # SmolLM-135M's attention
 PREFILL = {"2x256": ([0, 0], [256, 256]), "512@2048": ([2048], [512])}
 DECODE = {"32x300": (32, 300)}
-
-
-def build_at(rev: str, stem: str) -> Callable:
-    """The kernel `stem` compiled from its source and header as they were at `rev`."""
-    from torch.utils.cpp_extension import load
-
-    from kvfence.model.kernels import HEADER
-
-    texts = {}
-    for name in (f"{stem}.cpp", HEADER.name):
-        texts[name] = subprocess.run(
-            ["git", "-C", str(ROOT), "show", f"{rev}:{KERNELS}/{name}"],
-            check=True, capture_output=True, text=True,
-        ).stdout
-    key = hashlib.sha256("".join(texts.values()).encode()).hexdigest()[:12]
-    mod_name = f"kvfence_bench_{stem}_{key}"
-    folder = Path(tempfile.mkdtemp())
-    for name, text in texts.items():
-        (folder / name).write_text(text)
-    mod = load(
-        name=mod_name,
-        sources=[str(folder / f"{stem}.cpp")],
-        extra_cflags=["-O3", "-march=native", "-fopenmp", "-fno-math-errno"],
-        extra_ldflags=["-fopenmp"],
-    )
-    return getattr(mod, stem)
 
 
 def scattered(rows: int, ctx: int, layers: int, gen) -> tuple:  # noqa: ANN001
@@ -151,7 +120,7 @@ def main(argv: list[str] | None = None) -> int:
     gen = torch.Generator().manual_seed(0)
     def sides_of(stem: str, tree: Callable) -> dict[str, Callable | None]:
         sides = {"dot": tree(), "widened": tree(widened=True)}
-        return sides | ({"base": build_at(a.base_rev, stem)} if a.base_rev else {})
+        return sides | ({"base": kernel_at(a.base_rev, stem)} if a.base_rev else {})
 
     for name, (prefixes, q_lens) in prefill.items():
         sides = sides_of("paged_prefill", kernels.paged_prefill)

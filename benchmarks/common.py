@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import datetime as _dt
+import hashlib
 import json
 import math
 import os
@@ -501,3 +502,31 @@ def bench_model(model: str | None, tiny: bool) -> Path:
         return Path(model)
     name = "kvfence-bench-tiny" if tiny else "kvfence-bench-smol135"
     return build_smol_checkpoint(Path(tempfile.gettempdir()) / name, **(TINY_SHAPE if tiny else {}))
+
+
+def kernel_at(rev: str, stem: str) -> Callable:
+    """The native kernel `stem` (kvfence/model/kernels/<stem>.cpp) compiled from its source and
+    the shared header as they were at git revision `rev` (a revision before the header had none),
+    under a name of its own: a change's old side, timed in the same process as the tree's."""
+    from torch.utils.cpp_extension import load
+
+    from kvfence.model.kernels import CFLAGS, HEADER, HERE, LDFLAGS
+
+    root = Path(__file__).resolve().parent.parent
+    folder = HERE.relative_to(root)
+    shown = {
+        name: subprocess.run(
+            ["git", "-C", str(root), "show", f"{rev}:{folder / name}"],
+            capture_output=True, text=True,
+        )
+        for name in (f"{stem}.cpp", HEADER.name)
+    }
+    shown[f"{stem}.cpp"].check_returncode()
+    texts = {name: r.stdout for name, r in shown.items() if r.returncode == 0}
+    key = hashlib.sha256("".join(texts.values()).encode()).hexdigest()[:12]
+    build = Path(tempfile.mkdtemp(prefix="kvfence-kernel-at-"))
+    for name, text in texts.items():
+        (build / name).write_text(text)
+    mod = load(name=f"kvfence_bench_{stem}_{key}", sources=[str(build / f"{stem}.cpp")],
+               extra_cflags=CFLAGS, extra_ldflags=LDFLAGS)
+    return getattr(mod, stem)

@@ -18,39 +18,15 @@ figure is what page locality alone is worth.
 from __future__ import annotations
 
 import argparse
-import hashlib
 import statistics
-import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from benchmarks.common import RESULTS, machine, this_command, write_json  # noqa: E402
+from benchmarks.common import RESULTS, kernel_at, machine, this_command, write_json  # noqa: E402
 from benchmarks.decode_floor import read_bandwidth  # noqa: E402
-
-ROOT = Path(__file__).resolve().parent.parent
-SOURCE = "kvfence/model/kernels/paged_decode.cpp"
-FLAGS = ["-O3", "-march=native", "-fopenmp", "-fno-math-errno"]
-
-
-def build_at(rev: str) -> object:
-    """The kernel compiled from SOURCE as it was at `rev` (its own extension name)."""
-    from torch.utils.cpp_extension import load
-
-    text = subprocess.run(
-        ["git", "-C", str(ROOT), "show", f"{rev}:{SOURCE}"],
-        check=True,
-        capture_output=True,
-        text=True,
-    ).stdout
-    name = "kvfence_pd_bench_" + hashlib.sha256(text.encode()).hexdigest()[:12]
-    src = Path(tempfile.mkdtemp()) / f"{name}.cpp"
-    src.write_text(text)
-    mod = load(name=name, sources=[str(src)], extra_cflags=FLAGS, extra_ldflags=["-fopenmp"])
-    return mod.paged_decode  # type: ignore[attr-defined]
 
 
 def step(f, q, kc, vc, table, lens, page) -> float:  # noqa: ANN001
@@ -117,7 +93,7 @@ def main(argv: list[str] | None = None) -> int:
     new = kernels.paged_decode()
     if new is None:
         raise SystemExit("the native decode kernel cannot be built here")
-    sides = {"base": build_at(a.base_rev), "tree": new}
+    sides = {"base": kernel_at(a.base_rev, "paged_decode"), "tree": new}
     heads, kv_heads, dim, page = 9, 3, 64, 16  # SmolLM-135M's attention
     layers, slots = (2, 2048) if a.tiny else (30, 23_000)
     shapes = ["2x64"] if a.tiny else a.shapes.split(",")

@@ -28,6 +28,8 @@ from kvfence import env
 log = logging.getLogger(__name__)
 HERE = Path(__file__).resolve().parent
 HEADER = HERE / "vec16.h"  # included by every kernel: part of each build's key
+CFLAGS = ["-O3", "-march=native", "-fopenmp", "-fno-math-errno"]
+LDFLAGS = ["-fopenmp"]
 
 
 def build_name(stem: str) -> str:
@@ -55,8 +57,8 @@ def _build(stem: str) -> object | None:
             return load(
                 name=name,
                 sources=[str(HERE / f"{stem}.cpp")],
-                extra_cflags=["-O3", "-march=native", "-fopenmp", "-fno-math-errno"],
-                extra_ldflags=["-fopenmp"],
+                extra_cflags=CFLAGS,
+                extra_ldflags=LDFLAGS,
                 verbose=env.kernel_verbose(),
             )
     except Exception as e:  # no compiler, no ninja, a broken toolchain: fall back, say why
