@@ -218,7 +218,7 @@ def test_with_enough_gaps_a_held_prompt_gets_its_first_token_early(checkpoint_di
     assert [f for _, _, f in steps if f] == [{0}, {1}, {2, 3}]
 
 
-def test_a_twin_prompt_in_a_wave_reuses_its_twins_pages(checkpoint_dir) -> None:
+def test_a_repeated_prompt_in_a_wave_reuses_the_first_ones_pages(checkpoint_dir) -> None:
     # The second copy waits for the first's pages (the prefix cache), which a fill computes
     # and seals like any step: the wave neither stalls nor computes them twice.
     model_dir = str(checkpoint_dir("llama"))
@@ -229,4 +229,4 @@ def test_a_twin_prompt_in_a_wave_reuses_its_twins_pages(checkpoint_dir) -> None:
     llm = waves_llm(model_dir, 1e9, cache=True)
     steps, got = run_steps(llm, prompts, 4)
     assert got == want
-    assert sum(p for _, p, _ in steps) < 3 * 40, "the twin's pages were computed twice"
+    assert sum(p for _, p, _ in steps) < 3 * 40, "the repeated prompt's pages were computed twice"
