@@ -256,10 +256,10 @@ class Scheduler:
         ttft = self.limits.step.target_ttft_ms or 0.0
         for s in self.running:
             if not s.output_ids and s.status is SeqStatus.RUNNING:
-                yield s.num_uncomputed, (s.arrived - now) * 1000.0 + ttft
+                yield s.num_uncomputed, _ms_left(s, ttft, now)
         for s in self.waiting:
             if not s.output_ids:
-                yield len(s.token_ids), (s.arrived - now) * 1000.0 + ttft
+                yield len(s.token_ids), _ms_left(s, ttft, now)
 
     def _hold(self, seq: Sequence, n: int, wave: Wave) -> int:
         """The tokens of seq's chunk this step: in a fill, one short of its prompt's end (its
@@ -326,7 +326,7 @@ class Scheduler:
             cum = 0
             for s in self._in_service_order():
                 cum += s.num_uncomputed if s.status is SeqStatus.RUNNING else len(s.token_ids)
-                prompts.append((cum, (s.arrived - now) * 1000.0 + ttft))
+                prompts.append((cum, _ms_left(s, ttft, now)))
         return Deadlines(slack, tuple(prompts))
 
     def _in_service_order(self) -> Iterable[Sequence]:
@@ -460,6 +460,11 @@ class Scheduler:
         seq.pages = []
         seq.num_sealed = 0
         seq.grant = None
+
+
+def _ms_left(seq: Sequence, target_ttft_ms: float, now: float) -> float:
+    """ms left before seq's first token misses the TTFT target (negative: already late)."""
+    return (seq.arrived - now) * 1000.0 + target_ttft_ms
 
 
 def _chunk(seq: Sequence, n: int) -> ScheduledChunk:

@@ -9,7 +9,7 @@ import functools
 import logging
 import threading
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from starlette.types import Receive
@@ -70,7 +70,7 @@ class AppState:
     drain: Drain
     operator: OperatorGate
     hop: HopVerifier
-    outbox: StepOutbox[Deliver] | None = field(default=None)
+    outbox: StepOutbox[Deliver]
 
 
 _CLIENT_GONE = object()
@@ -99,7 +99,9 @@ class Generation:
         outbox: StepOutbox[Deliver] | None = None,
     ) -> None:
         self.engine = engine
-        self._outbox = outbox
+        # Without the app's outbox (a Generation made alone), one of its own: no engine thread
+        # names itself to it, so every output goes onto the loop at once.
+        self._outbox = outbox if outbox is not None else StepOutbox(_to_loops)
         self._on_close = on_close
         self._faults = faults if faults is not None else Faults()
         self._max_buffered = max_buffered * max(1, len(requests))
@@ -117,16 +119,8 @@ class Generation:
         self.client_gone = False
 
     def _sink(self, index: int) -> Callable[[RequestOutput], None]:
-        loop, deliver = self._loop, self._deliver
-        if self._outbox is not None:
-            return self._outbox.sink((loop, functools.partial(deliver, index)))
-
-        def sink(out: RequestOutput) -> None:
-            # Runs on the engine thread: hand over and return; never touch the queue directly.
-            with contextlib.suppress(RuntimeError):  # loop closed: server gone, engine lives on
-                loop.call_soon_threadsafe(deliver, index, out)
-
-        return sink
+        # Runs on the engine thread: hand over and return; never touch the queue directly.
+        return self._outbox.sink((self._loop, functools.partial(self._deliver, index)))
 
     def _deliver(self, index: int, out: RequestOutput) -> None:
         """On the loop: queue an output, unless the reader has fallen too far behind."""
