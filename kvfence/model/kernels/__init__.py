@@ -86,6 +86,11 @@ def paged_prefill(widened: bool = False) -> Callable | None:
     return mod.paged_prefill_widened if widened else mod.paged_prefill  # type: ignore[attr-defined]
 
 
+def has_bf16_dot() -> bool:
+    """Whether bf16 attention here runs on the host's bf16 dot products (-march=native defines
+    __AVX512BF16__ where the CPU has avx512_bf16); without them both paths are the widening one."""
+    return b"avx512_bf16" in _cpu_id()
+
 def packed_gemm() -> PackedGemm | None:
     """The compiled float32 `packed_matmul(x, panels, n)` and its panel width, or None."""
     mod = _build("packed_gemm")
