@@ -4,7 +4,8 @@ prefill_attention.py counts them) as a percentage of the best matmul measured in
 the model's own projection shapes ([tokens, in] x [in, out] for q/k/v, o, gate/up and down),
 every candidate tried for each: torch's `x @ W^T` over the transposed weight (MKL for float32,
 oneDNN for bf16), `F.linear` over the weight as stored, oneDNN over the weight reordered once
-(what kvfence's bf16 projections run) and kvfence's packed float32 kernel (its float32 ones').
+(what kvfence's bf16 projections run on a host without bf16 dot products) and kvfence's packed
+kernel (its float32 projections', and its bf16 ones' where the host has bf16 dot products).
 
 Rounds are interleaved (each round runs every prefill and every matmul once, medians over
 --reps), so a loaded machine's drift hits both sides of each percentage alike; the absolute
@@ -59,8 +60,8 @@ def candidates(k: int, n: int, dtype: torch.dtype) -> dict[str, Callable[[torch.
         prepacked = torch.ops.mkldnn._reorder_linear_weight(w, None)
         out["onednn"] = lambda x: torch.ops.mkldnn._linear_pointwise(x, prepacked, None, "none",
                                                                      [], "")
-    gemm = kernels.packed_gemm()
-    if dtype == torch.float32 and gemm is not None:
+    gemm = kernels.packed_gemm_bf16() if dtype == torch.bfloat16 else kernels.packed_gemm()
+    if gemm is not None:
         packed = Projection(w_t.clone())
         packed.pack(gemm)
         out["packed"] = lambda x: packed(x)

@@ -12,6 +12,7 @@ from pd_harness import PDPair, finished_ok
 
 from kvfence.engine.llm import LLM
 from kvfence.engine.request import SamplingParams
+from kvfence.model import kernels
 
 N_PROMPTS, MAX_NEW = 32, 64
 GREEDY = SamplingParams(max_tokens=MAX_NEW, temperature=0.0, ignore_eos=True)
@@ -86,19 +87,31 @@ def test_bf16_1p1d_top1_agrees_with_transformers(checkpoint_dir, prompts) -> Non
     check(*agreement(model_dir, prompts, [r.token_ids for r in got]), "1P1D")
 
 
-def test_bf16_tied_head_is_prepacked_beside_the_embedding(checkpoint_dir) -> None:
-    """A tied bf16 head is reordered for oneDNN into a copy of its own: the embedding keeps its
-    plain rows (lookups read them, not the head), and the logits are the tied matrix's."""
+def test_bf16_tied_head_has_one_copy_or_a_counted_second(checkpoint_dir) -> None:
+    """A tied bf16 head on the packed kernel (a host with bf16 dot products) is the embedding's
+    only copy: lookups read rows from its panels, as float32's do. Without bf16 dot products it
+    is reordered for oneDNN into a copy of its own and the embedding keeps its plain rows. Either
+    way the logits are the tied matrix's and lookups its rows."""
     import torch.nn.functional as F
 
-    llm = LLM(str(checkpoint_dir("llama", tie_word_embeddings=True)), dtype="bfloat16",
-              kv_pool_tokens=256, context_length=64)
+    model_dir = checkpoint_dir("llama", tie_word_embeddings=True)
+    plain = LLM(str(model_dir), dtype="bfloat16", kv_pool_tokens=256, context_length=64,
+                linear_backend="torch").engine.runner.model.model.embed_tokens.weight
+    llm = LLM(str(model_dir), dtype="bfloat16", kv_pool_tokens=256, context_length=64)
     cm = llm.engine.runner.model
-    assert cm.head is not None and cm.head.onednn is not None
-    assert not cm.embeds_from_head
-    table = cm.model.embed_tokens.weight
+    assert cm.head is not None
+    packed = llm.engine.runner.packed_linear
+    assert packed is kernels.has_bf16_dot()
+    assert cm.embeds_from_head is packed
+    if packed:
+        assert cm.head.panels is not None and cm.model.embed_tokens.weight.numel() == 0
+        table = cm.head.rows(torch.arange(cm.config.vocab_size))  # read back from the panels
+        assert torch.equal(table, plain)
+    else:
+        assert cm.head.onednn is not None
+        table = cm.model.embed_tokens.weight
+        assert cm.lm_head.weight is table and torch.equal(table, plain)
     assert table.shape == (cm.config.vocab_size, cm.config.hidden_size)
-    assert cm.lm_head.weight is table
     hidden = torch.randn(3, cm.config.hidden_size, generator=torch.Generator().manual_seed(0))
     hidden = hidden.to(torch.bfloat16)
     want = F.linear(hidden, table).float()
@@ -107,12 +120,22 @@ def test_bf16_tied_head_is_prepacked_beside_the_embedding(checkpoint_dir) -> Non
 
 @pytest.mark.parametrize("tied", [False, True])
 def test_bf16_plan_counts_the_tied_head_copy(checkpoint_dir, tied) -> None:
-    """Preflight's weight bytes are what the bf16 model holds: a tied head's oneDNN copy is a
-    second vocab x hidden table beside the embedding, counted once more."""
+    """Preflight's weight bytes are what the bf16 model holds: a tied head's oneDNN copy (a host
+    without bf16 dot products) is a second vocab x hidden table beside the embedding, counted
+    once more; the packed head (a host with them) is the embedding's only copy, nothing more.
+    Packed panels round each projection's columns up to whole panels (and bf16's rows to whole
+    pairs), which preflight leaves out as it does for float32: none at SmolLM's shapes, here
+    the tiny model's odd widths, counted exactly below."""
     model_dir = checkpoint_dir("llama", **({"tie_word_embeddings": True} if tied else {}))
     llm = LLM(str(model_dir), dtype="bfloat16", kv_pool_tokens=256, context_length=64)
     cm = llm.engine.runner.model
     copy = cm.config.vocab_size * cm.config.hidden_size * 2
-    assert llm.engine.plan.model_bytes == cm.weight_bytes()
+    packed = llm.engine.runner.packed_linear
+    projs = [cm.head] + [p for layer in cm.model.layers
+                         for p in (layer.self_attn.qkv, layer.self_attn.o,
+                                   *layer.ffn.projections())]
+    padding = sum(p.nbytes() - p.k * p.n * 2 for p in projs if p is not None and packed)
+    assert llm.engine.plan.model_bytes + padding == cm.weight_bytes()
     fp32 = LLM(str(model_dir), kv_pool_tokens=256, context_length=64)
-    assert llm.engine.plan.model_bytes == fp32.engine.plan.model_bytes // 2 + (copy if tied else 0)
+    extra = copy if tied and not packed else 0
+    assert llm.engine.plan.model_bytes == fp32.engine.plan.model_bytes // 2 + extra

@@ -104,12 +104,16 @@ def test_engine_linear_backends_agree_and_match_hf(gemm, checkpoint_dir, tied) -
     assert out["native"] == hf_greedy(model, prompts, 10)
 
 
-def test_packed_backend_needs_float32_and_cpu(checkpoint_dir) -> None:
+def test_packed_backend_needs_cpu_and_float32_or_bf16_dot_products(checkpoint_dir) -> None:
     model = str(checkpoint_dir("llama"))
     auto = LLM(model, kv_pool_tokens=256, context_length=64, dtype="bfloat16")
-    assert auto.engine.runner.packed_linear is False  # auto falls back to torch for bf16
-    with pytest.raises(RuntimeError, match="--linear-backend native"):
-        LLM(model, kv_pool_tokens=256, context_length=64, dtype="bfloat16", linear_backend="native")
+    # bf16 packs where the host has bf16 dot products; elsewhere auto falls back to oneDNN
+    assert auto.engine.runner.packed_linear is kernels.has_bf16_dot()
+    assert auto.engine.runner.onednn_linear is not kernels.has_bf16_dot()
+    if not kernels.has_bf16_dot():
+        with pytest.raises(RuntimeError, match="--linear-backend native"):
+            LLM(model, kv_pool_tokens=256, context_length=64, dtype="bfloat16",
+                linear_backend="native")
     with pytest.raises(ConfigError, match="--linear-backend"):
         EngineConfig(model="m", linear_backend="blas")
     with pytest.raises(ConfigError, match="CPU-only"):

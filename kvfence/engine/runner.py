@@ -78,18 +78,20 @@ class ModelRunner:
         gemm = _native_kernel(
             linear_backend,
             "--linear-backend",
-            cpu and dtype == torch.float32,
-            kernels.packed_gemm,
-            "a CPU device, float32 weights",
+            cpu and dtype in (torch.float32, torch.bfloat16),
+            kernels.packed_gemm_bf16 if dtype == torch.bfloat16 else kernels.packed_gemm,
+            "a CPU device, float32 weights or bfloat16 ones on a host with bf16 dot products",
         )
         if gemm is not None:  # else torch's matmuls on the plain transposed weights
             model.pack_projections(gemm)
         self.packed_linear = gemm is not None
-        # bf16 on CPU: oneDNN's matmul over weights reordered once, not at every call.
+        # bf16 on CPU without bf16 dot products: oneDNN's matmul over weights reordered once,
+        # not at every call.
         self.onednn_linear = (
             linear_backend == "auto"
             and cpu
             and dtype == torch.bfloat16
+            and gemm is None
             and torch.backends.mkldnn.is_available()
         )
         if self.onednn_linear:

@@ -429,13 +429,18 @@ def plan_for_engine(
 
 
 def tied_head_copy_bytes(mc: ModelShape, cfg: EngineConfig) -> int:
-    """bf16 on CPU reorders a tied LM head for oneDNN into a copy of its own beside the
-    embedding (CausalLM.prepack_onednn): a second vocab x hidden table, split by tp."""
+    """bf16 on a CPU without bf16 dot products reorders a tied LM head for oneDNN into a copy of
+    its own beside the embedding (CausalLM.prepack_onednn): a second vocab x hidden table, split
+    by tp. Where the packed kernel runs bf16, the embedding reads its rows from the packed head,
+    as float32's does: no copy."""
+    from kvfence.model import kernels  # builds the kernel here, as the runner will
+
     if not (
         getattr(mc, "tie_word_embeddings", False)
         and cfg.device == "cpu"
         and cfg.dtype == "bfloat16"
         and cfg.linear_backend == "auto"
+        and kernels.packed_gemm_bf16() is None
     ):
         return 0
     return math.ceil(mc.vocab_size * mc.hidden_size * dtype_bytes(cfg.dtype) / cfg.tp_size)

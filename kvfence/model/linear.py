@@ -2,10 +2,10 @@
 
 - plain: W^T [in, out] contiguous, `x @ w_t` (MKL on CPU, cuBLAS on GPU). MKL beats
   `F.linear(x, w)` for decode's few rows (0.65-0.7x the time at 1-32 rows on a 135M model).
-- packed: column panels [P, in, width] for the native float32 kernel
-  (kernels/packed_gemm.cpp), which streams each panel once with the rows' sums in registers:
-  0.5-1.0x MKL's time at 1-32 rows on cold weights, equal for prefill (benchmarks/RESULTS.md,
-  "Kernels").
+- packed: column panels for the native kernel (kernels/packed_gemm.cpp), which streams each
+  panel once with the rows' sums in registers: float32 [P, in, width], 0.5-1.0x MKL's time at
+  1-32 rows on cold weights, equal for prefill (benchmarks/RESULTS.md, "Kernels"); bfloat16
+  [P, ceil(in / 2), width, 2], in's values in pairs for the host's bf16 dot products.
 
 - onednn: bf16 on CPU, W reordered once into oneDNN's blocked layout, so each call skips the
   reorder `x @ W^T` pays on every call (most of a decode step's matmul time at few rows).
@@ -24,12 +24,20 @@ from kvfence.model.kernels import PackedGemm
 
 
 def to_panels(w_t: torch.Tensor, width: int) -> torch.Tensor:
-    """[in, out] -> [ceil(out / width), in, width], the last panel's extra columns zero."""
+    """[in, out] -> [ceil(out / width), in, width] for float32; for bfloat16
+    [ceil(out / width), ceil(in / 2), width, 2], panel p's row j holding each column's
+    (w[2j], w[2j + 1]). The last panel's extra columns and an odd in's last pair's second value
+    are zero."""
     k, n = w_t.shape
     p = -(-n // width)
-    padded = torch.zeros(k, p * width, dtype=w_t.dtype)
-    padded[:, :n] = w_t
-    return padded.view(k, p, width).permute(1, 0, 2).contiguous()
+    if w_t.dtype != torch.bfloat16:
+        padded = torch.zeros(k, p * width, dtype=w_t.dtype)
+        padded[:, :n] = w_t
+        return padded.view(k, p, width).permute(1, 0, 2).contiguous()
+    k2 = -(-k // 2)
+    padded = torch.zeros(2 * k2, p * width, dtype=w_t.dtype)
+    padded[:k, :n] = w_t
+    return padded.view(k2, 2, p, width).permute(2, 0, 3, 1).contiguous()
 
 
 def fuse_transposed(weights: list[torch.nn.Parameter]) -> torch.Tensor:
@@ -52,7 +60,7 @@ class Projection:
 
     def __init__(self, w_t: torch.Tensor) -> None:
         self.w_t: torch.Tensor | None = w_t  # [in, out]
-        self.n = w_t.shape[1]
+        self.k, self.n = w_t.shape
         self.panels: torch.Tensor | None = None
         self.gemm: PackedGemm | None = None
         self.onednn: torch.Tensor | None = None  # set by prepack_onednn(): an opaque mkldnn tensor
@@ -60,7 +68,8 @@ class Projection:
         self.lora: Callable[[torch.Tensor, torch.Tensor], None] | None = None
 
     def pack(self, gemm: PackedGemm) -> None:
-        assert self.w_t is not None and self.w_t.dtype == torch.float32
+        assert self.w_t is not None and self.w_t.device.type == "cpu"
+        assert self.w_t.dtype == torch.float32 or (self.w_t.dtype == torch.bfloat16 and gemm.bf16)
         self.panels = to_panels(self.w_t, gemm.width)
         self.gemm = gemm
         self.w_t = None
@@ -78,8 +87,7 @@ class Projection:
             y = x @ self.w_t if bias is None else torch.addmm(bias, x, self.w_t)
         else:
             assert self.gemm is not None
-            y = self.gemm.matmul(x.contiguous(), self.panels, self.n)
-            y = y if bias is None else y.add_(bias)
+            y = self.gemm.matmul(x.contiguous(), self.panels, self.n, bias)
         if self.lora is not None:
             self.lora(x, y)
         return y
@@ -98,4 +106,5 @@ class Projection:
             return self.w_t.t().index_select(0, ids)
         assert self.gemm is not None
         width = self.gemm.width
-        return self.panels[ids // width, :, ids % width]
+        rows = self.panels[ids // width, :, ids % width]  # [ids, in] or [ids, in / 2, 2]
+        return rows.reshape(len(ids), -1)[:, : self.k]

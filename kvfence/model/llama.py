@@ -195,8 +195,9 @@ class CausalLM(nn.Module):
 
     def pack_projections(self, gemm: PackedGemm) -> None:
         """Every projection and the LM head move into the packed kernel's column panels (after
-        fuse_projections; float32). The HF-named weights are released, so memory stays the
-        same: a tied embedding then reads its rows from the packed head."""
+        fuse_projections; float32, or bfloat16 where the kernel runs it). The HF-named weights
+        are released, so memory stays the same: a tied embedding then reads its rows from the
+        packed head."""
         for layer in self.model.layers:
             attn, ffn = layer.self_attn, layer.ffn
             for proj in (attn.qkv, attn.o):
@@ -210,11 +211,11 @@ class CausalLM(nn.Module):
         _release(self.lm_head.weight)  # the embedding's too when tied
 
     def prepack_onednn(self) -> None:
-        """bf16 on CPU: the attention projections, dense MLPs and the LM head reordered once for
-        oneDNN (after fuse_projections); the HF-named weights are released as
-        pack_projections() releases them. A tied head is reordered into a copy of its own
-        (vocab x hidden x 2 bytes more: 57 MB for SmolLM-135M, a fifth of its weights): the
-        embedding keeps the plain rows it looks up (oneDNN's layout gives no rows back), and
+        """bf16 on a CPU without bf16 dot products: the attention projections, dense MLPs and
+        the LM head reordered once for oneDNN (after fuse_projections); the HF-named weights are
+        released as pack_projections() releases them. A tied head is reordered into a copy of
+        its own (vocab x hidden x 2 bytes more: 57 MB for SmolLM-135M, a fifth of its weights):
+        the embedding keeps the plain rows it looks up (oneDNN's layout gives no rows back), and
         the head no longer changes layout at every call (3.4x its time at one row)."""
         for layer in self.model.layers:
             attn, ffn = layer.self_attn, layer.ffn
@@ -249,7 +250,7 @@ class CausalLM(nn.Module):
 
     @property
     def embeds_from_head(self) -> bool:
-        """A tied embedding's rows are read from the packed float32 head (its only copy)."""
+        """A tied embedding's rows are read from the packed head (its only copy)."""
         return (
             self.head is not None
             and self.config.tie_word_embeddings

@@ -212,7 +212,8 @@ class ParallelPackedHead:
 
     def rows(self, ids: torch.Tensor) -> torch.Tensor:
         local, mine = _local_ids(ids, self.layout)
-        x = self.inner.rows(local) * mine[:, None].to(torch.float32)
+        rows = self.inner.rows(local)
+        x = rows * mine[:, None].to(rows.dtype)  # the head's dtype: float32 or bfloat16
         return self.group.all_reduce_(x.contiguous())
 
     def __getattr__(self, name: str) -> object:

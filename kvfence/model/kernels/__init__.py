@@ -2,7 +2,8 @@
 
 - paged_decode.cpp: decode attention read in place from the paged KV pool.
 - paged_prefill.cpp: prefill-chunk attention (causal, behind any cached prefix), read the same way.
-- packed_gemm.cpp: float32 `x @ W` with W packed in column panels (every projection on CPU).
+- packed_gemm.cpp: `x @ W` with W packed in column panels: float32 (every float32 projection on
+  CPU), and bfloat16 on the host's bf16 dot products (`has_bf16_dot()`).
 - fused_epilogue.cpp: residual add + RMSNorm, silu(gate) * up, and rope + K/V cache write, one
   call each, over float32 or bfloat16 rows (float32 maths).
 
@@ -92,17 +93,31 @@ def has_bf16_dot() -> bool:
     return b"avx512_bf16" in _cpu_id()
 
 def packed_gemm() -> PackedGemm | None:
-    """The compiled float32 `packed_matmul(x, panels, n)` and its panel width, or None."""
+    """The compiled `packed_matmul(x, panels, n, bias=None)` and its panel width, or None."""
     mod = _build("packed_gemm")
     if mod is None:
         return None
-    return PackedGemm(mod.packed_matmul, mod.packed_panel_width())  # type: ignore[attr-defined]
+    return PackedGemm(
+        mod.packed_matmul,  # type: ignore[attr-defined]
+        mod.packed_panel_width(),  # type: ignore[attr-defined]
+        mod.packed_has_bf16(),  # type: ignore[attr-defined]
+    )
+
+
+def packed_gemm_bf16() -> PackedGemm | None:
+    """The packed GEMM where it runs bfloat16 here (a host with bf16 dot products), or None:
+    bf16 projections then take oneDNN (CausalLM.prepack_onednn)."""
+    gemm = packed_gemm() if has_bf16_dot() else None
+    return gemm if gemm is not None and gemm.bf16 else None
 
 
 @dataclass(frozen=True)
 class PackedGemm:
-    matmul: Callable  # (x [M, K] f32 contiguous, panels [P, K, width] f32, n) -> [M, n]
+    # (x [M, K] contiguous, panels, n, bias [n] | None) -> x @ W + bias [M, n], x's dtype.
+    # float32: panels [P, K, width]; bfloat16: [P, ceil(K / 2), width, 2] (linear.to_panels).
+    matmul: Callable
     width: int  # columns per panel
+    bf16: bool  # whether the bfloat16 path is compiled in (the host has bf16 dot products)
 
 
 def fused_epilogue() -> FusedEpilogue | None:
