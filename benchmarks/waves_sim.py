@@ -8,19 +8,38 @@ but the wave leader's; the step after the fill (RELEASE) computes the held token
 the leader; a FILL step also gives a held prompt its first token early when
 waves.early_firsts allows; DEFER admits nothing; OFF is the step budget.
 
-    .venv/bin/python benchmarks/waves_sim.py [--cost epyc]
+The split candidate (`sim_split`, issue 43's TTFT p50 at C=8): a wave's held prompts all get
+their first token once the rest of the wave fits in their TPOT target (d(C) + b * rest / 63 <=
+SPLIT_MARGIN x target), and the rest of the wave then rides in the released streams' steps in
+chunks that keep a step within --ride-cap-ms and every stream's projected TPOT within the margin
+(prompts that arrive while streams decode ride the same way); the first prompt of each
+generation (arrived after the last release) gets its first token at once. Not in the scheduler:
+it buys its TTFT with the TPOT margin. A stream released while W - K of its wave's W prompt
+tokens are still to come has TTFT >= b K and TPOT = d(C) + b (W - K) / 63, so TTFT p50 <= T
+with TPOT <= m x target needs b W + 63 d(C) <= T - (chunk and stagger costs) + 63 m target:
+with the "measured" cost (C=8, 256 -> 64: b W + 63 d = 4,590 ms) that holds at m = 0.9 and
+T = 0.95 x vLLM's 2,392 ms, with the "epyc" cost (4,842 ms) only at m >= 0.92, and then steps
+5% slower than the fit push the released streams past the target (4 s x 50 ms falls to ~0.7).
+--early-margin / --gap-share price the waves' own early first tokens the same way.
+
+    .venv/bin/python benchmarks/waves_sim.py [--cost measured] [--prompts 48]
+        [--noise 0.1 --slower 1.05 --seeds 5] [--ride-cap-ms 65] [--early-margin 1.0]
 """
 
 from __future__ import annotations
 
 import argparse
+import math
 import statistics
 import sys
 from pathlib import Path
 
 sys.path.append(str(Path(__file__).resolve().parent.parent))  # after PYTHONPATH
 
+import numpy as np  # noqa: E402
+
 from benchmarks.common import RESULTS, machine, this_command, write_json  # noqa: E402
+from kvfence.engine import waves  # noqa: E402
 from kvfence.engine.deadlines import tpot_slack_ms  # noqa: E402
 from kvfence.engine.step_budget import (  # noqa: E402
     BudgetPolicy,
@@ -32,7 +51,17 @@ from kvfence.engine.waves import Wave, early_firsts, mode  # noqa: E402
 
 # step_budget_sim's Xeon-A cost, and one matched to EPYC's C=8 figures (a 256-token prompt
 # ~360 ms, an 8-row decode-only step ~35 ms: benchmarks/RESULTS.md "Goodput against vLLM").
-COSTS = {"xeon": StepCost(a=33.0, b=1.1, c=1.8), "epyc": StepCost(a=25.0, b=1.3, c=1.2)}
+# "measured": fitted to the C=8 medians of results/goodput_waves.json (waves, EPYC): the held
+# streams' TPOT p50 31.5 ms is the 8-row decode step, and a 2,048-token wave plus 63 such steps
+# gives its 545 tok/s and TTFT p50 (the sim then reads 545 / 2,713 / 1.49 at 4 s x 50 ms against
+# the run's 545 / 2,756 / 1.49); "epyc" has the older 35 ms decode step.
+COSTS = {
+    "xeon": StepCost(a=33.0, b=1.1, c=1.8),
+    "epyc": StepCost(a=25.0, b=1.3, c=1.2),
+    "measured": StepCost(a=22.0, b=1.27, c=1.2),
+}
+SPLIT_MARGIN = 0.9  # the split candidate's predicted TPOT stays within this share of the target
+RIDE_CAP_MS = 65.0  # ... and a step with decodes within this (the ITL p99 bound, 1.5 x 61 ms)
 CHUNK = 512
 GRID = [(ts, tp) for ts in (1, 2, 4) for tp in (50, 100, 200)]
 
@@ -142,11 +171,17 @@ def sim(c: int, n_prompts: int, policy: BudgetPolicy, cost: StepCost, lin=256, l
             met.append((s["first"] - s["arr"], (t - s["first"]) / (lout - 1)))
         refill()
 
+    return figures(n_prompts * (lin + lout), t, ttft, itl, met)
+
+
+def figures(tokens: int, t: float, ttft: list, itl: list, met: list) -> dict:
+    """What goodput.py reads from a run: throughput, TTFT p50, ITL p99, TPOT p50, the grid."""
+
     def q(xs: list[float], p: float) -> float:
         return sorted(xs)[min(len(xs) - 1, int(p * len(xs)))]
 
     return dict(
-        tput=n_prompts * (lin + lout) / t * 1000,
+        tput=tokens / t * 1000,
         ttft50=statistics.median(ttft),
         itl99=q(itl, 0.99),
         tpot50=statistics.median(b for _, b in met),
@@ -157,14 +192,166 @@ def sim(c: int, n_prompts: int, policy: BudgetPolicy, cost: StepCost, lin=256, l
     )
 
 
+def released(cost: StepCost, rows: int, rest: int, out_tokens: int, target_ms: float) -> bool:
+    """Whether a held prompt may have its first token now: its TPOT holds even if all `rest`
+    prompt tokens still to compute ride in its gaps, at `rows` decode rows a step."""
+    return cost.predict(0, rows) + cost.b * rest / out_tokens <= SPLIT_MARGIN * target_ms
+
+
+def ride_tokens(
+    cost: StepCost, rows: int, rows_later: int, streams: list[tuple[float, int, int]],
+    out_tokens: int, target_ms: float, cap_ms: float,
+) -> int:
+    """Prompt tokens a step with `rows` decodes may carry: within cap_ms, and every stream's
+    TPOT, projected with the rest of its tokens at `rows_later` rows, within the margin of the
+    tightest multiple of the target (1, 2, 4) it can still meet. streams: (ms since its first
+    token, tokens still to come after this step's, its least multiple: a wave's leader gave
+    up the 1x)."""
+    room = (cap_ms - cost.predict(0, rows)) / cost.b
+    for since, left, least in streams:
+        base = since + cost.predict(0, rows) + left * cost.predict(0, rows_later)
+        for k in (1, 2, 4):
+            span = SPLIT_MARGIN * k * target_ms * out_tokens - base
+            if k >= least and span >= 0:
+                room = min(room, span / cost.b)
+                break
+    return max(0, math.floor(room))
+
+
+def sim_split(
+    c: int, n_prompts: int, policy: BudgetPolicy, cost: StepCost, lin=256, lout=64,
+    cap_ms: float = RIDE_CAP_MS, noise: float = 0.0, slower: float = 1.0, seed: int = 0,
+) -> dict:
+    """The split candidate (module docstring). The policy prices steps with `cost`; they take
+    `cost` x `slower` x a lognormal(0, `noise`) draw each (a fit that is optimistic, a loaded
+    machine). Where a wave cannot keep the TTFT target (waves.mode says OFF) the step budget
+    decides, as in sim()."""
+    rng = np.random.default_rng(seed)
+    tau, ttft_ms = policy.target_tpot_ms, policy.target_ttft_ms
+    assert tau is not None and ttft_ms is not None
+    t, issued, done, gen = 0.0, 0, 0, 0
+    waiting: list[dict] = []
+    running: list[dict] = []
+    ttft, itl, met = [], [], []
+    led: set[int] = set()
+
+    def refill() -> None:
+        nonlocal issued
+        while issued < n_prompts and len(waiting) + len(running) < c:
+            waiting.append(dict(unc=lin, arr=t, out=0, held=False, stall=False, gen=gen, least=1))
+            issued += 1
+
+    def rest() -> int:
+        return sum(s["unc"] for s in running if s["out"] == 0 and not s["held"]) + sum(
+            s["unc"] for s in waiting
+        )
+
+    refill()
+    while done < n_prompts:
+        active = [s for s in running if s["out"] > 0 and not s["stall"]]
+        if active and all(s.get("leads") == gen for s in active):
+            for s in active:
+                s["stall"] = True  # only the coming wave's leader decodes: the wave fills
+            active = []
+        prompts = [s for s in running if s["out"] == 0] + waiting
+        work = [(s["unc"], s["arr"] - t + ttft_ms) for s in prompts]
+        w = mode(False, [], work, cost, CHUNK, False)  # FILL, or OFF: the wave is late anyway
+        if active and w is Wave.FILL:
+            w = Wave.DEFER  # the prompts ride beside the streams (never wait for their drain)
+        inflight = len(running) + len(waiting)
+        if w is Wave.OFF:
+            for s in running:  # no wave: held first tokens come out, leaders decode
+                s["stall"] = False
+                if s["held"]:
+                    s["held"], s["unc"] = False, 1
+            active = [s for s in running if s["out"] > 0]
+            pre = [s for s in running if s["unc"] > 0 and s["out"] == 0]
+            slack = tpot_slack_ms(tau, [(s["first"] / 1000, s["out"]) for s in active], t / 1000)
+            cum, ps = 0, []
+            for s in pre + waiting:
+                cum += s["unc"]
+                ps.append((cum, s["arr"] - t + ttft_ms))
+            budget = prefill_budget(
+                policy, cost, len(active), rest(), 0.0, Deadlines(slack, tuple(ps))
+            )
+        elif w is Wave.FILL:
+            budget = CHUNK
+        else:  # streams decode: the prompts ride
+            later = [(t - s["first"], lout - s["out"] - 1, s["least"]) for s in active]
+            budget = ride_tokens(cost, len(active), inflight, later, lout - 1, tau, cap_ms)
+        fill = w is Wave.FILL
+        ptoks, firsts = 0, []
+        order = [s for s in running if s["out"] == 0 and not s["held"] and s["unc"] > 0]
+        while budget > 0 and (order or waiting):
+            if not order:
+                order.append(waiting.pop(0))
+                running.append(order[0])
+            s = order[0]
+            n = min(s["unc"], budget)
+            s["unc"] -= n
+            budget -= n
+            ptoks += n
+            if s["unc"] == 0:
+                order.pop(0)
+                if w is Wave.OFF:
+                    firsts.append(s)
+                elif s["gen"] not in led:  # the generation's leader: its first token at once
+                    led.add(s["gen"])
+                    s["leads"], s["stall"], s["least"] = s["gen"], fill, 2
+                    firsts.append(s)
+                else:  # held: the last token waits for the release
+                    s["held"], s["unc"] = True, 1
+                    ptoks -= 1
+        held = [s for s in running if s["held"]]
+        end = fill and not ptoks and not firsts  # the wave has nothing left but its release
+        if held and (end or released(cost, inflight, rest(), lout - 1, tau)):
+            for s in held:
+                s["held"], s["unc"] = False, 0
+                ptoks += 1
+                firsts.append(s)
+            for s in running:
+                s["stall"] = False
+            gen += 1
+        if fill and not ptoks and not firsts:
+            for s in running:  # nothing left to compute or release: the wave starts
+                s["stall"] = False
+            continue
+        rows = [] if fill else active
+        draw = float(rng.lognormal(0.0, noise)) if noise else 1.0
+        t += cost.predict(ptoks, len(rows)) * slower * draw
+        for s in rows:
+            s["out"] += 1
+            itl.append(t - s["last"])
+            s["last"] = t
+        for s in firsts:
+            s["out"], s["first"], s["last"] = 1, t, t
+            ttft.append(t - s["arr"])
+        for s in [s for s in running if s["out"] >= lout]:
+            running.remove(s)
+            done += 1
+            met.append((s["first"] - s["arr"], (t - s["first"]) / (lout - 1)))
+        refill()
+    return figures(n_prompts * (lin + lout), t, ttft, itl, met)
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__)
     p.add_argument("--cost", choices=sorted(COSTS), default="epyc")
     p.add_argument("--out", default=str(RESULTS))
     p.add_argument("--name", default="waves_sim")
+    p.add_argument("--prompts", type=int, default=64, help="goodput.py's runs: 48")
+    p.add_argument("--ride-cap-ms", type=float, default=RIDE_CAP_MS)
+    p.add_argument("--noise", type=float, default=0.0, help="split: lognormal sigma per step")
+    p.add_argument("--slower", type=float, default=1.0, help="split: steps x this vs the fit")
+    p.add_argument("--seeds", type=int, default=1, help="split: median figures over seeds")
+    p.add_argument("--early-margin", type=float, default=waves.EARLY_MARGIN)
+    p.add_argument("--gap-share", type=float, default=waves.GAP_SHARE)
     a = p.parse_args(argv)
+    # The waves rows' early first tokens read these where waves.early_firsts does.
+    waves.EARLY_MARGIN, waves.GAP_SHARE = a.early_margin, a.gap_share
     cost = COSTS[a.cost]
     rows: list[dict] = []
+    both = BudgetPolicy(CHUNK, 32, backlog_steps=16, target_tpot_ms=50, target_ttft_ms=4000)
     for c in (8, 32):
         cases = [
             ("defaults", BudgetPolicy(CHUNK, 32, backlog_steps=16)),
@@ -174,8 +361,17 @@ def main(argv: list[str] | None = None) -> int:
                 BudgetPolicy(CHUNK, 32, backlog_steps=16, target_tpot_ms=50, target_ttft_ms=4000),
             ),
         ]
-        for label, pol in cases:
-            r = sim(c, 64, pol, cost)
+        results = [(label, sim(c, a.prompts, pol, cost)) for label, pol in cases]
+        runs = [
+            sim_split(
+                c, a.prompts, both, cost, cap_ms=a.ride_cap_ms, noise=a.noise, slower=a.slower,
+                seed=seed,
+            )
+            for seed in range(a.seeds)
+        ]
+        split = {k: statistics.median(r[k] for r in runs) for k in runs[0]}
+        results.append((f"both targets, split (ride cap {a.ride_cap_ms:g} ms)", split))
+        for label, r in results:
             rows.append({"concurrency": c, "policy": label, **r})
             shown = {k: round(v, 2 if k.startswith("good") else 0) for k, v in r.items()}
             print(f"C={c} {label:<50}", shown, flush=True)
@@ -185,6 +381,8 @@ def main(argv: list[str] | None = None) -> int:
             "command": this_command(),
             "machine": machine(),
             "cost_ms": {"a": cost.a, "b": cost.b, "c": cost.c},
+            "split": {"noise": a.noise, "slower": a.slower, "seeds": a.seeds},
+            "waves": {"early_margin": a.early_margin, "gap_share": a.gap_share},
             "rows": rows,
         },
     )
