@@ -90,11 +90,11 @@ def test_early_first_tokens_keep_the_wave_gaps_under_their_share() -> None:
 
 
 def test_an_early_first_token_waits_only_for_a_rest_its_tpot_can_carry() -> None:
-    # 8 rows decode in 50 ms; a 50 ms stream at 80% of a 100 ms target can carry
-    # 63 x (80 - 50) = 1890 ms of the rest of the wave: 1,792 tokens (7 steps, release) fit.
-    assert fill_ms(COST, 1792, 256) == pytest.approx(1872.0)
-    assert early_firsts(COST, 256, 1792, 8, 63, 100.0, early=0) == 3
-    assert early_firsts(COST, 256, 1820, 8, 63, 100.0, early=0) == 0
+    # 8 rows decode in 50 ms; a 50 ms stream at 90% of a 100 ms target can carry
+    # 63 x (90 - 50) = 2520 ms of the rest of the wave: 2,410 tokens (10 steps, release) fit.
+    assert fill_ms(COST, 2410, 256) == pytest.approx(2520.0)
+    assert early_firsts(COST, 256, 2410, 8, 63, 100.0, early=0) == 3
+    assert early_firsts(COST, 256, 2411, 8, 63, 100.0, early=0) == 0
 
 
 class FixedCost(StepCostModel):
