@@ -1,7 +1,13 @@
 """bfloat16 against float32 inside kvfence, one process, interleaved: engine step times (batch-1
 decode, an N-row decode step, a prefill step) and the bf16/fp32 ratio of each; with --profile,
-the same steps under torch.profiler, time per op (the native kernels named as ops) for each dtype
-side by side, so what bf16 loses is seen op by op.
+the same steps under torch.profiler, time per op (the native kernels named as ops), the two
+sides next to each other, so what bf16 loses is seen op by op.
+
+--sides picks the two engines (A, then B; ratios are B / A): float32, bfloat16 (projections as
+this host runs them: the native packed GEMM where it has bf16 dot products) or bfloat16-onednn
+(oneDNN's matmuls over weights reordered once, what bf16 ran before the native GEMM):
+
+    .venv/bin/python benchmarks/bf16_step.py --sides bfloat16-onednn,bfloat16 --profile
 """
 
 from __future__ import annotations
@@ -27,7 +33,7 @@ from benchmarks.common import (  # noqa: E402
     write_json,
 )
 
-DTYPES = ("float32", "bfloat16")
+SIDES = ("float32", "bfloat16", "bfloat16-onednn")
 CPU: list = []  # [ProfilerActivity.CPU], set once torch is imported
 
 
@@ -114,10 +120,15 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--top", type=int, default=25, help="ops printed per step kind")
     p.add_argument("--out", default=str(RESULTS))
     p.add_argument("--name", default="bf16_step")
+    p.add_argument("--sides", default="float32,bfloat16", help=f"A,B of {', '.join(SIDES)}")
     a = p.parse_args(argv)
+    sides = tuple(a.sides.split(","))
+    if len(sides) != 2 or not set(sides) <= set(SIDES) or sides[0] == sides[1]:
+        p.error(f"--sides: two different ones of {', '.join(SIDES)}")
     import torch
 
     from kvfence.engine.llm import LLM
+    from kvfence.model import kernels
 
     cmd = this_command()
     model = bench_model(a.model, a.tiny)
@@ -125,15 +136,25 @@ def main(argv: list[str] | None = None) -> int:
     batches = [int(b) for b in a.batches.split(",")]
     ctx = max(a.prompt_len, pre_len) + a.steps + 8
     pool = max(batches) * ctx * 2
-    llms = {
-        d: LLM(str(model), dtype=d, context_length=ctx, kv_pool_tokens=pool,
-               chunked_prefill_size=max(512, pre_n * pre_len))
-        for d in DTYPES
-    }
+
+    def engine(side: str) -> LLM:
+        onednn = side.endswith("-onednn")
+        llm = LLM(str(model), dtype=side.removesuffix("-onednn"), context_length=ctx,
+                  kv_pool_tokens=pool, chunked_prefill_size=max(512, pre_n * pre_len),
+                  linear_backend="torch" if onednn else "auto")
+        if onednn:  # the plain weights reordered for oneDNN; the native epilogues as before
+            runner = llm.engine.runner
+            runner.model.prepack_onednn()
+            ep = kernels.fused_epilogue()
+            if ep is not None:
+                runner.model.use_epilogue(ep, runner.pool.k.dtype)
+        return llm
+
+    llms = {d: engine(d) for d in sides}
     if a.profile:
         for llm in llms.values():
             label_kernels(llm)
-    vocab = llms[DTYPES[0]].engine.runner.model.config.vocab_size
+    vocab = llms[sides[0]].engine.runner.model.config.vocab_size
     ids = itertools.count()
 
     def decode_steps(engine: object, batch: int, probe: Probe) -> list[float]:
@@ -172,26 +193,27 @@ def main(argv: list[str] | None = None) -> int:
     for llm in llms.values():  # warm-up: first calls, oneDNN's primitive caches
         for f in kinds.values():
             f(llm.engine, Probe())
-    times: dict[str, dict[str, list[float]]] = {k: {d: [] for d in DTYPES} for k in kinds}
+    times: dict[str, dict[str, list[float]]] = {k: {d: [] for d in sides} for k in kinds}
     for _ in range(a.alternations):
         for kind, f in kinds.items():
-            for d in DTYPES:
+            for d in sides:
                 times[kind][d] += f(llms[d].engine, Probe())
     result: dict[str, object] = {"command": cmd, "machine": machine(), "model": str(model),
-                                 "torch_threads": torch.get_num_threads(), "steps": {}}
+                                 "torch_threads": torch.get_num_threads(), "steps": {},
+                                 "sides": list(sides)}
     print(f"load average {machine().get('loadavg', '?')}")
     for kind in kinds:
         # The minimum too: on a loaded host it is the step least disturbed by the others.
-        med = {d: statistics.median(times[kind][d]) * 1000 for d in DTYPES}
-        low = {d: min(times[kind][d]) * 1000 for d in DTYPES}
-        ratio = med["bfloat16"] / med["float32"]
+        med = {d: statistics.median(times[kind][d]) * 1000 for d in sides}
+        low = {d: min(times[kind][d]) * 1000 for d in sides}
+        sa, sb = sides
+        ratio = med[sb] / med[sa]
         result["steps"][kind] = {  # type: ignore[index]
-            "median_ms": med, "min_ms": low, "bf16_over_fp32": ratio,
-            "bf16_over_fp32_min": low["bfloat16"] / low["float32"],
+            "median_ms": med, "min_ms": low, "b_over_a": ratio, "b_over_a_min": low[sb] / low[sa],
         }
-        print(f"{kind:>16}: median fp32 {med['float32']:8.2f} bf16 {med['bfloat16']:8.2f} ms "
-              f"({ratio:.2f}x); min fp32 {low['float32']:8.2f} bf16 {low['bfloat16']:8.2f} ms "
-              f"({low['bfloat16'] / low['float32']:.2f}x)")
+        print(f"{kind:>16}: median {sa} {med[sa]:8.2f} {sb} {med[sb]:8.2f} ms "
+              f"({ratio:.2f}x); min {sa} {low[sa]:8.2f} {sb} {low[sb]:8.2f} ms "
+              f"({low[sb] / low[sa]:.2f}x)")
     if a.profile:
         result["ops"] = {kind: profile_ops(llms, f, a.top) for kind, f in kinds.items()}
     write_json(Path(a.out) / f"{a.name}.json", result)
@@ -199,12 +221,12 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def profile_ops(llms: dict, run: Callable, top: int) -> dict[str, dict[str, float]]:
-    """ms per step of each top-level op, fp32 and bf16 side by side, printed and returned."""
+    """ms per step of each top-level op, the two sides side by side, printed and returned."""
     from torch.profiler import ProfilerActivity, profile
 
     CPU[:] = [ProfilerActivity.CPU]
     per_op: dict[str, dict[str, float]] = defaultdict(dict)
-    for d in DTYPES:
+    for d in llms:
         probe = Probe(profile(activities=[ProfilerActivity.CPU]))
         wall = sum(run(llms[d].engine, probe))
         probe.close()
@@ -213,9 +235,9 @@ def profile_ops(llms: dict, run: Callable, top: int) -> dict[str, dict[str, floa
             per_op[ev.key][d] = ev.self_cpu_time_total / 1000 / n
         per_op["(step wall)"][d] = wall * 1000 / n
     rows = sorted(per_op.items(), key=lambda kv: -max(kv[1].values()))[:top]
-    print(f"{'op':<44} {'fp32 ms':>9} {'bf16 ms':>9}")
+    print(f"{'op (ms)':<44} " + " ".join(f"{d[:16]:>16}" for d in llms))
     for name, v in rows:
-        print(f"{name[:44]:<44} {v.get('float32', 0):9.3f} {v.get('bfloat16', 0):9.3f}")
+        print(f"{name[:44]:<44} " + " ".join(f"{v.get(d, 0):16.3f}" for d in llms))
     return dict(per_op)
 
 

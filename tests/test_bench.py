@@ -86,7 +86,9 @@ SMOKE = {
     ],
     "linear_kernels": ["--tiny", "--rows", "1,8", "--repeats", "1"],
     "fused_epilogue": ["--tiny", "--batches", "1,2", "--steps", "3", "--alternations", "1"],
-    "bf16_step": ["--tiny", "--batches", "1,2", "--steps", "3", "--alternations", "1"],
+    "bf16_step": ["--tiny", "--batches", "1,2", "--steps", "3", "--alternations", "1",
+                  "--sides", "bfloat16-onednn,bfloat16"],
+    "bf16_gemm": ["--tiny", "--reps", "1", "--rows", "1,9", "--prefill-rows", "64"],
     "moe_step": ["--tiny", "--batches", "1", "--steps", "2"],
     "up_threads": [
         "--tiny",
