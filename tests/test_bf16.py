@@ -87,6 +87,19 @@ def test_bf16_1p1d_top1_agrees_with_transformers(checkpoint_dir, prompts) -> Non
     check(*agreement(model_dir, prompts, [r.token_ids for r in got]), "1P1D")
 
 
+def test_bf16_tied_tp2_top1_agrees_with_transformers(checkpoint_dir, prompts) -> None:
+    """--tp-size 2 with a tied bf16 head: each rank's embedding rows come from its slice of the
+    head (ParallelPackedHead.rows) in the head's dtype, summed across ranks."""
+    model_dir = checkpoint_dir("llama", tie_word_embeddings=True)
+    llm = LLM(str(model_dir), dtype="bfloat16", kv_pool_tokens=4096, context_length=256,
+              chunked_prefill_size=32, tp_size=2, threads=2)
+    try:
+        answers = [c.token_ids for c in llm.generate(prompts[:8], GREEDY)]
+    finally:
+        llm.engine.shutdown()
+    check(*agreement(model_dir, prompts[:8], answers), "tied, tp 2")
+
+
 def test_bf16_tied_head_has_one_copy_or_a_counted_second(checkpoint_dir) -> None:
     """A tied bf16 head on the packed kernel (a host with bf16 dot products) is the embedding's
     only copy: lookups read rows from its panels, as float32's do. Without bf16 dot products it
