@@ -156,6 +156,9 @@ def main(argv: list[str] | None = None) -> int:
             label_kernels(llm)
     vocab = llms[sides[0]].engine.runner.model.config.vocab_size
     ids = itertools.count()
+    # Every prefill round's prompts are new: a repeat would be a prefix-cache hit that computes
+    # only the last page, not the step this measures.
+    seeds = itertools.count(1000)
 
     def decode_steps(engine: object, batch: int, probe: Probe) -> list[float]:
         """Step times while `batch` sequences of prompt_len decode (not the prefill)."""
@@ -175,8 +178,8 @@ def main(argv: list[str] | None = None) -> int:
 
     def prefill_steps(engine: object, rounds: int, probe: Probe) -> list[float]:
         times = []
-        for r in range(rounds):
-            submit_prompts(engine, random_prompts(pre_n, pre_len, vocab, seed=1000 + r), 1, ids)
+        for _ in range(rounds):
+            submit_prompts(engine, random_prompts(pre_n, pre_len, vocab, seed=next(seeds)), 1, ids)
             probe.begin()
             t = time.perf_counter()
             engine.step()
