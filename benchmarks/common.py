@@ -506,11 +506,16 @@ def bench_model(model: str | None, tiny: bool) -> Path:
 
 def kernel_at(rev: str, stem: str) -> Callable:
     """The native kernel `stem` (kvfence/model/kernels/<stem>.cpp) compiled from its source and
-    the shared header as they were at git revision `rev` (a revision before the header had none),
+    the shared headers as they were at git revision `rev` (those a revision had),
     under a name of its own: a change's old side, timed in the same process as the tree's."""
+    return getattr(module_at(rev, stem), stem)
+
+
+def module_at(rev: str, stem: str) -> object:
+    """kernel_at's whole extension module (every function `<stem>.cpp` defines)."""
     from torch.utils.cpp_extension import load
 
-    from kvfence.model.kernels import CFLAGS, HEADER, HERE, LDFLAGS
+    from kvfence.model.kernels import CFLAGS, HEADERS, HERE, LDFLAGS
 
     root = Path(__file__).resolve().parent.parent
     folder = HERE.relative_to(root)
@@ -519,7 +524,7 @@ def kernel_at(rev: str, stem: str) -> Callable:
             ["git", "-C", str(root), "show", f"{rev}:{folder / name}"],
             capture_output=True, text=True,
         )
-        for name in (f"{stem}.cpp", HEADER.name)
+        for name in (f"{stem}.cpp", *(h.name for h in HEADERS))
     }
     shown[f"{stem}.cpp"].check_returncode()
     texts = {name: r.stdout for name, r in shown.items() if r.returncode == 0}
@@ -527,6 +532,5 @@ def kernel_at(rev: str, stem: str) -> Callable:
     build = Path(tempfile.mkdtemp(prefix="kvfence-kernel-at-"))
     for name, text in texts.items():
         (build / name).write_text(text)
-    mod = load(name=f"kvfence_bench_{stem}_{key}", sources=[str(build / f"{stem}.cpp")],
-               extra_cflags=CFLAGS, extra_ldflags=LDFLAGS)
-    return getattr(mod, stem)
+    return load(name=f"kvfence_bench_{stem}_{key}", sources=[str(build / f"{stem}.cpp")],
+                extra_cflags=CFLAGS, extra_ldflags=LDFLAGS)

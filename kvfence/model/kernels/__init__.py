@@ -6,6 +6,7 @@
   CPU), and bfloat16 on the host's bf16 dot products (`has_bf16_dot()`).
 - fused_epilogue.cpp: residual add + RMSNorm, silu(gate) * up, and rope + K/V cache write, one
   call each, over float32 or bfloat16 rows (float32 maths).
+- claim.h: how the threads share a kernel's work (each its own share, then the others' rest).
 
 Building is best effort: a host without a compiler gets None from `paged_decode()`,
 `paged_prefill()`, `packed_gemm()` and `fused_epilogue()`, and the engine keeps its pure-torch
@@ -28,7 +29,8 @@ from kvfence import env
 
 log = logging.getLogger(__name__)
 HERE = Path(__file__).resolve().parent
-HEADER = HERE / "vec16.h"  # included by every kernel: part of each build's key
+# The headers the kernels include (vec16.h by every one): part of each build's key.
+HEADERS = tuple(sorted(HERE.glob("*.h")))
 CFLAGS = ["-O3", "-march=native", "-fopenmp", "-fno-math-errno"]
 LDFLAGS = ["-fopenmp"]
 
@@ -40,7 +42,8 @@ def build_name(stem: str) -> str:
     # source hash), so a shared cache directory never hands one CPU another's binary. The
     # source's path is in the name too: ninja rebuilds when a build line changes, so two
     # checkouts sharing one name would rebuild each other's kernel at every start.
-    key = src.read_bytes() + HEADER.read_bytes() + str(src).encode() + platform.machine().encode()
+    key = src.read_bytes() + b"".join(h.read_bytes() for h in HEADERS) + str(src).encode()
+    key += platform.machine().encode()
     key += _cpu_id()
     return f"kvfence_{stem}_{hashlib.sha256(key).hexdigest()[:12]}"
 

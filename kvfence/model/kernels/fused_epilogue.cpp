@@ -15,10 +15,12 @@
 // torch path's values to its rounding: exactly for the residual stream, rope and the caches.
 //
 // Few rows (decode) run serially on the calling thread: waking
-// OpenMP's workers costs more than the work; many rows (prefill) split over the threads.
+// OpenMP's workers costs more than the work; many rows (prefill) are claimed by the threads a
+// chunk at a time (claim.h).
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
+#include "claim.h"
 #include "vec16.h"
 
 #include <cmath>
@@ -176,6 +178,21 @@ __attribute__((optimize("fp-contract=off"))) void rope_head(const bf16* x, const
 
 int64_t grain_rows(int64_t cols) { return std::max<int64_t>(1, kGrainElems / std::max<int64_t>(1, cols)); }
 
+// body(begin, end) over rows [0, rows): one call on the calling thread up to a grain, else
+// chunks of a quarter grain claimed by the threads, so they finish within one chunk of each
+// other and a thread that loses its core holds back one chunk.
+template <typename Body>
+void over_rows(int64_t rows, int64_t cols, const Body& body) {
+    const int64_t grain = grain_rows(cols);
+    if (rows <= grain) {
+        body(0, rows);
+        return;
+    }
+    parallel_claim(rows, std::max<int64_t>(1, grain / 4), [&](Claim& claim) {
+        for (int64_t begin = 0, end = 0; claim(begin, end);) body(begin, end);
+    });
+}
+
 at::ScalarType row_dtype(const torch::Tensor& t, const char* name) {
     const auto dtype = t.scalar_type();
     TORCH_CHECK(dtype == at::kFloat || dtype == at::kBFloat16, name,
@@ -186,7 +203,7 @@ at::ScalarType row_dtype(const torch::Tensor& t, const char* name) {
 template <typename T>
 void add_rms_norm_rows(T* xp, const T* dp, const T* wp, float e, T* op, int64_t rows,
                        int64_t n) {
-    at::parallel_for(0, rows, grain_rows(n), [&](int64_t begin, int64_t end) {
+    over_rows(rows, n, [&](int64_t begin, int64_t end) {
         for (int64_t r = begin; r < end; ++r)
             add_rms_norm_row(xp + r * n, dp ? dp + r * n : nullptr, wp, e, op + r * n, n);
     });
@@ -194,7 +211,7 @@ void add_rms_norm_rows(T* xp, const T* dp, const T* wp, float e, T* op, int64_t 
 
 template <typename T>
 void silu_mul_rows(const T* gp, T* op, int64_t rows, int64_t n) {
-    at::parallel_for(0, rows, grain_rows(n), [&](int64_t begin, int64_t end) {
+    over_rows(rows, n, [&](int64_t begin, int64_t end) {
         for (int64_t r = begin; r < end; ++r)
             silu_mul_row(gp + r * 2 * n, gp + r * 2 * n + n, op + r * n, n);
     });
@@ -205,7 +222,7 @@ void rope_store_rows(const T* xp, const float* cp, const float* snp, T* qp, T* k
                      const int64_t* sp, int64_t t, int64_t width, int64_t n_q_heads,
                      int64_t nkv, int64_t d) {
     const int64_t kv_row = nkv * d;
-    at::parallel_for(0, t, grain_rows(width), [&](int64_t begin, int64_t end) {
+    over_rows(t, width, [&](int64_t begin, int64_t end) {
         for (int64_t i = begin; i < end; ++i) {
             const T* x = xp + i * width;
             const float* c = cp + i * d;

@@ -13,6 +13,7 @@
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
+#include "claim.h"
 #include "vec16.h"
 
 #include <algorithm>
@@ -209,9 +210,11 @@ void gemm(const T* xp, int64_t M, int64_t K, const T* wp, int64_t P, int64_t n, 
     const int64_t row = kNB * per_step;  // values per panel row
     const int64_t tiles = (M + kMR - 1) / kMR;
     const int64_t kb = tiles > 1 && tiles <= blocked_tiles<T>() ? kKB : steps;
-    at::parallel_for(0, P, 1, [&](int64_t begin, int64_t end) {
+    // Panels are claimed one at a time (claim.h): a thread that loses its core holds back one
+    // panel, not its whole share of the weights.
+    parallel_claim(P, 1, [&](Claim& claim) {
         std::vector<float> acc(static_cast<size_t>(std::min(tiles, kMaxBlockedTiles) * kMR * kNB));
-        for (int64_t p = begin; p < end; ++p) {
+        for (int64_t p = 0, next = 0; claim(p, next);) {  // [p, next): one panel
             const T* panel = wp + p * steps * row;
             const int64_t cols = std::min(kNB, n - p * kNB);
             const T* b = bias == nullptr ? nullptr : bias + p * kNB;

@@ -9,6 +9,7 @@
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
+#include "claim.h"
 #include "vec16.h"
 
 #include <algorithm>
@@ -270,7 +271,9 @@ void decode_kernel(const T* q, const T* kc, const T* vc, const int64_t* pt, cons
     const int64_t heads = KVH / per_b;
     int64_t max_ctx = 0;
     for (int64_t b = 0; b < B; ++b) max_ctx = std::max(max_ctx, ctx[b]);
-    at::parallel_for(0, B * per_b, 1, [&](int64_t begin, int64_t end) {
+    // Jobs are claimed one at a time (claim.h): a thread that loses its core holds back one
+    // row's attention, not half the batch's.
+    parallel_claim(B * per_b, 1, [&](Claim& claim) {
         std::vector<float> scores(H * std::max<int64_t>(max_ctx, 1));
         std::vector<float> qf(H * D), acc(H * D), inv(H);
 #ifdef __AVX512BF16__
@@ -278,7 +281,7 @@ void decode_kernel(const T* q, const T* kc, const T* vc, const int64_t* pt, cons
         const bool use_dot = bf16 && !widen && D % 32 == 0 && D <= kDotMaxD;
         std::vector<unsigned short> probs(use_dot ? H * (max_ctx + 1) : 0);
 #endif
-        for (int64_t job = begin; job < end; ++job) {
+        for (int64_t job = 0, end = 0; claim(job, end);) {
             const int64_t b = job / per_b, h0 = (job % per_b) * heads, h1 = h0 + heads;
             const int64_t n = ctx[b];
             const int64_t t0 = window > 0 ? std::max<int64_t>(0, n - window) : 0;
