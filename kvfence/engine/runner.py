@@ -8,7 +8,7 @@ from array import array
 from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass, field
-from itertools import chain
+from itertools import accumulate, chain
 from typing import TypeVar
 
 import torch
@@ -138,12 +138,15 @@ class ModelRunner:
         the prompt positions the chunks score. The chunks passed the ownership check."""
         page_table = self._page_table(chunks)
         starts = torch.tensor([c.start for c in chunks], dtype=torch.int64)
-        lengths = torch.tensor([c.length for c in chunks], dtype=torch.int64)
+        lens = [c.length for c in chunks]
+        lengths = torch.tensor(lens, dtype=torch.int64)
         self._mark_written(chunks, page_table, starts, lengths)
         if self.lora is not None:  # rows grouped by adapter slot, once for every site
             self.lora.prepare([c.seq.lora for c in chunks], lengths)
+        # Each row's last token, from the host's own lengths: no read back per row.
+        ends = list(accumulate(lens))
         flat_offsets = torch.cumsum(lengths, 0) - lengths
-        total = int(lengths.sum())
+        total = ends[-1]
         row = torch.repeat_interleave(torch.arange(len(chunks)), lengths)
         positions = starts[row] + torch.arange(total) - flat_offsets[row]
         ps = self.pool.page_size
@@ -155,13 +158,13 @@ class ModelRunner:
             dtype=torch.int64,
         )
         graphs = self.graphs
-        if (graphs is not None and self.lora is None and int(lengths.max()) == 1
+        if (graphs is not None and self.lora is None and max(lens) == 1
                 and graphs.fits(len(chunks), page_table.shape[1])):
             hidden = graphs.run(DecodeInputs(input_ids, positions, slots, starts + 1, page_table))
         else:
             hidden = self._eager(chunks, page_table, starts, lengths, flat_offsets, input_ids,
                                  positions, slots)
-        last_rows = [int(flat_offsets[i]) + c.length - 1 for i, c in enumerate(chunks) if c.samples]
+        last_rows = [end - 1 for end, c in zip(ends, chunks, strict=True) if c.samples]
         logits = None
         if last_rows:
             logits = self.model.logits(hidden[torch.tensor(last_rows, device=self.device)])
@@ -187,7 +190,8 @@ class ModelRunner:
             if idx:
                 sel = torch.tensor(idx, dtype=torch.int64)
                 ctx = starts[sel] + lengths[sel]
-                pages_needed = self.pool.pages_for(int(ctx.max()))
+                pages_needed = self.pool.pages_for(max(chunks[i].start + chunks[i].length
+                                                       for i in idx))
                 rows = PagedRows(
                     q_starts=flat_offsets[sel],
                     q_lens=lengths[sel],
