@@ -27,6 +27,7 @@ from benchmarks.common import (  # noqa: E402
     RESULTS,
     bench_model,
     machine,
+    projections,
     random_prompts,
     submit_prompts,
     this_command,
@@ -71,16 +72,9 @@ def label_kernels(llm: object) -> None:
             decode=labelled("kv::paged_decode", att.decode),
             prefill=labelled("kv::paged_prefill", att.prefill),
         )
-    for p in _projections(cm):
+    for p in projections(cm):
         if p.gemm is not None:
             p.gemm = replace(p.gemm, matmul=labelled("kv::packed_gemm", p.gemm.matmul))
-
-
-def _projections(cm: object) -> list:
-    out = [cm.head]  # type: ignore[attr-defined]
-    for layer in cm.model.layers:  # type: ignore[attr-defined]
-        out += [layer.self_attn.qkv, layer.self_attn.o, *layer.ffn.projections()]
-    return [p for p in out if p is not None]
 
 
 class Probe:

@@ -89,6 +89,8 @@ SMOKE = {
     "bf16_step": ["--tiny", "--batches", "1,2", "--steps", "3", "--alternations", "1",
                   "--sides", "bfloat16-onednn,bfloat16"],
     "bf16_gemm": ["--tiny", "--reps", "1", "--rows", "1,9", "--prefill-rows", "64"],
+    "kernels_at": ["--tiny", "--base-rev", "HEAD", "--rounds", "1", "--steps", "2", "--rows", "2",
+                   "--context", "24", "--prefill", "2x16", "--contend", "0.1"],
     "moe_step": ["--tiny", "--batches", "1", "--steps", "2"],
     "up_threads": [
         "--tiny",
