@@ -66,6 +66,25 @@ CHUNK = 512
 GRID = [(ts, tp) for ts in (1, 2, 4) for tp in (50, 100, 200)]
 
 
+def advance(t: float, decoding: list[dict], firsts: list[dict], running: list[dict],
+            figs: tuple[list, list, list], lout: int) -> int:
+    """A step ending at t: the decode rows' next tokens, the first tokens, and the streams that
+    finish (removed from running; their count is returned). figs: (ttft, itl, met) to extend."""
+    ttft, itl, met = figs
+    for s in decoding:
+        s["out"] += 1
+        itl.append(t - s["last"])
+        s["last"] = t
+    for s in firsts:
+        s["out"], s["first"], s["last"] = 1, t, t
+        ttft.append(t - s["arr"])
+    ended = [s for s in running if s["out"] >= lout]
+    for s in ended:
+        running.remove(s)
+        met.append((s["first"] - s["arr"], (t - s["first"]) / (lout - 1)))
+    return len(ended)
+
+
 def sim(c: int, n_prompts: int, policy: BudgetPolicy, cost: StepCost, lin=256, lout=64) -> dict:
     waves = policy.target_tpot_ms is not None and policy.target_ttft_ms is not None
     t, issued, done = 0.0, 0, 0
@@ -154,21 +173,12 @@ def sim(c: int, n_prompts: int, policy: BudgetPolicy, cost: StepCost, lin=256, l
         if w is Wave.FILL and not ptoks:
             filling = False  # nothing more can join: the wave starts
         t += cost.predict(ptoks, len(rows))
+        decoding = [s for s in rows if s["out"] > 0]
         for s in rows:
             if s["out"] == 0:
                 s["unc"] = 0
                 firsts.append(s)
-            else:
-                s["out"] += 1
-                itl.append(t - s["last"])
-                s["last"] = t
-        for s in firsts:
-            s["out"], s["first"], s["last"] = 1, t, t
-            ttft.append(t - s["arr"])
-        for s in [s for s in running if s["out"] >= lout]:
-            running.remove(s)
-            done += 1
-            met.append((s["first"] - s["arr"], (t - s["first"]) / (lout - 1)))
+        done += advance(t, decoding, firsts, running, (ttft, itl, met), lout)
         refill()
 
     return figures(n_prompts * (lin + lout), t, ttft, itl, met)
@@ -319,17 +329,7 @@ def sim_split(
         rows = [] if fill else active
         draw = float(rng.lognormal(0.0, noise)) if noise else 1.0
         t += cost.predict(ptoks, len(rows)) * slower * draw
-        for s in rows:
-            s["out"] += 1
-            itl.append(t - s["last"])
-            s["last"] = t
-        for s in firsts:
-            s["out"], s["first"], s["last"] = 1, t, t
-            ttft.append(t - s["arr"])
-        for s in [s for s in running if s["out"] >= lout]:
-            running.remove(s)
-            done += 1
-            met.append((s["first"] - s["arr"], (t - s["first"]) / (lout - 1)))
+        done += advance(t, rows, firsts, running, (ttft, itl, met), lout)
         refill()
     return figures(n_prompts * (lin + lout), t, ttft, itl, met)
 
