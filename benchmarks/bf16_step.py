@@ -27,7 +27,6 @@ from benchmarks.common import (  # noqa: E402
     RESULTS,
     bench_model,
     machine,
-    projections,
     random_prompts,
     submit_prompts,
     this_command,
@@ -72,7 +71,7 @@ def label_kernels(llm: object) -> None:
             decode=labelled("kv::paged_decode", att.decode),
             prefill=labelled("kv::paged_prefill", att.prefill),
         )
-    for p in projections(cm):
+    for p in cm.projections():
         if p.gemm is not None:
             p.gemm = replace(p.gemm, matmul=labelled("kv::packed_gemm", p.gemm.matmul))
 

@@ -504,14 +504,6 @@ def bench_model(model: str | None, tiny: bool) -> Path:
     return build_smol_checkpoint(Path(tempfile.gettempdir()) / name, **(TINY_SHAPE if tiny else {}))
 
 
-def projections(cm: object) -> list:
-    """A CausalLM's packed or plain projections: the LM head, then each layer's qkv, o and FFN."""
-    out = [cm.head]  # type: ignore[attr-defined]
-    for layer in cm.model.layers:  # type: ignore[attr-defined]
-        out += [layer.self_attn.qkv, layer.self_attn.o, *layer.ffn.projections()]
-    return [p for p in out if p is not None]
-
-
 def kernel_at(rev: str, stem: str) -> Callable:
     """The native kernel `stem` (kvfence/model/kernels/<stem>.cpp) compiled from its source and
     the shared headers as they were at git revision `rev` (those a revision had),

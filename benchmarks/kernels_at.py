@@ -29,7 +29,6 @@ from benchmarks.common import (  # noqa: E402
     bench_model,
     machine,
     module_at,
-    projections,
     random_prompts,
     ratio_ci,
     submit_prompts,
@@ -64,7 +63,7 @@ class Kernels:
         cm.epilogue = ep
         if cm.rope_store is not None:
             cm.rope_store = ep.rope_store
-        for p in projections(cm):
+        for p in cm.projections():
             if p.gemm is not None:
                 p.gemm = replace(p.gemm, matmul=self.gemm.packed_matmul)  # type: ignore[attr-defined]
         runner.attention = replace(runner.attention, decode=self.decode.paged_decode)  # type: ignore[attr-defined]

@@ -189,9 +189,9 @@ class ModelRunner:
             idx = [i for i, c in enumerate(chunks) if (c.length == 1) == is_decode]
             if idx:
                 sel = torch.tensor(idx, dtype=torch.int64)
-                ctx = starts[sel] + lengths[sel]
-                pages_needed = self.pool.pages_for(max(chunks[i].start + chunks[i].length
-                                                       for i in idx))
+                ends_at = [chunks[i].start + chunks[i].length for i in idx]  # each row's context
+                ctx = torch.tensor(ends_at, dtype=torch.int64)
+                pages_needed = self.pool.pages_for(max(ends_at))
                 rows = PagedRows(
                     q_starts=flat_offsets[sel],
                     q_lens=lengths[sel],

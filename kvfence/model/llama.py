@@ -257,19 +257,24 @@ class CausalLM(nn.Module):
             and self.head.onednn is None
         )
 
-    def weight_bytes(self) -> int:
-        """Bytes of weights a forward reads (a tied embedding once)."""
-        tensors = {id(t): t for t in self.parameters() if t.numel()}
-        total = sum(t.numel() * t.element_size() for t in tensors.values())
-        projs = [self.head] + [
+    def projections(self) -> list[Projection]:
+        """The fused projections a forward calls (after fuse_projections): the LM head once
+        packed or prepacked, then each layer's qkv, o and FFN ones."""
+        out = [self.head] + [
             p
             for layer in self.model.layers
             for p in (layer.self_attn.qkv, layer.self_attn.o, *layer.ffn.projections())
         ]
+        return [p for p in out if p is not None]
+
+    def weight_bytes(self) -> int:
+        """Bytes of weights a forward reads (a tied embedding once)."""
+        tensors = {id(t): t for t in self.parameters() if t.numel()}
+        total = sum(t.numel() * t.element_size() for t in tensors.values())
         return total + sum(
             p.nbytes()
-            for p in projs
-            if p is not None and (p.panels is not None or p.onednn is not None)
+            for p in self.projections()
+            if p.panels is not None or p.onednn is not None
         )
 
     def init_rope(self, max_positions: int, device: torch.device) -> None:
