@@ -152,3 +152,21 @@ def test_bf16_plan_counts_the_tied_head_copy(checkpoint_dir, tied) -> None:
     fp32 = LLM(str(model_dir), kv_pool_tokens=256, context_length=64)
     extra = copy if tied and not packed else 0
     assert llm.engine.plan.model_bytes == fp32.engine.plan.model_bytes // 2 + extra
+
+
+@pytest.mark.parametrize("mkldnn", [False, True])
+def test_preflight_and_runner_share_the_onednn_rule(monkeypatch, checkpoint_dir, mkldnn) -> None:
+    """The preflight counts a tied head's oneDNN copy exactly when the runner makes one: on a
+    torch built without oneDNN the runner keeps torch's matmuls, and the preflight must not
+    charge the pool a copy that never exists (it did, from a copy of the runner's rule that
+    left the oneDNN check out)."""
+    from kvfence.model import kernels
+
+    monkeypatch.setattr(kernels, "packed_gemm_bf16", lambda: None)  # a host without bf16 dots
+    monkeypatch.setattr(torch.backends.mkldnn, "is_available", lambda: mkldnn)
+    model_dir = checkpoint_dir("llama", tie_word_embeddings=True)
+    llm = LLM(str(model_dir), dtype="bfloat16", kv_pool_tokens=256, context_length=64)
+    cm = llm.engine.runner.model
+    assert llm.engine.runner.onednn_linear is mkldnn
+    assert (cm.head is not None and cm.head.onednn is not None) is mkldnn
+    assert llm.engine.plan.model_bytes == cm.weight_bytes()

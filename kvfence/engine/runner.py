@@ -23,6 +23,7 @@ from kvfence.lora.slots import LoraSlots
 from kvfence.model import kernels
 from kvfence.model.attention import AttentionMetadata
 from kvfence.model.attn import PagedRows, select_backend
+from kvfence.model.linear import onednn_prepacks
 from kvfence.model.llama import CausalLM
 from kvfence.model.sampling import SampleResult, SamplingBatch, sample
 from kvfence.structured.grammar import Grammars
@@ -87,12 +88,8 @@ class ModelRunner:
         self.packed_linear = gemm is not None
         # bf16 on CPU without bf16 dot products: oneDNN's matmul over weights reordered once,
         # not at every call.
-        self.onednn_linear = (
-            linear_backend == "auto"
-            and cpu
-            and dtype == torch.bfloat16
-            and gemm is None
-            and torch.backends.mkldnn.is_available()
+        self.onednn_linear = onednn_prepacks(
+            linear_backend, cpu, dtype == torch.bfloat16, gemm is not None
         )
         if self.onednn_linear:
             model.prepack_onednn()

@@ -434,13 +434,13 @@ def tied_head_copy_bytes(mc: ModelShape, cfg: EngineConfig) -> int:
     by tp. Where the packed kernel runs bf16, the embedding reads its rows from the packed head,
     as float32's does: no copy."""
     from kvfence.model import kernels  # builds the kernel here, as the runner will
+    from kvfence.model.linear import onednn_prepacks
 
-    if not (
-        getattr(mc, "tie_word_embeddings", False)
-        and cfg.device == "cpu"
-        and cfg.dtype == "bfloat16"
-        and cfg.linear_backend == "auto"
-        and kernels.packed_gemm_bf16() is None
+    if not getattr(mc, "tie_word_embeddings", False) or not onednn_prepacks(
+        cfg.linear_backend,
+        cfg.device == "cpu",
+        cfg.dtype == "bfloat16",
+        kernels.packed_gemm_bf16() is not None,
     ):
         return 0
     return math.ceil(mc.vocab_size * mc.hidden_size * dtype_bytes(cfg.dtype) / cfg.tp_size)

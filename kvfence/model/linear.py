@@ -23,6 +23,19 @@ import torch
 from kvfence.model.kernels import PackedGemm
 
 
+def onednn_prepacks(linear_backend: str, cpu: bool, bf16: bool, native: bool) -> bool:
+    """Whether the projections take oneDNN's reordered weights (CausalLM.prepack_onednn): bf16 on
+    a CPU where the packed kernel does not run bf16 (`native`: it does) and oneDNN is built in.
+    The one rule the runner packs by and the preflight counts a tied head's copy by."""
+    return (
+        linear_backend == "auto"
+        and cpu
+        and bf16
+        and not native
+        and torch.backends.mkldnn.is_available()
+    )
+
+
 def to_panels(w_t: torch.Tensor, width: int) -> torch.Tensor:
     """[in, out] -> [ceil(out / width), in, width] for float32; for bfloat16
     [ceil(out / width), ceil(in / 2), width, 2], panel p's row j holding each column's
