@@ -187,8 +187,13 @@ def main(argv: list[str] | None = None) -> int:
                     argv_ = client_command(a.vllm_python, servers[side].url, model, a, c, seed, out)
                     log_command(argv_)
                     subprocess.run(argv_, check=True, stdout=subprocess.DEVNULL)
-                    row = summarise(json.loads(out.read_text()))
-                    runs.append({"side": side, "concurrency": c, "pass": pas, **row})
+                    result = json.loads(out.read_text())
+                    row = summarise(result)
+                    # The records the grid is computed from, kept so it can be recomputed.
+                    reqs = [[round(t, 4), round(p, 5)] for t, p in per_request(result)]
+                    runs.append(
+                        {"side": side, "concurrency": c, "pass": pas, **row, "requests": reqs}
+                    )
                     print(
                         f"[goodput] pass {pas + 1}/{a.passes} C={c} {side}: "
                         f"{row['throughput']:.0f} tok/s, TTFT p50 {row['ttft_p50_ms']:.0f} ms, "
@@ -226,7 +231,8 @@ def summarise_runs(runs: list[dict], sides: list[str], concurrency: list[int]) -
     """Per concurrency: each side's median and range over passes, and each kvfence side's ratio
     to vLLM paired pass by pass (ratios of time-like metrics: kvfence over vLLM, lower is
     better; of rates: kvfence over vLLM, higher is better)."""
-    metrics = [k for k in runs[0] if k not in ("side", "concurrency", "pass")] if runs else []
+    skip = ("side", "concurrency", "pass", "requests")
+    metrics = [k for k in runs[0] if k not in skip] if runs else []
     out: dict = {}
     for c in concurrency:
         by_side = {s: [r for r in runs if r["side"] == s and r["concurrency"] == c] for s in sides}
