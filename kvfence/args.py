@@ -299,6 +299,13 @@ TARGET_TTFT_MS = _engine(
     "tokens that keep every waiting prompt on time (wins over --target-tpot-ms); with both "
     "targets, prompts are computed in waves while no stream decodes (kvfence/engine/waves.py)",
 )
+TTFT_CUTS = _engine(
+    "--ttft-cuts",
+    "ttft_cuts",
+    switch=True,
+    help="with both targets, a wave too big for the TTFT target is cut to the prompts that can "
+    "be on time, the rest computed beside them (kvfence/engine/waves.py CUT; default: off)",
+)
 SKIP_TOKENIZER_INIT = _engine(
     "--skip-tokenizer-init",
     "skip_tokenizer_init",
@@ -365,7 +372,7 @@ ENGINE_OPTIONS: tuple[Option, ...] = (
     UNSAFE_SKIP_PREFLIGHT, KV_POISON_ON_FREE, ENABLE_PREFIX_CACHING, SHARED_PREFIX_FILE,
     PREFIX_CACHE_TTL, SKIP_TOKENIZER_INIT, MAX_DECODE_STEP_MS, MIN_PREFILL_CHUNK,
     PREFILL_BACKLOG_STEPS, PREFILL_PACE, WIDE_STEP_FACTOR, TARGET_TPOT_MS, TARGET_TTFT_MS,
-    MAX_RUNNING_REQUESTS_PER_TENANT,
+    TTFT_CUTS, MAX_RUNNING_REQUESTS_PER_TENANT,
     SPECIAL_TOKENS_IN_CHAT, TP_SIZE, TP_TIMEOUT, ENABLE_LORA, LORA_MODULES, MAX_LORAS,
     MAX_LORA_RANK,
 )  # fmt: skip

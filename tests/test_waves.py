@@ -11,7 +11,18 @@ from conftest import random_prompts
 from kvfence.engine.llm import LLM
 from kvfence.engine.request import GenerateRequest, SamplingParams
 from kvfence.engine.step_budget import StepCost, StepCostModel
-from kvfence.engine.waves import Wave, drain_ms, early_firsts, fill_ms, mode, on_time
+from kvfence.engine.waves import (
+    OVERDUE_X,
+    Wave,
+    cut,
+    cut_order,
+    cut_release,
+    drain_ms,
+    early_firsts,
+    fill_ms,
+    mode,
+    on_time,
+)
 
 COST = StepCost(a=10.0, b=1.0, c=5.0)  # ms: fixed, per prefill token, per decode row
 
@@ -97,12 +108,37 @@ def test_an_early_first_token_waits_only_for_a_rest_its_tpot_can_carry() -> None
     assert early_firsts(COST, 256, 2411, 8, 63, 100.0, early=0) == 0
 
 
+def test_a_cut_takes_the_oldest_prompts_that_can_be_on_time_within_its_share() -> None:
+    # 100 tokens: 120 ms alone. The one with 5 ms left can never be on time; of the others the
+    # tightest (300 ms) goes first, and a second would need 220 ms > half of 300.
+    prompts = [(100, 1000.0), (100, 300.0), (100, 5.0), (100, 600.0)]
+    assert cut(COST, 256, prompts) == [1]
+    # With more time both fit half of the tightest's (130 ms of 400), oldest first.
+    assert cut(COST, 256, [(100, 1000.0), (100, 800.0)]) == [1, 0]
+    assert cut(COST, 256, [(100, 5.0)]) == []  # nobody can be on time: no cut
+    assert cut(None, 256, prompts) == []  # nothing measured yet
+
+
+def test_a_cut_serves_overdue_prompts_first_then_its_own_then_the_rest() -> None:
+    # The bound on passing a late prompt over: once it is OVERDUE_X targets late it goes first.
+    overdue = -OVERDUE_X * 4000.0 - 1.0
+    prompts = [(50, -100.0), (50, 3000.0), (50, overdue), (50, 2000.0)]
+    assert cut_order(prompts, {1}, 4000.0) == [2, 1, 0, 3]
+    assert cut_order(prompts, {1, 3}, 4000.0) == [2, 3, 1, 0]
+
+
+def test_a_cut_ends_when_its_prompts_all_have_a_first_token_or_one_is_late() -> None:
+    assert cut_release([])
+    assert not cut_release([100.0, 5.0])
+    assert cut_release([100.0, 0.0])
+
+
 class FixedCost(StepCostModel):
     def cost(self) -> StepCost:
         return COST
 
 
-def waves_llm(model_dir: str, ttft_ms: float, cache: bool = False) -> LLM:
+def waves_llm(model_dir: str, ttft_ms: float, cache: bool = False, ttft_cuts: bool = False) -> LLM:
     """An engine with both targets set and COST for its step cost."""
     llm = LLM(
         model_dir,
@@ -111,6 +147,7 @@ def waves_llm(model_dir: str, ttft_ms: float, cache: bool = False) -> LLM:
         enable_prefix_caching=cache,
         target_tpot_ms=50.0,
         target_ttft_ms=ttft_ms,
+        ttft_cuts=ttft_cuts,
     )
     llm.engine.scheduler.step_budget.model = FixedCost()
     return llm
@@ -230,3 +267,30 @@ def test_a_repeated_prompt_in_a_wave_reuses_the_first_ones_pages(checkpoint_dir)
     steps, got = run_steps(llm, prompts, 4)
     assert got == want
     assert sum(p for _, p, _ in steps) < 3 * 40, "the repeated prompt's pages were computed twice"
+
+
+def test_a_cut_starts_its_prompts_first_and_holds_the_others_to_its_end(checkpoint_dir) -> None:
+    # 2 x 50 + 16 x 10 tokens, chunks of 64, a 285 ms TTFT target at COST: one wave would take
+    # 320 ms, so none forms; a cut takes what fits half of it (50 + 50 + 10: 140 ms). The clock
+    # stands still (every prompt arrives at 0 and is scheduled at 0): the cut ends when its
+    # prompts have their first tokens, not on time.
+    model_dir = str(checkpoint_dir("llama"))
+    prompts = random_prompts([50, 50] + [10] * 16, vocab=256, seed=16)
+    params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+    want = [c.token_ids for c in LLM(model_dir, kv_pool_tokens=2048).generate(prompts, params)]
+    llm = waves_llm(model_dir, 285.0, ttft_cuts=True)
+    sched = llm.engine.scheduler
+    add, schedule = sched.add, sched.schedule
+
+    def at_zero(seq):  # type: ignore[no-untyped-def]
+        seq.arrived = 0.0
+        add(seq)
+
+    sched.add = at_zero  # type: ignore[method-assign]
+    sched.schedule = lambda now=0.0: schedule(0.0)  # type: ignore[method-assign]
+    steps, got = run_steps(llm, prompts, 4)
+    assert got == want, "holding a prompt's last token changed an answer"
+    firsts = [f for _, _, f in steps if f]
+    # Step 1: 50 of the first and 14 of the second; step 2: the second's and the third's last
+    # tokens and two others', held; step 3 releases those two (the cut's prompts all had theirs).
+    assert firsts[:3] == [{0}, {1, 2}, {3, 4}], firsts[:3]

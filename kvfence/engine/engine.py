@@ -178,6 +178,7 @@ class Engine:
                     wide_factor=cfg.wide_step_factor,
                     target_tpot_ms=cfg.target_tpot_ms,
                     target_ttft_ms=cfg.target_ttft_ms,
+                    ttft_cuts=cfg.ttft_cuts,
                 ),
                 cfg.max_running_requests_per_tenant,
             ),

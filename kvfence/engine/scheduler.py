@@ -18,7 +18,7 @@ from kvfence.engine.fairness import next_waiting
 from kvfence.engine.prompt_logprobs import NO_SCORES, scored_range
 from kvfence.engine.sequence import SeqMode, SeqStatus, Sequence
 from kvfence.engine.step_budget import BudgetPolicy, Deadlines, StepBudget
-from kvfence.engine.waves import Wave, early_firsts, mode
+from kvfence.engine.waves import Wave, cut, cut_order, cut_release, early_firsts, mode
 from kvfence.faults import Faults
 from kvfence.kv.pool import KVPool, OwnershipError
 from kvfence.kv.prefix import Namespace, lora_identity
@@ -74,6 +74,10 @@ class Scheduler:
         # whose first token came out during the fill (its leader first).
         self._filling = False
         self._wave_firsts: list[Sequence] = []
+        # A cut (waves.py CUT): its prompts' request ids until they finish, and whether it still
+        # holds their first tokens.
+        self._cut: set[str] = set()
+        self._cutting = False
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
@@ -131,6 +135,8 @@ class Scheduler:
         preempted_before = self.num_preemptions
         decoding = [s for s in self.running if s.in_decode]
         wave = self._wave(decoding, now)
+        if wave is Wave.CUT:
+            return self._cut_step(chunks, now)
         if wave is not Wave.FILL:  # a fill's streams (its leader, its held prompts) wait for it
             self._decode(decoding, chunks)
         # Prefill tokens to compute this step: the whole chunk size when nothing decodes, else
@@ -145,6 +151,9 @@ class Scheduler:
             self._backlog() if rows else 0,
             self._deadlines(decoding, now) if rows else None,
         )
+        if wave is Wave.RELEASE:
+            budget = 0  # the held first tokens alone (a wave's has nothing else left; a cut's
+            # would add the step budget's backlog share to its streams' first gap)
         for seq in self.running:
             if budget == 0:
                 break
@@ -159,42 +168,12 @@ class Scheduler:
             Wave.DEFER,
             Wave.RELEASE,
         )
-        while (
-            may_admit
-            and budget > 0
-            and self.waiting
-            and len(self.running) < self.limits.max_running_requests
-        ):
-            pick = next_waiting(
-                self.waiting,
-                self.running,
-                self.limits.max_running_requests_per_tenant,
-                self.faults.guards().on("fair_share"),
-            )
-            if pick is None:
-                break  # every waiting tenant holds its cap
-            seq = self.waiting[pick]
-            hit = self._lookup(seq)
-            if self._awaits_twin(seq, len(hit)):
-                break  # its next page is being computed right now; it reuses it next step
-            # The hit's pages are shared, not taken; those nobody references yet stop being
-            # evictable once this sequence holds them.
-            if not self._adapter_fits(seq):
-                break  # its adapter needs a slot the running ones hold; it waits, in order
-            needed = self.pool.pages_for(len(seq.token_ids)) - len(hit)
-            if needed > self.pool.num_free - self.pool.num_evictable_among(hit):
-                break  # the pick waits: later arrivals never overtake it
-            del self.waiting[pick]
-            seq.grant = self.pool.new_grant(seq.tenant, seq.request_id)
-            self._enter(seq, len(hit), needed)
-            if seq.mode is SeqMode.DECODE_ONLY and not seq.output_ids:
-                # Pre-allocated for the whole prompt; its KV arrives by transfer, not compute.
-                seq.status = SeqStatus.HANDOFF
-                self.handoff[seq.request_id] = seq
-                self.reserved.append(seq)
-                continue
-            seq.status = SeqStatus.RUNNING
-            self.running.append(seq)
+        while may_admit and budget > 0:
+            seq = self._admit_next()
+            if seq is None:
+                break
+            if seq.status is not SeqStatus.RUNNING:
+                continue  # a decode's reservation: its KV arrives by transfer
             n = self._hold(seq, min(seq.num_uncomputed, budget), wave)
             if n:
                 chunks.append(_chunk(seq, n))
@@ -205,6 +184,72 @@ class Scheduler:
             # Nothing more could join or be computed (the pool, a cap): the wave starts now.
             self._filling = False
             self._decode([s for s in self.running if s.in_decode], chunks)
+        return chunks
+
+    def _admit_next(self) -> Sequence | None:
+        """The next waiting sequence into the running set (fair order), or None when it has to
+        wait (no slot, its tenant's cap, its twin's pages, its adapter, the pool)."""
+        if not self.waiting or len(self.running) >= self.limits.max_running_requests:
+            return None
+        pick = next_waiting(
+            self.waiting,
+            self.running,
+            self.limits.max_running_requests_per_tenant,
+            self.faults.guards().on("fair_share"),
+        )
+        if pick is None:
+            return None  # every waiting tenant holds its cap
+        seq = self.waiting[pick]
+        hit = self._lookup(seq)
+        if self._awaits_twin(seq, len(hit)):
+            return None  # its next page is being computed right now; it reuses it next step
+        # The hit's pages are shared, not taken; those nobody references yet stop being
+        # evictable once this sequence holds them.
+        if not self._adapter_fits(seq):
+            return None  # its adapter needs a slot the running ones hold; it waits, in order
+        needed = self.pool.pages_for(len(seq.token_ids)) - len(hit)
+        if needed > self.pool.num_free - self.pool.num_evictable_among(hit):
+            return None  # the pick waits: later arrivals never overtake it
+        del self.waiting[pick]
+        seq.grant = self.pool.new_grant(seq.tenant, seq.request_id)
+        self._enter(seq, len(hit), needed)
+        if seq.mode is SeqMode.DECODE_ONLY and not seq.output_ids:
+            # Pre-allocated for the whole prompt; its KV arrives by transfer, not compute.
+            seq.status = SeqStatus.HANDOFF
+            self.handoff[seq.request_id] = seq
+            self.reserved.append(seq)
+            return seq
+        seq.status = SeqStatus.RUNNING
+        self.running.append(seq)
+        return seq
+
+    def _cut_step(self, chunks: list[ScheduledChunk], now: float) -> list[ScheduledChunk]:
+        """A CUT step (waves.py): every stream decodes, the waiting prompts enter, and a whole
+        chunk serves the prompts in waves.cut_order; the others hold their last token."""
+        preempted_before = self.num_preemptions
+        self._decode([s for s in self.running if s.in_decode and s.output_ids], chunks)
+        self.step_budget.for_step(len(chunks))  # the arrival pace ticks once a step
+        while self.num_preemptions == preempted_before and self._admit_next() is not None:
+            pass  # (after a preemption the pool is short: admitting would only thrash)
+        ttft = self.limits.step.target_ttft_ms or 0.0
+        todo = [
+            s
+            for s in self.running
+            if not s.output_ids and s.status is SeqStatus.RUNNING and not s.in_decode
+        ]
+        work = [(s.num_uncomputed, _ms_left(s, ttft, now)) for s in todo]
+        taken = {i for i, s in enumerate(todo) if s.request_id in self._cut}
+        budget = self.limits.step.max_chunk
+        for i in cut_order(work, taken, ttft):
+            if budget == 0:
+                break
+            seq = todo[i]
+            n = min(seq.num_uncomputed, budget)
+            if i not in taken and n == seq.num_uncomputed and seq.num_computed + n > 1:
+                n -= 1  # held: its first token waits for the cut's release
+            if n:
+                chunks.append(_chunk(seq, n))
+                budget -= n
         return chunks
 
     def _decode(self, decoding: list[Sequence], chunks: list[ScheduledChunk]) -> None:
@@ -224,6 +269,11 @@ class Scheduler:
             s.mode is not SeqMode.FULL
             for s in (*self.running, *self.waiting, *self.handoff.values())
         ):
+            self._filling = self._cutting = False
+            return Wave.OFF
+        if self._cutting:
+            return self._cut_mode(now)
+        if self._cut_live():  # its streams decode: the step budget, no wave (waves.py CUT)
             self._filling = False
             return Wave.OFF
         streams = [
@@ -248,18 +298,54 @@ class Scheduler:
         self._filling = wave is Wave.FILL
         if self._filling and not was_filling:
             self._wave_firsts = []
+        if wave is Wave.OFF and prompts and step.ttft_cuts:
+            return self._start_cut(now)
         return wave
+
+    def _cut_live(self) -> bool:
+        """Whether a prompt of the last cut is still here (it finished: it left both queues)."""
+        if not self._cut:
+            return False
+        live = {s.request_id for s in (*self.running, *self.waiting)}
+        self._cut &= live
+        return bool(self._cut)
+
+    def _start_cut(self, now: float) -> Wave:
+        """CUT with the prompts waves.cut takes, or OFF when it takes none."""
+        seqs = list(self._prompt_seqs())
+        ttft = self.limits.step.target_ttft_ms or 0.0
+        work = [(_to_compute(s), _ms_left(s, ttft, now)) for s in seqs]
+        taken = cut(self.step_budget.model.cost(), self.limits.step.max_chunk, work)
+        if not taken:
+            return Wave.OFF
+        self._cut = {seqs[i].request_id for i in taken}
+        self._cutting = True
+        return Wave.CUT
+
+    def _cut_mode(self, now: float) -> Wave:
+        """A cut in progress: CUT again, or RELEASE once waves.cut_release says it ends."""
+        ttft = self.limits.step.target_ttft_ms or 0.0
+        mine = [_ms_left(s, ttft, now) for s in self._prompt_seqs() if s.request_id in self._cut]
+        if cut_release(mine):
+            self._cutting = False
+            return Wave.RELEASE
+        return Wave.CUT
 
     def _prompt_work(self, now: float) -> Iterable[tuple[int, float]]:
         """(tokens to compute, ms left to the TTFT target) of each prompt with no first token:
         running (held ones too) and waiting."""
         ttft = self.limits.step.target_ttft_ms or 0.0
+        for s in self._prompt_seqs():
+            yield _to_compute(s), _ms_left(s, ttft, now)
+
+    def _prompt_seqs(self) -> Iterable[Sequence]:
+        """The prompts with no first token: running (held ones too), then waiting."""
         for s in self.running:
             if not s.output_ids and s.status is SeqStatus.RUNNING:
-                yield s.num_uncomputed, _ms_left(s, ttft, now)
+                yield s
         for s in self.waiting:
             if not s.output_ids:
-                yield len(s.token_ids), _ms_left(s, ttft, now)
+                yield s
 
     def _hold(self, seq: Sequence, n: int, wave: Wave) -> int:
         """The tokens of seq's chunk this step: in a fill, one short of its prompt's end (its
@@ -465,6 +551,11 @@ class Scheduler:
 def _ms_left(seq: Sequence, target_ttft_ms: float, now: float) -> float:
     """ms left before seq's first token misses the TTFT target (negative: already late)."""
     return (seq.arrived - now) * 1000.0 + target_ttft_ms
+
+
+def _to_compute(seq: Sequence) -> int:
+    """Prompt tokens seq still has to compute (a waiting one: all of them)."""
+    return seq.num_uncomputed if seq.status is SeqStatus.RUNNING else len(seq.token_ids)
 
 
 def _chunk(seq: Sequence, n: int) -> ScheduledChunk:

@@ -92,6 +92,7 @@ class BudgetPolicy:
     # --target-tpot-ms / --target-ttft-ms (kvfence/engine/deadlines.py): None, not held
     target_tpot_ms: float | None = None
     target_ttft_ms: float | None = None
+    ttft_cuts: bool = False  # --ttft-cuts: a wave too big for the TTFT target is cut (waves.py)
 
 
 @dataclass(frozen=True)

@@ -36,9 +36,27 @@ The modes of a step:
   drain and a wave computes it: nothing is admitted. The drain is priced from each stream's
   max_tokens, so a stream that may run long (a request without max_tokens) lets the prompts
   beside it in as if there were no waves.
+- CUT (with `--ttft-cuts`): the prompts cannot all be on time in one wave (C=32, 256 -> 64:
+  32 x 256 tokens at ~1 ms a token fp32 is ~8 s against a 4 s target) and mode says OFF: the
+  oldest prompts that can still be on time, as many as fit CUT_SHARE of the tightest one's
+  time left (`cut`), are served first in whole chunks and get their first tokens as they
+  finish; the rest of each chunk computes the other prompts, which hold their first tokens
+  until every prompt of the cut has one (`cut_release`: then a RELEASE step), and every stream
+  decodes beside them. So the cut's streams start within the TTFT target, the others start
+  together after them instead of one by one in every step's gaps, and nothing waits idle
+  (the decode batch stays full: throughput is the step budget's). While a cut's streams
+  decode, the step budget alone (OFF) serves the rest, and no wave forms. A prompt OVERDUE_X
+  targets late goes ahead of a cut (`cut_order`): later arrivals pass it over for at most
+  that long. Why: without it the step budget gave all 32 first streams TPOT 150-200 ms, so
+  none met 100 ms. Off by default: benchmarks/waves_cut_sim.py prices it (C=32, 48 prompts):
+  bf16 2 s x 100 ms 0.69 -> 1.88 req/s, 1 s x 100 ms 0 -> 0.41, TTFT p50 2.8 -> 1.7 s,
+  throughput +5%; fp32 4 s x 100 ms 0.34-0.48 -> 0.46-0.56, TTFT p50 -7 to -14%, but
+  throughput -1.2 to -1.8% and a 1 s x 200 ms request fewer, which only a measured A/B
+  against vLLM can weigh (kvfence's fp32 C=32 throughput lead is 1.02x). C=8 never cuts (a
+  wave of 8 fits the target).
 - OFF: the step budget alone (kvfence/engine/step_budget.py): the wave could not keep the
-  TTFT target (too many prompts for one wave: the prompts are late
-  either way, so mixing them with decodes at least starts the streams sooner).
+  TTFT target and no prompt can still be on time (or a cut's streams still decode): the
+  prompts are late either way, so mixing them with decodes at least starts the streams sooner.
 """
 
 from __future__ import annotations
@@ -58,6 +76,12 @@ GAP_SHARE = 1 / 125
 # early, whose TTFT is nearly the whole wave's anyway (benchmarks/waves_sim.py --cost measured:
 # C=8 TTFT p50 2,713 ms at 0.8, 2,381 at 0.9, every SLO cell the same).
 EARLY_MARGIN = 0.9
+# A cut takes prompts whose wave fits this share of the tightest one's time left (the rest of
+# the time is the other prompts'): benchmarks/waves_cut_sim.py, C=32: at 0.35 bf16 lost its
+# gains (2 s x 100 ms 0.75, throughput -4%); 0.7 priced like 0.5 but for fp32 "epyc" throughput.
+CUT_SHARE = 0.5
+# A prompt this many TTFT targets late is served ahead of a cut (the bound on passing it over).
+OVERDUE_X = 1.0
 
 
 class Wave(enum.Enum):
@@ -65,6 +89,7 @@ class Wave(enum.Enum):
     FILL = "fill"
     RELEASE = "release"
     DEFER = "defer"
+    CUT = "cut"
 
 
 def drain_ms(cost: StepCost, remaining: Iterable[int]) -> float:
@@ -156,3 +181,43 @@ def early_firsts(
     step = cost.predict(0, wave_size)
     tpot = (fill_ms(cost, rest_tokens, chunk) + out_tokens * step) / out_tokens
     return gaps if tpot <= EARLY_MARGIN * target_tpot_ms else 0
+
+
+def cut(cost: StepCost | None, chunk: int, prompts: list[tuple[int, float]]) -> list[int]:
+    """Indices of the prompts a cut takes (CUT above), prompts as mode's: the ones that can still
+    be on time alone, oldest first (least time left), while a wave of them stays on time within
+    CUT_SHARE of the tightest one's time left. Empty: none can (or nothing is measured yet)."""
+    if cost is None:
+        return []
+    alone = [i for i, (t, ms) in enumerate(prompts) if on_time(cost, chunk, 0.0, t, ms)]
+    taken: list[int] = []
+    tokens, tightest = 0, float("inf")
+    for i in sorted(alone, key=lambda i: prompts[i][1]):
+        t, ms = prompts[i]
+        if not on_time(cost, chunk, 0.0, tokens + t, CUT_SHARE * min(tightest, ms)):
+            break
+        taken.append(i)
+        tokens, tightest = tokens + t, min(tightest, ms)
+    return taken
+
+
+def cut_order(prompts: list[tuple[int, float]], taken: set[int], ttft_ms: float) -> list[int]:
+    """The order a cut's chunks serve the prompts in: the overdue ones (OVERDUE_X targets late),
+    the cut's, then the rest, each oldest first. A late prompt gives way to a cut only until it
+    is overdue: the bound on how long later arrivals may pass it over."""
+
+    def rank(i: int) -> tuple[int, float]:
+        ms = prompts[i][1]
+        if i not in taken and ms <= -OVERDUE_X * ttft_ms:
+            return 0, ms
+        return (1 if i in taken else 2), ms
+
+    return sorted(range(len(prompts)), key=rank)
+
+
+def cut_release(members_left_ms: list[float]) -> bool:
+    """Whether a cut ends now (its held prompts' first tokens come out in a RELEASE step):
+    every prompt it took has its first token (`members_left_ms`: the time left of those that
+    have none), or the tightest of them is late already (a prompt the pool kept out: the held
+    ones wait no longer for it)."""
+    return not members_left_ms or min(members_left_ms) <= 0
