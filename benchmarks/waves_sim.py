@@ -47,7 +47,14 @@ from kvfence.engine.step_budget import (  # noqa: E402
     StepCost,
     prefill_budget,
 )
-from kvfence.engine.waves import Wave, early_firsts, mode  # noqa: E402
+from kvfence.engine.waves import (  # noqa: E402
+    Wave,
+    cut,
+    cut_order,
+    cut_release,
+    early_firsts,
+    mode,
+)
 
 # step_budget_sim's Xeon-A cost, and one matched to EPYC's C=8 figures (a 256-token prompt
 # ~360 ms, an 8-row decode-only step ~35 ms: benchmarks/RESULTS.md "Goodput against vLLM").
@@ -55,10 +62,15 @@ from kvfence.engine.waves import Wave, early_firsts, mode  # noqa: E402
 # streams' TPOT p50 31.5 ms is the 8-row decode step, and a 2,048-token wave plus 63 such steps
 # gives its 545 tok/s and TTFT p50 (the sim then reads 545 / 2,713 / 1.49 at 4 s x 50 ms against
 # the run's 545 / 2,756 / 1.49); "epyc" has the older 35 ms decode step.
+# "c32" / "c32-bf16": fitted to C=32 instead (issue 43's per-request diagnosis and RESULTS.md's
+# step figures, EPYC): a 32-row decode-only step ~73 ms fp32 / ~52 ms bf16 (measured 60-80 and
+# 53), prefill ~1.05 ms / 0.5 ms a token (850-1,000 tok/s fp32); the 8-row step stays ~35 ms.
 COSTS = {
     "xeon": StepCost(a=33.0, b=1.1, c=1.8),
     "epyc": StepCost(a=25.0, b=1.3, c=1.2),
     "measured": StepCost(a=22.0, b=1.27, c=1.2),
+    "c32": StepCost(a=22.0, b=1.05, c=1.6),
+    "c32-bf16": StepCost(a=20.0, b=0.5, c=1.0),
 }
 SPLIT_MARGIN = 0.9  # the split candidate's predicted TPOT stays within this share of the target
 RIDE_CAP_MS = 65.0  # ... and a step with decodes within this (the ITL p99 bound, 1.5 x 61 ms)
@@ -85,7 +97,15 @@ def advance(t: float, decoding: list[dict], firsts: list[dict], running: list[di
     return len(ended)
 
 
-def sim(c: int, n_prompts: int, policy: BudgetPolicy, cost: StepCost, lin=256, lout=64) -> dict:
+def sim(
+    c: int, n_prompts: int, policy: BudgetPolicy, cost: StepCost, lin=256, lout=64,
+    noise: float = 0.0, slower: float = 1.0, seed: int = 0,
+) -> dict:
+    """The scheduler's policy (waves.mode, its cuts with policy.ttft_cuts) in the closed loop;
+    steps take `cost` x `slower` x a lognormal(0, `noise`) draw each, as in sim_split."""
+    rng = np.random.default_rng(seed)
+    cut_ids: set[int] = set()
+    cutting = False
     waves = policy.target_tpot_ms is not None and policy.target_ttft_ms is not None
     t, issued, done = 0.0, 0, 0
     waiting: list[dict] = []
@@ -106,14 +126,46 @@ def sim(c: int, n_prompts: int, policy: BudgetPolicy, cost: StepCost, lin=256, l
         prompts = [s for s in running if s["out"] == 0] + waiting
         w = Wave.OFF
         if waves:
+            ttft_ms = policy.target_ttft_ms
             wave = [leader, *firsts_early]
             left = [lout - s["out"] for s in streams if not (filling and s in wave)]
-            work = [(s["unc"], s["arr"] - t + policy.target_ttft_ms) for s in prompts]
+            work = [(s["unc"], s["arr"] - t + ttft_ms) for s in prompts]
             filled = all(s["unc"] <= 1 for s in running if s["out"] == 0) and not waiting
-            w = mode(filling, left, work, cost, CHUNK, filled)
-            if w is Wave.FILL and not filling:
-                leader, firsts_early = None, []
-            filling = w is Wave.FILL
+            if cutting:  # as Scheduler._cut_mode
+                mine = [s["arr"] - t + ttft_ms for s in prompts if s["id"] in cut_ids]
+                cutting = not cut_release(mine)
+                w = Wave.CUT if cutting else Wave.RELEASE
+            elif cut_ids & {s["id"] for s in running + waiting}:
+                w, filling = Wave.OFF, False  # a cut's streams decode: the step budget
+            else:
+                w = mode(filling, left, work, cost, CHUNK, filled)
+                if w is Wave.FILL and not filling:
+                    leader, firsts_early = None, []
+                filling = w is Wave.FILL
+                if policy.ttft_cuts and w is Wave.OFF and work:
+                    taken = cut(cost, CHUNK, work)  # as Scheduler._start_cut
+                    cut_ids = {prompts[i]["id"] for i in taken}
+                    cutting = bool(taken)
+                    w = Wave.CUT if taken else w
+        if w is Wave.CUT:  # as Scheduler._cut_step
+            rows = [s for s in running if s["out"] > 0]
+            running.extend(waiting)
+            waiting.clear()
+            todo = [s for s in running if s["out"] == 0 and s["unc"] > 1]
+            work = [(s["unc"], s["arr"] - t + ttft_ms) for s in todo]
+            taken = {i for i, s in enumerate(todo) if s["id"] in cut_ids}
+            budget, ptoks, firsts = CHUNK, 0, []
+            for i in cut_order(work, taken, ttft_ms):
+                s = todo[i]
+                n = min(s["unc"], budget) - (budget >= s["unc"] and i not in taken)  # held
+                s["unc"], budget, ptoks = s["unc"] - n, budget - n, ptoks + n
+                if s["unc"] == 0:
+                    firsts.append(s)
+            draw = float(rng.lognormal(0.0, noise)) if noise else 1.0
+            t += cost.predict(ptoks, len(rows)) * slower * draw
+            done += advance(t, rows, firsts, running, (ttft, itl, met), lout)
+            refill()
+            continue
         # Decode rows: streams, and prompts whose last token is all that is left (held).
         rows = [] if w is Wave.FILL else [s for s in running if s["unc"] <= 1 and (
             s["out"] > 0 or s["unc"] == 1)]
@@ -132,6 +184,7 @@ def sim(c: int, n_prompts: int, policy: BudgetPolicy, cost: StepCost, lin=256, l
                     ps.append((cum, s["arr"] - t + (policy.target_ttft_ms or 1e12)))
                 dl = Deadlines(slack, tuple(ps) if policy.target_ttft_ms else ())
             budget = prefill_budget(policy, cost, len(rows), backlog, 0.0, dl)
+            budget = 0 if w is Wave.RELEASE else budget  # as the scheduler's
         ptoks, firsts = 0, []
 
         def take(s: dict, w: Wave = w, firsts: list = firsts) -> None:
@@ -172,7 +225,8 @@ def sim(c: int, n_prompts: int, policy: BudgetPolicy, cost: StepCost, lin=256, l
                 firsts_early.append(s)
         if w is Wave.FILL and not ptoks:
             filling = False  # nothing more can join: the wave starts
-        t += cost.predict(ptoks, len(rows))
+        draw = float(rng.lognormal(0.0, noise)) if noise else 1.0
+        t += cost.predict(ptoks, len(rows)) * slower * draw
         decoding = [s for s in rows if s["out"] > 0]
         for s in rows:
             if s["out"] == 0:
