@@ -222,6 +222,11 @@ ENABLE_PREFIX_CACHING = _engine(
     negations=("--no-enable-prefix-caching", "--disable-radix-cache"),  # the last is SGLang's
     help="reuse the KV of cached prompt prefixes, within a tenant only (on by default)",
 )
+BOOT_WARMUP = _engine(
+    "--boot-warmup", "boot_warmup", switch=True, negations=("--no-boot-warmup",),
+    help="before reporting ready, run a few steps that fit the step-time budget's cost model "
+    "and pay one-time kernel costs (on by default)",
+)
 SHARED_PREFIX_FILE = _engine(
     "--shared-prefix-file",
     "shared_prefix_file",
@@ -369,7 +374,8 @@ ENGINE_OPTIONS: tuple[Option, ...] = (
     CHUNKED_PREFILL_SIZE, DECODE_STEP_PREFILL_BUDGET,
     ATTENTION_BACKEND, LINEAR_BACKEND, CUDA_GRAPH, CUDA_GRAPH_MAX_BS, MAX_RUNNING_REQUESTS,
     THREADS, SEED,
-    UNSAFE_SKIP_PREFLIGHT, KV_POISON_ON_FREE, ENABLE_PREFIX_CACHING, SHARED_PREFIX_FILE,
+    UNSAFE_SKIP_PREFLIGHT, KV_POISON_ON_FREE, ENABLE_PREFIX_CACHING, BOOT_WARMUP,
+    SHARED_PREFIX_FILE,
     PREFIX_CACHE_TTL, SKIP_TOKENIZER_INIT, MAX_DECODE_STEP_MS, MIN_PREFILL_CHUNK,
     PREFILL_BACKLOG_STEPS, PREFILL_PACE, WIDE_STEP_FACTOR, TARGET_TPOT_MS, TARGET_TTFT_MS,
     TTFT_CUTS, MAX_RUNNING_REQUESTS_PER_TENANT,

@@ -63,6 +63,9 @@ class EngineConfig:
     # The tenant-scoped prefix cache (kvfence/kv/prefix.py): on unless asked off. Its namespace
     # is the tenant's; the shared-prefix file declares public prefixes every tenant may reuse.
     enable_prefix_caching: bool = True
+    # Before a server reports ready, a few steps through the runner fit the step-time budget's
+    # cost model and pay the process's one-time costs (kvfence/engine/warmup.py).
+    boot_warmup: bool = True
     shared_prefix_file: str | None = None
     prefix_cache_ttl: float | None = None  # seconds an unused cached page may stay
     # The step-time budget (kvfence/engine/step_budget.py) of a step that also decodes: its

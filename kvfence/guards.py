@@ -35,6 +35,7 @@ GUARDS = frozenset(
         "prompt_logprobs_whole",
         "lora_digest",  # a LoRA adapter's content digest is part of its prefix-cache namespace
         "lora_pd_digest",  # decode commits a transfer only if prefill applied its adapter
+        "warmup_returned",  # the boot warm-up leaves the pool as it found it, or nothing starts
     }
 )
 

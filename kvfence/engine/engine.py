@@ -31,6 +31,7 @@ from kvfence.engine.sequence import SeqMode, SeqStatus, Sequence
 from kvfence.engine.step_budget import BudgetPolicy
 from kvfence.engine.tp_group import TpBroken, TpLeader
 from kvfence.engine.tp_runner import LeaderRunner
+from kvfence.engine.warmup import boot
 from kvfence.faults import Faults
 from kvfence.kv.pool import KVPool
 from kvfence.kv.prefix import PrefixCache, PrefixCacheStats, SharedPrefixes, load_shared_prefixes
@@ -213,8 +214,7 @@ class Engine:
             install_collectives(self.model, self.tp.group, self.tp.layout)
             self.tp.ready()
             self.tp.on_broken = lambda: self._wake.set()
-        # Multi-LoRA: adapters bound to the fused projections; the scheduler admits no more
-        # distinct adapters than there are slots.
+        # Multi-LoRA: adapters bound to the fused projections; no more distinct ones run than slots.
         self.lora = (LoraRuntime(cfg, self.model_config, self.model, self.model_name, self.device)
                      if cfg.enable_lora else None)
         if self.lora is not None:
@@ -296,27 +296,25 @@ class Engine:
         self._post("release", request_id)
 
     def stats(self) -> EngineStats:
+        pool, sched = self.pool, self.scheduler
         return EngineStats(
-            pages_total=self.pool.num_pages,
-            pages_used=self.pool.num_used,
-            pages_free=self.pool.num_free,
-            page_size=self.pool.page_size,
-            pool_tokens=self.pool.capacity_tokens,
-            running=len(self.scheduler.running),
-            waiting=len(self.scheduler.waiting),
-            preemptions=self.scheduler.num_preemptions,
-            handoff=len(self.scheduler.handoff),
-            pages_handoff=self.scheduler.pages_in_handoff(),
+            pool.num_pages, pool.num_used, pool.num_free, pool.page_size, pool.capacity_tokens,
+            len(sched.running), len(sched.waiting), sched.num_preemptions,
+            handoff=len(sched.handoff), pages_handoff=sched.pages_in_handoff(),
             integrity_failures=self.integrity_failures,
-            prefix_cache=self.pool.prefix.stats() if self.pool.prefix is not None else None,
+            prefix_cache=pool.prefix.stats() if pool.prefix is not None else None,
         )
 
     def start(self) -> None:
-        # From here on the loop's thread computes; the pool of OpenMP workers the model's load
-        # left on this thread would make each of its parallel regions wait for a wake-up.
+        # From here on the loop's thread computes (the warm-up first); the OpenMP workers the
+        # model's load left on this thread would make each of its parallel regions wait.
         release_thread_pool()
-        self._thread = threading.Thread(target=self._loop, name="kvfence-engine", daemon=True)
+        booted: queue.SimpleQueue[BaseException | None] = queue.SimpleQueue()
+        self._thread = threading.Thread(target=self._loop, args=(booted,), name="kvfence-engine",
+                                        daemon=True)
         self._thread.start()
+        if (failed := booted.get()) is not None:
+            raise failed
 
     def shutdown(self) -> None:
         self._stopping.set()
@@ -342,7 +340,9 @@ class Engine:
 
     # ---- the loop (engine thread only) ------------------------------------------------------
 
-    def _loop(self) -> None:
+    def _loop(self, booted: queue.SimpleQueue[BaseException | None]) -> None:
+        if not boot(self, booted):
+            return
         while not self._stopping.is_set():
             for hook in self.step_end_hooks:  # what the last step emitted leaves before the
                 hook()  # loop waits or steps

@@ -123,7 +123,7 @@ class Scheduler:
                 self.pool.free_grant(seq.grant)  # and drops its cache references, by grant
                 seq.pages, seq.num_sealed, seq.grant = [], 0, None
             else:
-                self._release(seq)
+                self.release(seq)
         elif seq.status is SeqStatus.WAITING:
             self.waiting.remove(seq)
         seq.status = SeqStatus.FINISHED
@@ -523,14 +523,16 @@ class Scheduler:
 
     def _preempt(self, seq: Sequence) -> None:
         self.running.remove(seq)
-        self._release(seq)
+        self.release(seq)
         seq.num_computed = 0
         seq.status = SeqStatus.WAITING
         seq.num_preemptions += 1
         self.num_preemptions += 1
         self.waiting.appendleft(seq)
 
-    def _release(self, seq: Sequence) -> None:
+    def release(self, seq: Sequence) -> None:
+        """Return seq's pages (and its cache references): the one path every sequence's pages
+        take back to the pool, the boot warm-up's too (engine/warmup.py)."""
         assert seq.grant is not None
         self._forget_inflight(seq)
         self.pool.release_prefix(seq.grant)

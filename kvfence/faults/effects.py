@@ -106,6 +106,11 @@ def _drop_prompt_logprobs(first_logprobs: dict, firing: Firing, **_: Any) -> dic
     return {k: v for k, v in first_logprobs.items() if k != "prompt"}
 
 
+def _keep_last(seqs: list, firing: Firing, **_: Any) -> list:
+    """The boot warm-up forgets its last row: its pages stay held by a grant nobody serves."""
+    return seqs[:-1]
+
+
 EFFECTS: dict[str, Effect] = {
     "corrupt_page": _fires,
     "truncate_transfer": _truncate,
@@ -121,4 +126,5 @@ EFFECTS: dict[str, Effect] = {
     "tp_leader_decides_alone": _fires,
     "tp_corrupt_rank_slice": _fires,
     "drop_prompt_logprobs": _drop_prompt_logprobs,
+    "warmup_keeps_pages": _keep_last,
 }

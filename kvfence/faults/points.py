@@ -37,6 +37,8 @@ GUARD_POINTS = {
     "lora_key_drops_digest": "lora_digest",
     # PD decode commits a transfer whatever adapter digest prefill says it applied (I3).
     "lora_skip_pd_digest": "lora_pd_digest",
+    # The engine starts whatever the boot warm-up left held or cached in the pool (I7).
+    "skip_warmup_check": "warmup_returned",
 }
 # Points that make a component misbehave.
 ACTION_POINTS = frozenset(
@@ -64,6 +66,7 @@ ACTION_POINTS = frozenset(
         # run it writes, after the run's checksums passed (I3: the read-back covers every rank).
         "tp_corrupt_rank_slice",
         "drop_prompt_logprobs",  # prefill's DONE leaves out the prompt logprobs decode awaits
+        "warmup_keeps_pages",  # the boot warm-up returns all its rows' pages but the last's
     }
 )
 POINTS = frozenset(GUARD_POINTS) | ACTION_POINTS
