@@ -251,18 +251,12 @@ MAX_DECODE_STEP_MS = _engine(
     "0: no time bound)",
 )
 MIN_PREFILL_CHUNK = _engine(
-    "--min-prefill-chunk",
-    "min_prefill_chunk",
-    type=int,
-    metavar="TOKENS",
+    "--min-prefill-chunk", "min_prefill_chunk", type=int, metavar="TOKENS",
     help="prefill tokens a step that also decodes always takes, whatever the time target "
     "(the TTFT side)",
 )
 PREFILL_BACKLOG_STEPS = _engine(
-    "--prefill-backlog-steps",
-    "prefill_backlog_steps",
-    type=int,
-    metavar="STEPS",
+    "--prefill-backlog-steps", "prefill_backlog_steps", type=int, metavar="STEPS",
     help="a step that also decodes takes at least 1/STEPS of the prompt tokens waiting, so a "
     "burst of prompts drains in about STEPS steps (the TTFT side; lower: earlier first tokens; "
     "0: no such floor)",
@@ -371,11 +365,10 @@ MAX_LORA_RANK = _engine(
 ENGINE_OPTIONS: tuple[Option, ...] = (
     MODEL, SERVED_MODEL_NAME, DEVICE, DTYPE, KV_CACHE_DTYPE, CONTEXT_LENGTH,
     ALLOW_CONTEXT_BEYOND_POSITIONS, PAGE_SIZE, KV_POOL_TOKENS, MEM_FRACTION_STATIC,
-    CHUNKED_PREFILL_SIZE, DECODE_STEP_PREFILL_BUDGET,
+    CHUNKED_PREFILL_SIZE, DECODE_STEP_PREFILL_BUDGET, BOOT_WARMUP,
     ATTENTION_BACKEND, LINEAR_BACKEND, CUDA_GRAPH, CUDA_GRAPH_MAX_BS, MAX_RUNNING_REQUESTS,
     THREADS, SEED,
-    UNSAFE_SKIP_PREFLIGHT, KV_POISON_ON_FREE, ENABLE_PREFIX_CACHING, BOOT_WARMUP,
-    SHARED_PREFIX_FILE,
+    UNSAFE_SKIP_PREFLIGHT, KV_POISON_ON_FREE, ENABLE_PREFIX_CACHING, SHARED_PREFIX_FILE,
     PREFIX_CACHE_TTL, SKIP_TOKENIZER_INIT, MAX_DECODE_STEP_MS, MIN_PREFILL_CHUNK,
     PREFILL_BACKLOG_STEPS, PREFILL_PACE, WIDE_STEP_FACTOR, TARGET_TPOT_MS, TARGET_TTFT_MS,
     TTFT_CUTS, MAX_RUNNING_REQUESTS_PER_TENANT,

@@ -299,10 +299,9 @@ class Engine:
         pool, sched = self.pool, self.scheduler
         return EngineStats(
             pool.num_pages, pool.num_used, pool.num_free, pool.page_size, pool.capacity_tokens,
-            len(sched.running), len(sched.waiting), sched.num_preemptions,
-            handoff=len(sched.handoff), pages_handoff=sched.pages_in_handoff(),
-            integrity_failures=self.integrity_failures,
-            prefix_cache=pool.prefix.stats() if pool.prefix is not None else None,
+            len(sched.running), len(sched.waiting), sched.num_preemptions, len(sched.handoff),
+            sched.pages_in_handoff(), self.integrity_failures,
+            pool.prefix.stats() if pool.prefix is not None else None,
         )
 
     def start(self) -> None:
