@@ -7,6 +7,7 @@ a guard with its twin; no test reads a clock."""
 from __future__ import annotations
 
 import threading
+from dataclasses import replace
 
 import pytest
 import torch
@@ -77,6 +78,7 @@ def charge_steps(engine: Engine, monkeypatch: pytest.MonkeyPatch) -> list[tuple[
 def test_after_boot_the_fit_exists_the_pool_is_whole_and_a_twin_prompt_shares_nothing(
     checkpoint_dir, monkeypatch
 ) -> None:
+    monkeypatch.setattr(warmup, "FULL_PLAN_PARAMS", 1)  # the whole plan, on a tiny model too
     model = str(checkpoint_dir("llama"))
     cold = engine_for(model, boot_warmup=False)
     warm = engine_for(model, kv_poison_on_free=True)
@@ -130,6 +132,25 @@ def test_the_plan_fits_the_pool_and_the_context() -> None:
     capped = plan(pool(512), 512, 4, 4096)
     assert capped is not None and capped.rows == 4
     assert plan(pool(2), 512, 64, 4096) is None  # nothing fits: the warm-up is skipped
+    # A small model computes fewer prompt tokens; a tiny one the two cold steps alone.
+    assert plan(pool(512), 512, 64, 4096, scale=0.25) == replace(roomy, row_prompt=4,
+        steps=tuple((min(p, 32), d) for p, d in roomy.steps))  # fmt: skip
+    tiny = plan(pool(512), 512, 64, 4096, scale=0.01)
+    assert tiny is not None and (tiny.rows, tiny.row_prompt, tiny.steps) == (1, 1, ())
+
+
+def test_a_tiny_model_pays_the_cold_steps_alone_and_leaves_the_pool_whole(checkpoint_dir) -> None:
+    engine = engine_for(str(checkpoint_dir("llama")))
+    seen: list[int] = []
+    real = engine.runner.run
+    engine.runner.run = lambda chunks: seen.append(len(chunks)) or real(chunks)  # type: ignore[method-assign]
+    try:
+        engine.start()
+        assert seen == [1, 1] and not engine.scheduler.step_budget.model.steps
+        stats = engine.stats()
+        assert stats.pages_free == stats.pages_total and engine.pool.num_cached == 0
+    finally:
+        engine.shutdown()
 
 
 def test_a_warmup_that_keeps_a_page_stops_the_engine_from_starting(checkpoint_dir) -> None:

@@ -46,6 +46,14 @@ WARMUP_TENANT = "<warm-up>"
 COLD_STEPS = 2  # the first prefill and the first decode pay the process's one-time costs
 ROW_COUNTS = (1, 8, 32)  # decode rows per step (capped by --max-running-requests and the pool)
 MIXED_CHUNK = 128  # prefill tokens of a step that also decodes (capped by the chunk size)
+# A model this size or larger computes the whole plan (a page per row, MIXED_CHUNK); a smaller
+# one its prompts' tokens in proportion, and one under FIT_SCALE of it (the test and demo
+# models, a few million parameters) only the cold steps, of one token each: a fit of steps that
+# take a millisecond buys nothing, and a server's tests start many engines. At 135M parameters
+# a prompt token is what the fit must see (fp32: ~1 ms a token against ~15 ms a step).
+FULL_PLAN_PARAMS = 100_000_000
+FIT_SCALE = 0.05
+MIN_MIXED = 8
 GREEDY = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
 clock = time.perf_counter  # what a step is timed by (a test's fake clock replaces it)
 
@@ -75,11 +83,16 @@ class WarmupPlan:
 
 
 def plan(
-    pool: KVPool, chunk: int, max_running: int, context_length: int
+    pool: KVPool, chunk: int, max_running: int, context_length: int, scale: float = 1.0
 ) -> WarmupPlan | None:
-    """The steps for this pool and these limits; None when not even one row fits."""
-    row_prompt = pool.page_size
-    mixed = min(MIXED_CHUNK, chunk, context_length - 1)
+    """The steps for this pool and these limits, prompts `scale` (0..1] of their full size;
+    None when not even one row fits."""
+    if scale < FIT_SCALE:  # the cold steps alone: one row of one token
+        cold = WarmupPlan(1, 1, ())
+        fits = cold.pages(pool) <= pool.num_free and cold.decode_steps + 2 <= context_length
+        return cold if fits else None
+    row_prompt = max(1, round(pool.page_size * scale))
+    mixed = min(max(MIN_MIXED, round(MIXED_CHUNK * scale)), chunk, context_length - 1)
     for rows in range(min(max(ROW_COUNTS), max_running), 0, -1):
         counts = sorted({min(n, rows) for n in ROW_COUNTS})
         grid = [(p, d) for d in counts for p in (0, mixed)]
@@ -107,7 +120,8 @@ def boot(engine: Engine, booted: queue.SimpleQueue[BaseException | None]) -> boo
         if engine.cfg.boot_warmup:
             vocab, context = engine.model_config.vocab_size, engine.context_length
             t0 = time.perf_counter()
-            n = warm_up(engine.runner, engine.scheduler, vocab, context, engine.faults)
+            scale = model_scale(engine)
+            n = warm_up(engine.runner, engine.scheduler, vocab, context, engine.faults, scale)
             log.info("warm-up: %d steps measured, %.0f ms", n, (time.perf_counter() - t0) * 1e3)
     except BaseException as e:  # noqa: BLE001 - the caller's thread raises it
         booted.put(e)
@@ -116,19 +130,29 @@ def boot(engine: Engine, booted: queue.SimpleQueue[BaseException | None]) -> boo
     return True
 
 
+def model_scale(engine: Engine) -> float:
+    """The share of the full plan's prompt tokens this engine's model computes (its parameters,
+    every tensor-parallel rank's slice counted, against FULL_PLAN_PARAMS)."""
+    params = sum(p.numel() for p in engine.model.parameters()) * engine.cfg.tp_size
+    return min(1.0, params / FULL_PLAN_PARAMS)
+
+
 def warm_up(
     runner: ModelRunner,
     scheduler: Scheduler,
     vocab_size: int,
     context_length: int,
     faults: Faults,
+    scale: float = 1.0,
 ) -> int:
-    """Run the warm-up and feed its steps to the scheduler's step-cost model. Returns the steps
-    measured (0: the pool is too small to warm up in). Raises WarmupError when the pool is not
-    as it was afterwards."""
+    """Run the warm-up (prompts `scale` of their full size) and feed its steps to the
+    scheduler's step-cost model. Returns the steps measured (0: the pool is too small to warm
+    up in). Raises WarmupError when the pool is not as it was afterwards."""
     pool = scheduler.pool
     limits = scheduler.limits
-    steps = plan(pool, limits.chunked_prefill_size, limits.max_running_requests, context_length)
+    steps = plan(
+        pool, limits.chunked_prefill_size, limits.max_running_requests, context_length, scale
+    )
     if steps is None:
         log.warning("warm-up skipped: the pool cannot hold its rows")
         return 0
