@@ -294,3 +294,32 @@ def test_a_cut_starts_its_prompts_first_and_holds_the_others_to_its_end(checkpoi
     # Step 1: 50 of the first and 14 of the second; step 2: the second's and the third's last
     # tokens and two others', held; step 3 releases those two (the cut's prompts all had theirs).
     assert firsts[:3] == [{0}, {1, 2}, {3, 4}], firsts[:3]
+
+
+def test_while_a_cuts_streams_decode_no_wave_forms() -> None:
+    from types import SimpleNamespace
+
+    from kvfence.engine.scheduler import Scheduler, SchedulerLimits
+    from kvfence.engine.sequence import SeqMode, SeqStatus
+    from kvfence.engine.step_budget import BudgetPolicy
+
+    def seq(rid: str, **kw: object) -> SimpleNamespace:
+        base = dict(request_id=rid, status=SeqStatus.RUNNING, mode=SeqMode.FULL, output_ids=[],
+                    in_decode=False, num_uncomputed=0, num_output=0, token_ids=[], arrived=0.0,
+                    admitted=SimpleNamespace(max_tokens=4))
+        return SimpleNamespace(**(base | kw))
+
+    policy = BudgetPolicy(64, 1, target_tpot_ms=50.0, target_ttft_ms=1e9, ttft_cuts=True)
+    sched = Scheduler(None, SchedulerLimits(64, 8, policy))  # type: ignore[arg-type]
+    sched.step_budget.model = FixedCost()
+    stream = seq("a", output_ids=[1], num_output=1, in_decode=True)
+    sched.running = [stream]  # type: ignore[list-item]
+    sched.waiting.append(seq("b", status=SeqStatus.WAITING, token_ids=[0] * 40))  # type: ignore[arg-type]
+    # a drains and a wave then computes b well within its target: b waits for a ...
+    assert sched._wave([stream], now=0.0) is Wave.DEFER  # type: ignore[list-item]
+    # ... unless a is a cut's stream: then the step budget serves b beside it (a wave waiting
+    # for the cut's streams would hold back the prompts the cut left).
+    sched._cut = {"a"}
+    assert sched._wave([stream], now=0.0) is Wave.OFF  # type: ignore[list-item]
+    sched.running = []
+    assert sched._wave([], now=0.0) is Wave.FILL  # a finished: waves again
