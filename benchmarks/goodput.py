@@ -17,6 +17,8 @@ How each peer runs, and why:
 - kvfence serve and kvfence up (1 prefill + 1 decode, the cores split by `up`): their defaults,
   plus --kvfence-args when given (the latency targets an operator would set:
   `--kvfence-args "--target-tpot-ms 50 --target-ttft-ms 1000"`), recorded in the JSON.
+- serve_alt (only when asked for in --sides): kvfence serve with --alt-args added to its flags,
+  run in the same passes as the others, for an A/B of a setting against the same vLLM runs.
 """
 
 from __future__ import annotations
@@ -49,6 +51,8 @@ from benchmarks.common import (  # noqa: E402
 TTFT_S = (1.0, 2.0, 4.0)
 TPOT_MS = (50.0, 100.0, 200.0)
 SIDES = ("serve", "up", "vllm")
+# `serve` again with --alt-args added: an A/B of a serve setting in the same passes.
+ALT = "serve_alt"
 SERVED = "bench"
 
 
@@ -143,7 +147,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--input-len", type=int, default=256)
     p.add_argument("--output-len", type=int, default=64)
     p.add_argument("--dtype", default="float32")
-    p.add_argument("--sides", default=",".join(SIDES), help="some of serve,up,vllm")
+    p.add_argument("--sides", default=",".join(SIDES), help=f"some of serve,up,vllm,{ALT}")
     p.add_argument("--model", default=None, help="default: the SmolLM-135M-shaped checkpoint")
     p.add_argument("--tiny", action="store_true", help="a 2-layer model (smoke test)")
     p.add_argument(
@@ -153,6 +157,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     p.add_argument("--kv-pool-tokens", type=int, default=65536)
     p.add_argument("--kvfence-args", default="", help="more flags for both kvfence sides")
+    p.add_argument("--alt-args", default="", help=f"flags {ALT} adds to serve's (an A/B)")
     p.add_argument("--out", default=str(RESULTS))
     p.add_argument("--name", default="goodput")
     a = p.parse_args(argv)
@@ -170,7 +175,10 @@ def main(argv: list[str] | None = None) -> int:
                 a.vllm_python, model, ctx, log, dtype=a.dtype, extra=["--served-model-name", SERVED]
             )
         else:
-            servers[side] = kvfence_server(side, model, ctx, a.kv_pool_tokens, log, extra=extra)
+            mode, more = ("serve", shlex.split(a.alt_args)) if side == ALT else (side, [])
+            servers[side] = kvfence_server(
+                mode, model, ctx, a.kv_pool_tokens, log, extra=[*extra, *more]
+            )
     runs: list[dict] = []
     try:
         for srv in servers.values():
@@ -239,35 +247,31 @@ def summarise_runs(runs: list[dict], sides: list[str], concurrency: list[int]) -
         cell: dict = {
             s: {m: spread([r[m] for r in rs]) for m in metrics} for s, rs in by_side.items() if rs
         }
-        for s in ("serve", "up"):
+        for s in ("serve", "up", ALT):
             if s in by_side and "vllm" in by_side:
-                cell[f"{s}_over_vllm"] = {
-                    m: spread(
-                        [
-                            x[m] / y[m] if y[m] else float("inf")
-                            for x, y in zip(by_side[s], by_side["vllm"], strict=True)
-                        ]
-                    )
-                    for m in metrics
-                    if m != "failed"
-                }
+                cell[f"{s}_over_vllm"] = paired(by_side[s], by_side["vllm"], metrics)
         if "serve" in by_side and "up" in by_side:
             k = "goodput_ttft2s_tpot100ms"
-            cell["up_over_serve"] = {
-                k: spread(
-                    [
-                        x[k] / y[k] if y[k] else float("inf")
-                        for x, y in zip(by_side["up"], by_side["serve"], strict=True)
-                    ]
-                )
-            }
+            cell["up_over_serve"] = {k: paired(by_side["up"], by_side["serve"], [k])[k]}
+        if "serve" in by_side and ALT in by_side:
+            cell[f"{ALT}_over_serve"] = paired(by_side[ALT], by_side["serve"], metrics)
         out[f"c{c}"] = cell
     return out
 
 
+def paired(xs: list[dict], ys: list[dict], metrics: list[str]) -> dict:
+    """Each metric's x / y, pass by pass (0 over 0 is inf: no figure to compare)."""
+    return {
+        m: spread([x[m] / y[m] if y[m] else float("inf") for x, y in zip(xs, ys, strict=True)])
+        for m in metrics
+        if m != "failed"
+    }
+
+
 def print_summary(summary: dict) -> None:
     for c, cell in summary.items():
-        for key in ("serve_over_vllm", "up_over_vllm", "up_over_serve"):
+        for key in ("serve_over_vllm", "up_over_vllm", "up_over_serve", f"{ALT}_over_vllm",
+                    f"{ALT}_over_serve"):
             if key not in cell:
                 continue
             print(f"{c} {key}:")

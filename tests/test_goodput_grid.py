@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from benchmarks.goodput import goodput_grid, per_request, summarise_runs
+from benchmarks.goodput import ALT, goodput_grid, per_request, summarise_runs
 
 
 def _result() -> dict:
@@ -46,3 +46,13 @@ def test_ratios_pair_passes_and_skip_the_records() -> None:
     ratio = cell["serve_over_vllm"]["goodput_ttft2s_tpot100ms"]
     assert (ratio["min"], ratio["max"]) == (0.5, 2.0)
     assert "requests" not in cell["serve"]
+
+
+def test_the_alt_side_pairs_with_serve_and_vllm() -> None:
+    def run(side: str, g: float) -> dict:
+        return {"side": side, "concurrency": 32, "pass": 0, "goodput_ttft2s_tpot100ms": g}
+
+    runs = [run("serve", 0.5), run(ALT, 1.0), run("vllm", 0.25)]
+    cell = summarise_runs(runs, ["serve", ALT, "vllm"], [32])["c32"]
+    assert cell[f"{ALT}_over_serve"]["goodput_ttft2s_tpot100ms"]["median"] == 2.0
+    assert cell[f"{ALT}_over_vllm"]["goodput_ttft2s_tpot100ms"]["median"] == 4.0
