@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import threading
 from dataclasses import replace
+from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -20,8 +22,10 @@ from kvfence.engine.step_budget import MIN_SAMPLES, StepCost
 from kvfence.engine.warmup import WARMUP_TENANT, WarmupError, plan, warmup_tokens
 from kvfence.faults import Faults
 from kvfence.kv.pool import KVPool
+from kvfence.model.config import ModelConfig
 from kvfence.server.auth import ApiKeyFileError, parse_api_keys
 
+REPO = Path(__file__).resolve().parent.parent
 GREEDY = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
 COST = StepCost(a=20.0, b=0.5, c=2.0)  # what the fake clock charges a step, in ms
 
@@ -137,6 +141,14 @@ def test_the_plan_fits_the_pool_and_the_context() -> None:
         steps=tuple((min(p, 32), d) for p, d in roomy.steps))  # fmt: skip
     tiny = plan(pool(512), 512, 64, 4096, scale=0.01)
     assert tiny is not None and (tiny.rows, tiny.row_prompt, tiny.steps) == (1, 1, ())
+
+
+def test_the_scale_follows_the_model_shapes() -> None:
+    """From the shapes, not the model's tensors (a packed model's no longer list its weights)."""
+    assert warmup.model_scale(SimpleNamespace(num_active_params=135_000_000)) == 1.0  # type: ignore[arg-type]
+    assert warmup.model_scale(SimpleNamespace(num_active_params=25_000_000)) == 0.25  # type: ignore[arg-type]
+    bundled = ModelConfig.from_dir(REPO / "models" / "kvfence-tiny")
+    assert warmup.model_scale(bundled) < warmup.FIT_SCALE  # the demo model: cold steps alone
 
 
 def test_a_tiny_model_pays_the_cold_steps_alone_and_leaves_the_pool_whole(checkpoint_dir) -> None:

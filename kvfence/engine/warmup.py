@@ -35,6 +35,7 @@ from kvfence.engine.sequence import SeqMode, SeqStatus, Sequence
 from kvfence.engine.step_budget import MIN_SAMPLES
 from kvfence.faults import Faults
 from kvfence.kv.pool import KVPool
+from kvfence.model.config import ModelConfig
 
 if TYPE_CHECKING:
     from kvfence.engine.engine import Engine
@@ -120,7 +121,7 @@ def boot(engine: Engine, booted: queue.SimpleQueue[BaseException | None]) -> boo
         if engine.cfg.boot_warmup:
             vocab, context = engine.model_config.vocab_size, engine.context_length
             t0 = time.perf_counter()
-            scale = model_scale(engine)
+            scale = model_scale(engine.model_config)
             n = warm_up(engine.runner, engine.scheduler, vocab, context, engine.faults, scale)
             log.info("warm-up: %d steps measured, %.0f ms", n, (time.perf_counter() - t0) * 1e3)
     except BaseException as e:  # noqa: BLE001 - the caller's thread raises it
@@ -130,11 +131,11 @@ def boot(engine: Engine, booted: queue.SimpleQueue[BaseException | None]) -> boo
     return True
 
 
-def model_scale(engine: Engine) -> float:
-    """The share of the full plan's prompt tokens this engine's model computes (its parameters,
-    every tensor-parallel rank's slice counted, against FULL_PLAN_PARAMS)."""
-    params = sum(p.numel() for p in engine.model.parameters()) * engine.cfg.tp_size
-    return min(1.0, params / FULL_PLAN_PARAMS)
+def model_scale(config: ModelConfig) -> float:
+    """The share of the full plan's prompt tokens a model computes: the parameters one token's
+    forward reads, from the shapes (a packed or sharded model's tensors no longer show them),
+    against FULL_PLAN_PARAMS."""
+    return min(1.0, config.num_active_params / FULL_PLAN_PARAMS)
 
 
 def warm_up(
