@@ -11,7 +11,8 @@ import signal
 import sys
 from collections.abc import Sequence
 
-from kvfence.args import NODE_OPTIONS, add_options
+from kvfence.args.node import NODE_OPTIONS
+from kvfence.args.option import add_options
 from kvfence.config import NodeConfig
 from kvfence.faults import Faults
 from kvfence.lifetime import die_with_parent_from_env
@@ -70,7 +71,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    """The `kvfence` parser; `serve` takes the engine, listener and PD options of kvfence.args."""
+    """The `kvfence` parser; `serve` takes the engine, listener and PD options of kvfence/args/."""
     parser = argparse.ArgumentParser(prog="kvfence", description=__doc__)
     sub = parser.add_subparsers(dest="cmd", required=True)
     s = sub.add_parser("serve", help="run an OpenAI-compatible server (unified prefill+decode)")

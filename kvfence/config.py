@@ -1,6 +1,6 @@
 """The frozen, validated configurations a node is built from (flags named like SGLang's):
 EngineConfig, and NodeConfig (engine + HTTP server + PD settings), built once from the flags
-(kvfence/args.py) and all that crosses to the engine process; RoutingConfig for the router."""
+(kvfence/args/) and all that crosses to the engine process; RoutingConfig for the router."""
 
 from __future__ import annotations
 
@@ -205,7 +205,7 @@ class EngineConfig:
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> EngineConfig:
-        """From flags parsed with kvfence.args.ENGINE_OPTIONS (one option per field)."""
+        """From flags parsed with kvfence.args.engine.ENGINE_OPTIONS (one option per field)."""
         return cls(**{f.name: getattr(args, f.name) for f in fields(cls)})
 
 
@@ -296,7 +296,7 @@ class PdConfig:
 class NodeConfig:
     """Everything one node (`kvfence serve`, or a worker `kvfence up` starts) is built from:
     made once from the flags, then handed whole to kvfence/node.py and, pickled, to the engine
-    process. kvfence.args.node_argv writes it back as a command line."""
+    process. kvfence.args.node.node_argv writes it back as a command line."""
 
     engine: EngineConfig
     server: ServerConfig = ServerConfig()
@@ -319,7 +319,7 @@ class NodeConfig:
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> NodeConfig:
-        """From flags parsed with kvfence.args's engine, server and PD options."""
+        """From flags parsed with kvfence/args/'s engine, server and PD options."""
         return cls(
             EngineConfig.from_args(args),
             ServerConfig(**_fields_of(ServerConfig, args)),
@@ -372,5 +372,5 @@ class RoutingConfig:
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> RoutingConfig:
-        """From flags parsed with kvfence.args.ROUTING_OPTIONS (one option per field)."""
+        """From flags parsed with kvfence.args.routing.ROUTING_OPTIONS (one option per field)."""
         return cls(**{f.name: getattr(args, f.name) for f in fields(cls)})

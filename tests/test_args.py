@@ -1,4 +1,4 @@
-"""One flag source (kvfence/args.py): `serve`, `preflight` and `up` take the same engine options,
+"""One flag source (kvfence/args/): `serve`, `preflight` and `up` take the same engine options,
 `up` hands every one to its workers unchanged, and preflight plans the pool `serve` would build."""
 
 from __future__ import annotations
@@ -11,16 +11,11 @@ from typing import Any
 import pytest
 from conftest import TINY_MODEL
 
-from kvfence.args import (
-    ENGINE_OPTIONS,
-    NODE_OPTIONS,
-    PD_OPTIONS,
-    SERVER_OPTIONS,
-    SIZING_OPTIONS,
-    Option,
-    add_options,
-    node_argv,
-)
+from kvfence.args.engine import ENGINE_OPTIONS, SIZING_OPTIONS
+from kvfence.args.node import NODE_OPTIONS, node_argv
+from kvfence.args.option import Option, add_options
+from kvfence.args.pd import PD_OPTIONS
+from kvfence.args.server import SERVER_OPTIONS
 from kvfence.cli import build_parser as build_cli_parser
 from kvfence.config import EngineConfig, NodeConfig, PdConfig, ServerConfig
 from kvfence.kv.sizing import plan_for_engine
@@ -164,7 +159,7 @@ def _config_fields() -> dict[str, Any]:
 
 
 def test_a_node_flag_is_one_option_and_one_config_field() -> None:
-    """Adding a flag means an Option in kvfence/args.py and a field of the config it lands in:
+    """Adding a flag means an Option in kvfence/args/ and a field of the config it lands in:
     every NodeConfig field has exactly one option carrying the field's default, every option
     `serve` takes lands in one field, and `serve` takes them all."""
     fields = _config_fields()

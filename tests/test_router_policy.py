@@ -387,7 +387,7 @@ def test_every_routing_field_has_one_option_and_up_passes_them_to_the_router() -
     import argparse
     import dataclasses
 
-    from kvfence.args import ROUTING_OPTIONS
+    from kvfence.args.routing import ROUTING_OPTIONS
     from kvfence.server.router import add_router_args
     from kvfence.tools.up import UpConfig, add_up_args, router_command
 

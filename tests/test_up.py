@@ -23,7 +23,8 @@ from fake_workers import EXIT_ROLE_ENV, UNHEALTHY_ROLE_ENV, free_port
 from procs import running
 from waiting import wait_for
 
-from kvfence.args import ENGINE_OPTIONS, add_options
+from kvfence.args.engine import ENGINE_OPTIONS
+from kvfence.args.option import add_options
 from kvfence.tools.up import (
     StartupError,
     UpConfig,

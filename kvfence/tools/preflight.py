@@ -12,7 +12,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import NoReturn
 
-from kvfence.args import DEVICE, SIZING_OPTIONS, add_options
+from kvfence.args.engine import DEVICE, SIZING_OPTIONS
+from kvfence.args.option import add_options
 from kvfence.config import DTYPES
 from kvfence.kv.sizing import ROLES, PoolPlan, device_memory_bytes, lora_slot_bytes, plan_pool
 from kvfence.model.config import ModelConfig, UnsupportedModelError
@@ -40,7 +41,7 @@ def build_parser() -> argparse.ArgumentParser:
         prog="kvfence preflight",
         description="Check that a node's KV pool holds one full-context request before serving.",
     )
-    # Exactly the flags that size a pool in `serve` (kvfence.args), adapted where planning
+    # Exactly the flags that size a pool in `serve` (kvfence/args/), adapted where planning
     # differs: the dtype defaults to config.json's, fp8 KV can be planned for other engines, and
     # --device is one of two ways to say how much memory there is.
     add_options(

@@ -1,5 +1,5 @@
 """What `kvfence up` runs, as one frozen UpConfig built once from its flags, and the command lines
-of its workers and router, written from each one's NodeConfig / RoutingConfig (kvfence.args), so
+of its workers and router, written from each one's NodeConfig / RoutingConfig (kvfence/args/), so
 no flag is missed and none is spelled twice."""
 
 from __future__ import annotations
@@ -12,27 +12,21 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from kvfence.args import (
+from kvfence.args.engine import ENGINE_OPTIONS, SHARED_PREFIX_FILE
+from kvfence.args.node import NODE_OPTIONS, node_argv, node_values
+from kvfence.args.option import add_options, command_line
+from kvfence.args.pd import BOOTSTRAP_PORT, TLS_FILE_OPTIONS, TRANSFER_OPTIONS
+from kvfence.args.routing import ROUTING_OPTIONS
+from kvfence.args.server import (
     ADMIN_API_KEY_FILE,
     API_KEY_FILE,
-    BOOTSTRAP_PORT,
     DRAIN_TIMEOUT,
-    ENGINE_OPTIONS,
     HOST,
     LOG_LEVEL,
     MAX_TOOL_CALLS,
-    NODE_OPTIONS,
     PORT,
-    ROUTING_OPTIONS,
     SERVER_OPTIONS,
-    SHARED_PREFIX_FILE,
-    TLS_FILE_OPTIONS,
     TOOL_CALL_PARSER,
-    TRANSFER_OPTIONS,
-    add_options,
-    command_line,
-    node_argv,
-    node_values,
 )
 from kvfence.config import NodeConfig, RoutingConfig
 from kvfence.pd.certs import TlsFiles
@@ -43,7 +37,7 @@ DEFAULT_SHUTDOWN_GRACE_S = 10.0
 
 
 def add_up_args(p: argparse.ArgumentParser) -> None:
-    # The workers' own options (kvfence.args), so `up` takes every flag `serve` does.
+    # The workers' own options (kvfence/args/), so `up` takes every flag `serve` does.
     add_options(
         p,
         ENGINE_OPTIONS,

@@ -6,7 +6,10 @@ from __future__ import annotations
 import argparse
 from dataclasses import dataclass
 
-from kvfence.args import ROUTING_OPTIONS, SERVER_OPTIONS, SHARED_PREFIX_FILE, add_options
+from kvfence.args.engine import SHARED_PREFIX_FILE
+from kvfence.args.option import add_options
+from kvfence.args.routing import ROUTING_OPTIONS
+from kvfence.args.server import SERVER_OPTIONS
 from kvfence.config import RoutingConfig
 
 DEFAULT_HEALTH_INTERVAL_S = 2.0
