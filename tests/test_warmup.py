@@ -98,6 +98,7 @@ def test_after_boot_the_fit_exists_the_pool_is_whole_and_a_twin_prompt_shares_no
         fit = model.cost()
         assert fit is not None
         assert (fit.a, fit.b, fit.c) == pytest.approx((COST.a, COST.b, COST.c), rel=1e-6)
+        assert warm.scheduler.step_budget.beside() == (fit, 0)  # a PD decode's first pricing
         stats = warm.stats()
         assert stats.pages_free == stats.pages_total and stats.running == stats.waiting == 0
         assert warm.pool.num_cached == 0 and stats.prefix_cache is not None

@@ -312,6 +312,13 @@ class StepBudget:
         it: one attribute, replaced whole."""
         return self._beside
 
+    def publish_fit(self) -> None:
+        """The model's fit, if it has one, becomes what beside() reports, with no rows: after a
+        boot warm-up (kvfence/engine/warmup.py) a PD decode prices its first prompts by it."""
+        cost = self.model.cost()
+        if cost is not None:
+            self._beside = (cost, 0)
+
     def at_target(self, cost: StepCost, decode_rows: int) -> int:
         """The prefill tokens the time target alone gives a step of `decode_rows` decodes (no
         floor: a floor follows the queue, not the step's time)."""

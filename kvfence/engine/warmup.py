@@ -161,6 +161,7 @@ def warm_up(
     held: list[Sequence] = []
     try:
         measured = _run(runner, scheduler, steps, vocab_size, held)
+        scheduler.step_budget.publish_fit()
     finally:
         for seq in faults.hook("warmup_keeps_pages", held):
             scheduler.release(seq)
