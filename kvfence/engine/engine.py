@@ -19,35 +19,31 @@ from typing import Protocol
 
 import torch
 
-from kvfence.config import ConfigError, EngineConfig
+from kvfence.config import EngineConfig
+from kvfence.engine import parts
 from kvfence.engine.admission import ENGINE_FAILED, AdmissionLimits, Admitted, Rejected, admit
 from kvfence.engine.openmp import release_thread_pool
 from kvfence.engine.output import advance, emit, logprob_entry, sendable_upto
 from kvfence.engine.prompt_logprobs import MISSING, keep_scores, receive
 from kvfence.engine.request import FinishReason, GenerateRequest, RequestOutput, TokenLogprob
-from kvfence.engine.runner import ModelRunner, StepResult
+from kvfence.engine.runner import StepResult
 from kvfence.engine.scheduler import ScheduledChunk, Scheduler, SchedulerLimits
 from kvfence.engine.sequence import SeqMode, SeqStatus, Sequence
 from kvfence.engine.step_budget import BudgetPolicy
-from kvfence.engine.tp_group import TpBroken, TpLeader
-from kvfence.engine.tp_runner import LeaderRunner
+from kvfence.engine.tp_group import TpBroken
 from kvfence.engine.warmup import boot
 from kvfence.faults import Faults
-from kvfence.kv.pool import KVPool
-from kvfence.kv.prefix import PrefixCache, PrefixCacheStats, SharedPrefixes, load_shared_prefixes
-from kvfence.kv.sizing import CapacityError, PoolPlan, plan_for_engine, require_fits
+from kvfence.kv.prefix import PrefixCacheStats
+from kvfence.kv.sizing import CapacityError, PoolPlan
 from kvfence.lora.runtime import LoraRuntime
 from kvfence.model.config import ModelConfig
-from kvfence.model.loader import TORCH_DTYPES, load_model
 from kvfence.model.tokenizer import (
     IncrementalDetokenizer,
     Tokenizer,
     load_tokenizer,
     stop_token_ids,
 )
-from kvfence.model.tp import install_collectives, shard_model
 from kvfence.structured.grammar import GrammarError, Grammars, Matcher
-from kvfence.tp_layout import TpLayout, tp_problem
 
 log = logging.getLogger("kvfence.engine")
 
@@ -107,58 +103,20 @@ class Engine:
             # kernels use too, starts every later parallel region with this many threads.
             # Tensor-parallel ranks each take their share instead (TpLeader).
             torch.set_num_threads(cfg.threads)
-        problem = tp_problem(
-            self.model_config,
-            cfg.tp_size,
-            self.model_config.intermediate_size,
-            self.model_config.moe is not None,
-        )
-        if problem is not None:
-            raise ConfigError(problem)
-        self.plan: PoolPlan = plan_for_engine(cfg, self.model_config)
-        beyond = self.model_config.context_problem(self.plan.context_length)
-        if beyond is not None and not cfg.allow_context_beyond_positions:
-            raise ConfigError(beyond)
-        if beyond is not None:
-            log.warning("--allow-context-beyond-positions: %s", beyond)
-        if cfg.unsafe_skip_preflight:
-            log.warning("UNSAFE: preflight skipped: %s", self.plan.problem())
-        else:
-            require_fits(self.plan)  # I7: refuse to start rather than silently lower the limit
+        self.plan: PoolPlan = parts.plan_or_refuse(cfg, self.model_config)
         # The plan resolved the flags' defaults (context length, KV dtype); nothing re-derives them.
         self.context_length = self.plan.context_length
         self.tokenizer = load_tokenizer(cfg, self.model_config.vocab_size)
-        # Ranks 1..N-1 start first, so they load their slices while this process loads its own.
-        self.tp = (
-            TpLeader(
-                cfg,
-                lambda rank: TpLayout.of(self.model_config, rank, cfg.tp_size),
-                self.plan.pool_pages,
-                self.context_length,
-                self.plan.kv_cache_dtype,
-            )
-            if cfg.tp_size > 1
+        self.tp = parts.tp_leader(cfg, self.model_config, self.plan)
+        self._failed: str | None = None  # why the engine failed closed for good (a lost rank)
+        self.model = parts.model(cfg, self.device, self.context_length, self.tp)
+        self.prefix_caching = cfg.enable_prefix_caching
+        prefix = (
+            parts.prefix_cache(cfg, self.tokenizer, self.model_config.vocab_size, self.faults)
+            if cfg.enable_prefix_caching
             else None
         )
-        self._failed: str | None = None  # why the engine failed closed for good (a lost rank)
-        self.model = load_model(cfg.model, cfg.dtype, self.device)
-        self.model.init_rope(self.context_length, self.device)
-        if self.tp is not None:
-            shard_model(self.model, self.tp.layout)
-        self.prefix_caching = cfg.enable_prefix_caching
-        self.pool = KVPool(
-            num_layers=self.model_config.num_layers,
-            num_pages=self.plan.pool_pages,
-            page_size=cfg.page_size,
-            num_kv_heads=(
-                self.model_config.num_kv_heads if self.tp is None else self.tp.layout.num_kv_heads
-            ),
-            head_dim=self.model_config.head_dim,
-            dtype=TORCH_DTYPES[self.plan.kv_cache_dtype],
-            device=self.device,
-            poison_on_free=cfg.kv_poison_on_free,
-            prefix=self._prefix_cache() if cfg.enable_prefix_caching else None,
-        )
+        self.pool = parts.kv_pool(cfg, self.model_config, self.plan, self.device, self.tp, prefix)
         self.limits = AdmissionLimits(
             context_length=self.context_length,
             pool_tokens=self.pool.capacity_tokens,
@@ -194,29 +152,25 @@ class Engine:
             self.model_config.vocab_size,
             sorted(self.eos_token_ids),
         )
-        runner_args = (
+        self.runner = parts.runner(
+            cfg,
             self.model,
             self.pool,
             self.device,
-            cfg.seed,
-            cfg.attention_backend,
-            cfg.linear_backend,
             self.faults,
             self.grammars,
+            self.tp,
+            self.context_length,
         )
-        if self.tp is None:
-            self.runner = ModelRunner(*runner_args)
-            self.runner.use_decode_graphs(cfg, self.pool.pages_for(self.context_length))
-        else:
-            self.runner = LeaderRunner(
-                *runner_args, group=self.tp.group, send=self.tp.send, lock=self.tp.lock
-            )
-            install_collectives(self.model, self.tp.group, self.tp.layout)
-            self.tp.ready()
+        if self.tp is not None:
             self.tp.on_broken = lambda: self._wake.set()
-        # Multi-LoRA: adapters bound to the fused projections; no more distinct ones run than slots.
-        self.lora = (LoraRuntime(cfg, self.model_config, self.model, self.model_name, self.device)
-                     if cfg.enable_lora else None)
+        # Multi-LoRA: adapters bound to the fused projections; the scheduler admits no more
+        # distinct adapters than there are slots.
+        self.lora = (
+            LoraRuntime(cfg, self.model_config, self.model, self.model_name, self.device)
+            if cfg.enable_lora
+            else None
+        )
         if self.lora is not None:
             self.runner.lora = self.lora.slots
             self.scheduler.limits.lora_may_enter = self.lora.may_enter
@@ -230,21 +184,6 @@ class Engine:
         # Called on the engine thread after each pass of the loop (add them before start()): a
         # sink that batches (kvfence/engine/outbox.py) sends one step's outputs at once.
         self.step_end_hooks: list[Callable[[], None]] = []
-
-    def _prefix_cache(self) -> PrefixCache:
-        shared: list[list[int]] = []
-        if self.cfg.shared_prefix_file is not None:
-            shared = load_shared_prefixes(
-                self.cfg.shared_prefix_file,
-                lambda text: self.tokenizer.encode(text, add_special_tokens=False),
-                self.model_config.vocab_size,
-            )
-        return PrefixCache(
-            self.cfg.page_size,
-            shared=SharedPrefixes(shared, self.cfg.page_size),
-            ttl=self.cfg.prefix_cache_ttl,
-            faults=self.faults,
-        )
 
     # ---- called from any thread -------------------------------------------------------------
 
@@ -298,10 +237,18 @@ class Engine:
     def stats(self) -> EngineStats:
         pool, sched = self.pool, self.scheduler
         return EngineStats(
-            pool.num_pages, pool.num_used, pool.num_free, pool.page_size, pool.capacity_tokens,
-            len(sched.running), len(sched.waiting), sched.num_preemptions, len(sched.handoff),
-            sched.pages_in_handoff(), self.integrity_failures,
-            pool.prefix.stats() if pool.prefix is not None else None,
+            pages_total=pool.num_pages,
+            pages_used=pool.num_used,
+            pages_free=pool.num_free,
+            page_size=pool.page_size,
+            pool_tokens=pool.capacity_tokens,
+            running=len(sched.running),
+            waiting=len(sched.waiting),
+            preemptions=sched.num_preemptions,
+            handoff=len(sched.handoff),
+            pages_handoff=sched.pages_in_handoff(),
+            integrity_failures=self.integrity_failures,
+            prefix_cache=pool.prefix.stats() if pool.prefix is not None else None,
         )
 
     def start(self) -> None:
@@ -309,8 +256,9 @@ class Engine:
         # model's load left on this thread would make each of its parallel regions wait.
         release_thread_pool()
         booted: queue.SimpleQueue[BaseException | None] = queue.SimpleQueue()
-        self._thread = threading.Thread(target=self._loop, args=(booted,), name="kvfence-engine",
-                                        daemon=True)
+        self._thread = threading.Thread(
+            target=self._loop, args=(booted,), name="kvfence-engine", daemon=True
+        )
         self._thread.start()
         if (failed := booted.get()) is not None:
             raise failed
