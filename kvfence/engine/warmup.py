@@ -25,8 +25,9 @@ import logging
 import queue
 import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import Protocol
 
+from kvfence.config import EngineConfig
 from kvfence.engine.admission import Admitted
 from kvfence.engine.request import GenerateRequest, SamplingParams
 from kvfence.engine.runner import ModelRunner
@@ -36,9 +37,6 @@ from kvfence.engine.step_budget import MIN_SAMPLES
 from kvfence.faults import Faults
 from kvfence.kv.pool import KVPool
 from kvfence.model.config import ModelConfig
-
-if TYPE_CHECKING:
-    from kvfence.engine.engine import Engine
 
 log = logging.getLogger("kvfence.engine")
 
@@ -113,7 +111,19 @@ def warmup_tokens(vocab_size: int, n: int, salt: int) -> list[int]:
     return [(7 + 31 * j + 101 * salt) % vocab_size for j in range(n)]
 
 
-def boot(engine: Engine, booted: queue.SimpleQueue[BaseException | None]) -> bool:
+class Booting(Protocol):
+    """What the warm-up reads of the engine it warms (kvfence/engine/engine.py's Engine, which
+    calls it; named by its parts so this module does not import the engine's)."""
+
+    cfg: EngineConfig
+    model_config: ModelConfig
+    context_length: int
+    runner: ModelRunner
+    scheduler: Scheduler
+    faults: Faults
+
+
+def boot(engine: Booting, booted: queue.SimpleQueue[BaseException | None]) -> bool:
     """On the loop's thread, before its first step: the warm-up if --boot-warmup, then word to
     Engine.start (None, or what failed, which start raises in its caller's thread). False: the
     loop must not run."""
