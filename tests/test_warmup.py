@@ -140,8 +140,7 @@ def test_the_plan_fits_the_pool_and_the_context() -> None:
     # A small model computes fewer prompt tokens; a tiny one the two cold steps alone.
     assert plan(pool(512), 512, 64, 4096, scale=0.25) == replace(roomy, row_prompt=4,
         steps=tuple((min(p, 32), d) for p, d in roomy.steps))  # fmt: skip
-    tiny = plan(pool(512), 512, 64, 4096, scale=0.01)
-    assert tiny is not None and (tiny.rows, tiny.row_prompt, tiny.steps) == (1, 1, ())
+    assert plan(pool(512), 512, 64, 4096, scale=0.01) is None  # a tiny model: no warm-up
 
 
 def test_the_scale_follows_the_model_shapes() -> None:
@@ -152,23 +151,51 @@ def test_the_scale_follows_the_model_shapes() -> None:
     assert warmup.model_scale(bundled) < warmup.FIT_SCALE  # the demo model: cold steps alone
 
 
-def test_a_tiny_model_pays_the_cold_steps_alone_and_leaves_the_pool_whole(checkpoint_dir) -> None:
+def test_a_tiny_model_runs_no_warmup_step(checkpoint_dir) -> None:
     engine = engine_for(str(checkpoint_dir("llama")))
     seen: list[int] = []
     real = engine.runner.run
     engine.runner.run = lambda chunks: seen.append(len(chunks)) or real(chunks)  # type: ignore[method-assign]
     try:
         engine.start()
-        assert seen == [1, 1] and not engine.scheduler.step_budget.model.steps
-        stats = engine.stats()
-        assert stats.pages_free == stats.pages_total and engine.pool.num_cached == 0
+        assert seen == [] and engine.stats().pages_free == engine.stats().pages_total
     finally:
         engine.shutdown()
 
 
-def test_a_warmup_that_keeps_a_page_stops_the_engine_from_starting(checkpoint_dir) -> None:
+def test_both_pd_roles_warm_up_and_then_serve_exactly(checkpoint_dir, monkeypatch) -> None:
+    """Prefill and decode each run the whole plan at start (each has a step budget; decode
+    prices its first prompts by the fit), hand back whole pools, and answer as a unified
+    engine does."""
+    from pd_harness import PDPair, finished_ok
+
+    from kvfence.engine.llm import LLM
+
+    monkeypatch.setattr(warmup, "FULL_PLAN_PARAMS", 1)
+    model = str(checkpoint_dir("llama"))
+    pair = PDPair(model, kv_pool_tokens=2048, context_length=256)
+    try:
+        for svc in (pair.prefill, pair.decode):
+            budget = svc.engine.scheduler.step_budget
+            assert len(budget.model.steps) >= MIN_SAMPLES and budget.model.cost() is not None
+            assert svc.engine.stats().pages_free == svc.engine.stats().pages_total
+            assert svc.engine.pool.num_cached == 0
+        prompt = warmup_tokens(pair.decode.engine.model_config.vocab_size, 128, 33)
+        (got,) = pair.generate([prompt], GREEDY)
+        (want,) = LLM(model, kv_pool_tokens=2048, context_length=256).generate([prompt], GREEDY)
+        assert finished_ok(got) and got.token_ids == want.token_ids
+        assert got.final is not None and got.final.cached_tokens == 0
+        assert pair.wait_idle()
+    finally:
+        pair.close()
+
+
+def test_a_warmup_that_keeps_a_page_stops_the_engine_from_starting(
+    checkpoint_dir, monkeypatch
+) -> None:
     """The guard: a page the warm-up kept would shrink the capacity the boot check vouched for
     (I7), so start() refuses."""
+    monkeypatch.setattr(warmup, "FULL_PLAN_PARAMS", 1)
     faults = Faults()
     faults.arm("warmup_keeps_pages")
     engine = engine_for(str(checkpoint_dir("llama")), faults)
@@ -179,9 +206,12 @@ def test_a_warmup_that_keeps_a_page_stops_the_engine_from_starting(checkpoint_di
         engine.shutdown()
 
 
-def test_twin_without_the_check_the_engine_starts_with_pages_held(checkpoint_dir) -> None:
+def test_twin_without_the_check_the_engine_starts_with_pages_held(
+    checkpoint_dir, monkeypatch
+) -> None:
     """Twin: with the check off the same warm-up starts an engine whose pool is short, which
     the pool check after boot (the first test's) catches."""
+    monkeypatch.setattr(warmup, "FULL_PLAN_PARAMS", 1)
     faults = Faults()
     faults.arm("warmup_keeps_pages")
     faults.arm("skip_warmup_check")

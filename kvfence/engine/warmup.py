@@ -47,9 +47,10 @@ ROW_COUNTS = (1, 8, 32)  # decode rows per step (capped by --max-running-request
 MIXED_CHUNK = 128  # prefill tokens of a step that also decodes (capped by the chunk size)
 # A model this size or larger computes the whole plan (a page per row, MIXED_CHUNK); a smaller
 # one its prompts' tokens in proportion, and one under FIT_SCALE of it (the test and demo
-# models, a few million parameters) only the cold steps, of one token each: a fit of steps that
-# take a millisecond buys nothing, and a server's tests start many engines. At 135M parameters
-# a prompt token is what the fit must see (fp32: ~1 ms a token against ~15 ms a step).
+# models, a few million parameters) nothing: a fit of steps that take a millisecond buys
+# nothing, and a test suite starts many servers (two one-token steps still cost a median
+# 170 ms an engine on 2 oversubscribed cores, each parallel region waiting for a worker). At
+# 135M parameters a prompt token is what the fit must see (fp32: ~1 ms a token, ~15 ms a step).
 FULL_PLAN_PARAMS = 100_000_000
 FIT_SCALE = 0.05
 MIN_MIXED = 8
@@ -85,11 +86,9 @@ def plan(
     pool: KVPool, chunk: int, max_running: int, context_length: int, scale: float = 1.0
 ) -> WarmupPlan | None:
     """The steps for this pool and these limits, prompts `scale` (0..1] of their full size;
-    None when not even one row fits."""
-    if scale < FIT_SCALE:  # the cold steps alone: one row of one token
-        cold = WarmupPlan(1, 1, ())
-        fits = cold.pages(pool) <= pool.num_free and cold.decode_steps + 2 <= context_length
-        return cold if fits else None
+    None when the model is too small to be worth it or not even one row fits."""
+    if scale < FIT_SCALE:
+        return None
     row_prompt = max(1, round(pool.page_size * scale))
     mixed = min(max(MIN_MIXED, round(MIXED_CHUNK * scale)), chunk, context_length - 1)
     for rows in range(min(max(ROW_COUNTS), max_running), 0, -1):
@@ -165,7 +164,8 @@ def warm_up(
         pool, limits.chunked_prefill_size, limits.max_running_requests, context_length, scale
     )
     if steps is None:
-        log.warning("warm-up skipped: the pool cannot hold its rows")
+        if scale >= FIT_SCALE:
+            log.warning("warm-up skipped: the pool cannot hold its rows")
         return 0
     free, cached = pool.num_free, pool.num_cached
     held: list[Sequence] = []
