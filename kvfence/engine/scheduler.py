@@ -10,10 +10,13 @@ from __future__ import annotations
 import logging
 from collections import deque
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
 from kvfence.engine.deadlines import tpot_slack_ms
+from kvfence.engine.entry import by_transfer as _by_transfer
+from kvfence.engine.entry import entry_order
+from kvfence.engine.entry import ms_left as _ms_left
 from kvfence.engine.fairness import next_waiting
 from kvfence.engine.prompt_logprobs import NO_SCORES, scored_range
 from kvfence.engine.sequence import SeqMode, SeqStatus, Sequence
@@ -53,6 +56,7 @@ class SchedulerLimits:
     lora_may_enter: Callable[[LoraAdapter | None, Iterable[LoraAdapter | None]], bool] | None = (
         None
     )
+    on_time_first: bool = False  # a PD role: Scheduler.share_prompts
 
 
 class Scheduler:
@@ -78,6 +82,16 @@ class Scheduler:
         # holds their first tokens.
         self._cut: set[str] = set()
         self._cutting = False
+
+    def share_prompts(self, hold_tpot: bool) -> None:
+        """This engine is a PD role, whose prompts have another worker to be computed by: with a
+        TTFT target, the waiting prompts that can still meet it enter first (entry.py);
+        hold_tpot (a decode worker that takes prompts): its floors are held within two TPOT
+        targets (step_budget.held_to_tpot)."""
+        self.limits.on_time_first = True
+        if hold_tpot:
+            self.limits.step = replace(self.limits.step, tpot_over_floors=True)
+            self.step_budget.policy = self.limits.step
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
@@ -168,10 +182,12 @@ class Scheduler:
             Wave.DEFER,
             Wave.RELEASE,
         )
-        while may_admit and budget > 0:
-            seq = self._admit_next()
+        on_time = False  # a prompt that can be on time computes this step (entry.py)
+        while may_admit:
+            seq, late = self._admit_next(budget, now, on_time_only=on_time)
             if seq is None:
                 break
+            on_time |= not late and seq.status is SeqStatus.RUNNING
             if seq.status is not SeqStatus.RUNNING:
                 continue  # a decode's reservation: its KV arrives by transfer
             n = self._hold(seq, min(seq.num_uncomputed, budget), wave)
@@ -186,30 +202,41 @@ class Scheduler:
             self._decode([s for s in self.running if s.in_decode], chunks)
         return chunks
 
-    def _admit_next(self) -> Sequence | None:
-        """The next waiting sequence into the running set (fair order), or None when it has to
-        wait (no slot, its tenant's cap, its twin's pages, its adapter, the pool)."""
+    def _admit_next(
+        self, budget: int = 1, now: float = 0.0, on_time_only: bool = False
+    ) -> tuple[Sequence | None, bool]:
+        """The next waiting sequence into the running set (fair order, entry.entry_order's),
+        or None when it has to wait (no slot, its tenant's cap, its twin's pages, its adapter,
+        the pool; no budget; on_time_only and it would be late: a late prompt's tokens would
+        only delay the step's on-time first tokens); and whether it enters late."""
         if not self.waiting or len(self.running) >= self.limits.max_running_requests:
-            return None
+            return None, False
+        step = self.limits.step
+        order, on_time = entry_order(
+            self.waiting, self.running, budget,
+            step.target_ttft_ms if self.limits.on_time_first else None,
+            self.step_budget.model.cost(), step.max_chunk, now,
+        )  # fmt: skip
         pick = next_waiting(
-            self.waiting,
+            [self.waiting[i] for i in order],
             self.running,
             self.limits.max_running_requests_per_tenant,
             self.faults.guards().on("fair_share"),
         )
-        if pick is None:
-            return None  # every waiting tenant holds its cap
+        if pick is None or (on_time_only and pick >= on_time):
+            return None, False  # every waiting tenant holds its cap, or a late one's turn
+        late, pick = pick >= on_time, order[pick]
         seq = self.waiting[pick]
         hit = self._lookup(seq)
         if self._awaits_twin(seq, len(hit)):
-            return None  # its next page is being computed right now; it reuses it next step
+            return None, False  # its next page is being computed right now; it reuses it next step
         # The hit's pages are shared, not taken; those nobody references yet stop being
         # evictable once this sequence holds them.
         if not self._adapter_fits(seq):
-            return None  # its adapter needs a slot the running ones hold; it waits, in order
+            return None, False  # its adapter needs a slot the running ones hold; it waits, in order
         needed = self.pool.pages_for(len(seq.token_ids)) - len(hit)
         if needed > self.pool.num_free - self.pool.num_evictable_among(hit):
-            return None  # the pick waits: later arrivals never overtake it
+            return None, False  # the pick waits: later arrivals never overtake it
         del self.waiting[pick]
         seq.grant = self.pool.new_grant(seq.tenant, seq.request_id)
         self._enter(seq, len(hit), needed)
@@ -218,10 +245,10 @@ class Scheduler:
             seq.status = SeqStatus.HANDOFF
             self.handoff[seq.request_id] = seq
             self.reserved.append(seq)
-            return seq
+            return seq, late
         seq.status = SeqStatus.RUNNING
         self.running.append(seq)
-        return seq
+        return seq, late
 
     def _cut_step(self, chunks: list[ScheduledChunk], now: float) -> list[ScheduledChunk]:
         """A CUT step (waves.py): every stream decodes, the waiting prompts enter, and a whole
@@ -229,7 +256,7 @@ class Scheduler:
         preempted_before = self.num_preemptions
         self._decode([s for s in self.running if s.in_decode and s.output_ids], chunks)
         self.step_budget.for_step(len(chunks))  # the arrival pace ticks once a step
-        while self.num_preemptions == preempted_before and self._admit_next() is not None:
+        while self.num_preemptions == preempted_before and self._admit_next()[0] is not None:
             pass  # (after a preemption the pool is short: admitting would only thrash)
         ttft = self.limits.step.target_ttft_ms or 0.0
         todo = [
@@ -550,11 +577,6 @@ class Scheduler:
         seq.grant = None
 
 
-def _ms_left(seq: Sequence, target_ttft_ms: float, now: float) -> float:
-    """ms left before seq's first token misses the TTFT target (negative: already late)."""
-    return (seq.arrived - now) * 1000.0 + target_ttft_ms
-
-
 def _to_compute(seq: Sequence) -> int:
     """Prompt tokens seq still has to compute (a waiting one: all of them)."""
     return seq.num_uncomputed if seq.status is SeqStatus.RUNNING else len(seq.token_ids)
@@ -565,8 +587,3 @@ def _chunk(seq: Sequence, n: int) -> ScheduledChunk:
     return ScheduledChunk(
         seq, seq.num_computed, n, scored_range(seq.prompt_scores, seq.num_computed, n)
     )
-
-
-def _by_transfer(seq: Sequence) -> bool:
-    """A decode sequence whose prompt KV still has to arrive from prefill."""
-    return seq.mode is SeqMode.DECODE_ONLY and not seq.output_ids

@@ -58,6 +58,13 @@ AUTO_STEP_FACTOR = 2.0
 # (benchmarks/RESULTS.md "HTTP: TTFT and ITL").
 NARROW_ROWS = 8
 WIDE_ROWS = 32
+# A decode worker that takes prompts (held_to_tpot): its floors may lengthen a step to this many
+# TPOT targets, no more. Unbounded, they made 1P1D's C=32 steps 150-650 ms beside 5-28 rows
+# (decode-only 50-170 ms) on 2 loaded cores: every stream's TPOT 150-260 ms at a 50 ms target,
+# none within 100 ms, for local prompts that were late anyway. Held to one target, the C=8 local
+# prompts lost their chunks (TTFT p50 1.97 s against 0.85, goodput at 2 s x 100 ms 0.87 against
+# 1.75 req/s, interleaved); at C=8 the floors' steps stay within two (TPOT p50 47-58 ms).
+HELD_FLOOR_TARGETS = 2.0
 WINDOW = 64  # recent steps the fit reads
 MIN_SAMPLES = 8  # below this the model does not predict; mixed steps take the minimum chunk
 REFIT_EVERY = 4  # steps between fits (a fit is a few 3x3 solves; cheap, but not free)
@@ -93,6 +100,9 @@ class BudgetPolicy:
     target_tpot_ms: float | None = None
     target_ttft_ms: float | None = None
     ttft_cuts: bool = False  # --ttft-cuts: a wave too big for the TTFT target is cut (waves.py)
+    # A decode worker that takes prompts beside its rows (kvfence/pd/local_prefill.py): its
+    # floors are held within HELD_FLOOR_TARGETS TPOT targets (Scheduler.share_prompts).
+    tpot_over_floors: bool = False
 
 
 @dataclass(frozen=True)
@@ -139,12 +149,24 @@ def prefill_budget(
     if cost is None or cost.b <= 0:
         return floor  # nothing measured yet: the smallest step that still makes progress
     decode_ms = cost.predict(0, decode_rows)
-    if deadlines is not None and deadlines.prompts:
-        floor = max(floor, ttft_floor(decode_ms, cost.b, deadlines.prompts, cap))
     target = step_target_ms(policy, decode_rows, decode_ms, deadlines)
     room = (target - decode_ms) / cost.b
     tokens = math.floor(room) if math.isfinite(room) else cap
+    if deadlines is not None and deadlines.prompts:
+        floor = max(floor, ttft_floor(decode_ms, cost.b, deadlines.prompts, cap))
+    if held_to_tpot(policy, deadlines):
+        assert policy.target_tpot_ms is not None
+        ceiling = (HELD_FLOOR_TARGETS * policy.target_tpot_ms - decode_ms) / cost.b
+        floor = min(floor, max(1, math.floor(ceiling)))
     return max(floor, min(cap, tokens))
+
+
+def held_to_tpot(policy: BudgetPolicy, deadlines: Deadlines | None) -> bool:
+    """Whether the floors (the minimum chunk, the prompts' TTFT) may lengthen a step to
+    HELD_FLOOR_TARGETS TPOT targets at most (one prompt token at least, so a prompt already
+    here still moves): a decode worker that takes prompts (BudgetPolicy.tpot_over_floors) with
+    a TPOT target."""
+    return policy.tpot_over_floors and policy.target_tpot_ms is not None and deadlines is not None
 
 
 def step_target_ms(
@@ -321,8 +343,10 @@ class StepBudget:
 
     def at_target(self, cost: StepCost, decode_rows: int) -> int:
         """The prefill tokens the time target alone gives a step of `decode_rows` decodes (no
-        floor: a floor follows the queue, not the step's time)."""
-        return prefill_budget(self.policy, cost, decode_rows)
+        floor: a floor follows the queue, not the step's time); held to a TPOT target, that
+        target's step (no stream's slack known: a whole target)."""
+        held = Deadlines() if self.policy.tpot_over_floors else None
+        return prefill_budget(self.policy, cost, decode_rows, deadlines=held)
 
     def observe(self, prefill_tokens: int, decode_rows: int, ms: float) -> None:
         self.model.observe(prefill_tokens, decode_rows, ms)

@@ -72,6 +72,7 @@ class DecodeService(PdService):
             cfg = replace(
                 cfg, wide_step_factor=AUTO_STEP_FACTOR, prefill_backlog_steps=LOCAL_BACKLOG_STEPS
             )
+        self._takes_prompts = local_prefill > 0
         super().__init__(cfg, backend, tls, faults, timeout_s, limits)
         limit = LOCAL_LIMIT_CHUNKS * cfg.chunked_prefill_size
         self.pending = PendingPrompts(local_prefill, limit)
@@ -90,6 +91,10 @@ class DecodeService(PdService):
         self.dialer = Dialer(setup, hello, self.receiver.read, self._connection_lost)
         self.peers = self.dialer.peers  # one connection per resolved prefill address
         self.pairing_errors = self.dialer.pairing_errors
+
+    def _holds_tpot(self, cfg: EngineConfig) -> bool:
+        # Its rows decode nowhere else; its prompts have the prefill worker (local_prefill.py).
+        return self._takes_prompts
 
     # ---- the role the HTTP layer talks to ------------------------------------------------------
 

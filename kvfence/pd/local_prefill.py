@@ -40,6 +40,14 @@ fresh prompts, 3 alternating pairs on 2 cores at load 2-5, so a direction): C=32
 0.89-1.30x, TTFT p50 0.61-0.82x, ITL p99 3.8-5x (the decode's 2x-target steps beside ~25 rows),
 C=8 equal; no 1P1D run met TPOT 100 ms at C=32 on cores that loaded.
 
+With a TPOT target such a decode prices its prompts, and runs its steps, within that target's
+step, its floors held within two (step_budget.held_to_tpot): in 1P1D at C=32 the floors made
+150-650 ms steps beside 5-28 rows, every stream's TPOT 150-260 ms at a 50 ms target, while the
+local prompts were late anyway. The prefill worker and this queue then serve the prompts that
+can still meet the TTFT target first (Scheduler.share_prompts). Interleaved on 2 loaded cores
+(diag, one pass each, a direction): C=32 fp32 TPOT 36-90 ms against 80-410, C=8 bf16 goodput
+unchanged (1.41, 1.47 against 1.34-1.48 req/s at 2 s x 100 ms).
+
 `factor` scales the local side: `kvfence up` asks 1 (the waits as priced). The view is this
 worker's own requests: with several decodes per prefill it undercounts the prefill's queue,
 which only keeps more prompts on the PD path. A decode that takes prompts keeps the narrow step

@@ -46,6 +46,7 @@ class PdService(EngineRole):
         self.faults = faults if faults is not None else Faults()
         self.tls = check_setup(cfg, backend, tls, self.role)  # I8: mutual TLS, this role's cert
         super().__init__(Engine(cfg, self.faults, hooks=self))
+        self.engine.scheduler.share_prompts(hold_tpot=self._holds_tpot(cfg))
         self.pool_port = PoolPort(self.engine, self.faults)  # this service's only way in
         self.slices = self.pool_port.slices  # None: one rank holds whole pages
         self.limits = limits or LinkLimits()
@@ -54,6 +55,11 @@ class PdService(EngineRole):
         self.transfer_stats = TransferStats(self.role)
         self.io = IOLoop(f"kvfence-{self.role}-io")
         self.loop = self.io.loop
+
+    def _holds_tpot(self, cfg: EngineConfig) -> bool:
+        """Whether this role's steps hold the TPOT target over their prefill floors: a decode
+        worker that takes prompts (DecodeService)."""
+        return False
 
     def _peer_setup(self, cfg: EngineConfig) -> PeerSetup:
         """What the connections are made with; the I7 facts this worker pairs on become
