@@ -18,6 +18,7 @@ from kvfence.config import EngineConfig
 from kvfence.engine import warmup
 from kvfence.engine.engine import Engine
 from kvfence.engine.request import GenerateRequest, RequestOutput, SamplingParams
+from kvfence.engine.runner import ModelRunner
 from kvfence.engine.step_budget import MIN_SAMPLES, StepCost
 from kvfence.engine.warmup import WARMUP_TENANT, WarmupError, plan, warmup_tokens
 from kvfence.faults import Faults
@@ -172,12 +173,26 @@ def test_both_pd_roles_warm_up_and_then_serve_exactly(checkpoint_dir, monkeypatc
     from kvfence.engine.llm import LLM
 
     monkeypatch.setattr(warmup, "FULL_PLAN_PARAMS", 1)
+    now = [0.0]
+    real = ModelRunner.run
+
+    def run(self, chunks):  # type: ignore[no-untyped-def]
+        # The fake clock of charge_steps, for both roles' runners (built inside PDPair).
+        d = sum(c.seq.in_decode for c in chunks)
+        now[0] += COST.predict(sum(c.length for c in chunks if not c.seq.in_decode), d) / 1000
+        return real(self, chunks)
+
+    monkeypatch.setattr(ModelRunner, "run", run)
+    monkeypatch.setattr(warmup, "clock", lambda: now[0])
     model = str(checkpoint_dir("llama"))
     pair = PDPair(model, kv_pool_tokens=2048, context_length=256)
     try:
         for svc in (pair.prefill, pair.decode):
             budget = svc.engine.scheduler.step_budget
-            assert len(budget.model.steps) >= MIN_SAMPLES and budget.model.cost() is not None
+            assert len(budget.model.steps) >= MIN_SAMPLES
+            fit = budget.model.cost()
+            assert fit is not None and budget.beside() == (fit, 0)
+            assert (fit.a, fit.b, fit.c) == pytest.approx((COST.a, COST.b, COST.c), rel=1e-6)
             assert svc.engine.stats().pages_free == svc.engine.stats().pages_total
             assert svc.engine.pool.num_cached == 0
         prompt = warmup_tokens(pair.decode.engine.model_config.vocab_size, 128, 33)
