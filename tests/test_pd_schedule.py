@@ -11,7 +11,7 @@ import dataclasses
 import torch
 
 from kvfence.engine.admission import Admitted
-from kvfence.engine.deadlines import on_time_first
+from kvfence.engine.deadlines import OVERDUE_X, on_time_first
 from kvfence.engine.request import GenerateRequest, SamplingParams
 from kvfence.engine.scheduler import Scheduler, SchedulerLimits
 from kvfence.engine.sequence import SeqMode, SeqStatus, Sequence
@@ -45,6 +45,16 @@ def test_before_a_fit_any_prompt_with_time_left_is_on_time() -> None:
 def test_all_on_time_or_all_late_keeps_arrival_order() -> None:
     assert on_time_first(0, 1.0, [(1, 10.0), (1, 10.0), (1, 10.0)]) == ([0, 1, 2], 3)
     assert on_time_first(0, 1.0, [(50, 10.0), (50, 10.0)]) == ([0, 1], 0)
+
+
+def test_an_overdue_prompt_goes_first_and_its_tokens_count_ahead() -> None:
+    # 1 s target, overdue at 1 s late. The first is 1.2 s late: it leads, and its 300 tokens
+    # run before the others: the second (100 more, 350 left) is then late; the third is just
+    # late (not overdue) and stays behind.
+    prompts = [(300, -1200.0), (100, 350.0), (100, -10.0), (10, 900.0)]
+    assert on_time_first(0, 1.0, prompts, overdue_ms=1000.0) == ([0, 3, 1, 2], 2)
+    # Without the bound the same prompts put the 1.2 s-late one last, however late it gets.
+    assert on_time_first(0, 1.0, prompts) == ([1, 3, 0, 2], 2)
 
 
 # ---- a decode worker's floors, held to two TPOT targets -----------------------------------------
@@ -126,13 +136,25 @@ def test_a_pd_role_computes_a_prompt_that_can_be_on_time_before_a_late_one() -> 
         sched = make_sched()
         if share:
             sched.share_prompts(hold_tpot=False)
-        # At t = 10 s with a 1 s target: the first arrived 2 s ago (late), the second 0.1 s ago.
-        sched.add(make_seq("late", 40, arrived=8.0))
+        # At t = 10 s with a 1 s target: the first arrived 1.5 s ago (late, not yet overdue),
+        # the second 0.1 s ago.
+        sched.add(make_seq("late", 40, arrived=8.5))
         sched.add(make_seq("fresh", 40, arrived=9.9))
         first = entered(sched, now=10.0)
         # Shared: the fresh one alone (the late one's tokens would only delay its first
         # token); a unified engine keeps arrival order and fills the chunk.
         assert first == (["fresh"] if share else ["late", "fresh"]), share
+
+
+def test_later_arrivals_pass_a_late_prompt_over_for_at_most_overdue_x_targets() -> None:
+    # The bound on starvation: under load fresh prompts keep arriving, each able to be on time.
+    # A late prompt gives way to them only until it is OVERDUE_X targets past its own target.
+    for late_by, first in ((0.5, "fresh"), (OVERDUE_X + 0.01, "late")):
+        sched = make_sched()
+        sched.share_prompts(hold_tpot=False)
+        sched.add(make_seq("late", 40, arrived=10.0 - 1.0 - late_by))
+        sched.add(make_seq("fresh", 40, arrived=9.9))
+        assert entered(sched, now=10.0)[0] == first, late_by
 
 
 def test_a_late_prompt_still_enters_a_step_with_nothing_on_time() -> None:

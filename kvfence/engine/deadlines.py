@@ -26,6 +26,11 @@ from __future__ import annotations
 import math
 from collections.abc import Iterable
 
+# A prompt this many TTFT targets late is served ahead of prompts that can still be on time (a
+# PD role's on_time_first) and of a cut (waves.cut_order): the bound on how long later arrivals
+# may pass it over.
+OVERDUE_X = 1.0
+
 
 def tpot_slack_ms(target_ms: float, rows: Iterable[tuple[float, int]], now: float) -> float:
     """The smallest slack (ms) before a decoding stream's next token is late for its TPOT
@@ -62,7 +67,10 @@ def ttft_floor(
 
 
 def on_time_first(
-    ahead: int, token_ms: float, prompts: Iterable[tuple[int, float]]
+    ahead: int,
+    token_ms: float,
+    prompts: Iterable[tuple[int, float]],
+    overdue_ms: float = math.inf,
 ) -> tuple[list[int], int]:
     """The order waiting prompts are served in (indices into `prompts`, each (tokens to compute,
     ms left to its TTFT target), in arrival order): those that can still get their first token
@@ -71,15 +79,22 @@ def on_time_first(
     lost to goodput wherever it is served, and served first it makes every prompt behind it
     late too: 1P1D at C=32 on 2 loaded cores, the prefill worker served a burst's 30 prompts
     in arrival order, first tokens 2.5-27 s after arrival, so a prompt arriving meanwhile
-    waited behind all of them (served first, it waits for a chunk or two). Also returns how
-    many lead the order on time."""
+    waited behind all of them (served first, it waits for a chunk or two). A prompt overdue_ms
+    past its target (OVERDUE_X targets) goes ahead of them all, oldest first, and counts as
+    leading: later arrivals pass a late prompt over for at most that long, so under sustained
+    load it is served late rather than never (in PD it would wait for the disaggregation
+    timeout's 504). Also returns how many lead the order (the overdue and the on time)."""
+    work = list(prompts)
+    overdue = [i for i, (_, left_ms) in enumerate(work) if left_ms <= -overdue_ms]
     on: list[int] = []
     late: list[int] = []
-    cum = ahead
-    for i, (tokens, left_ms) in enumerate(prompts):
+    cum = ahead + sum(work[i][0] for i in overdue)
+    for i, (tokens, left_ms) in enumerate(work):
+        if left_ms <= -overdue_ms:
+            continue
         if (cum + tokens) * token_ms < left_ms:
             on.append(i)
             cum += tokens
         else:
             late.append(i)
-    return on + late, len(on)
+    return overdue + on + late, len(overdue) + len(on)

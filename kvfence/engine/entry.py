@@ -1,8 +1,9 @@
 """Which waiting sequence may enter next, as far as the latency targets decide it: the order the
 scheduler's fair pick (engine/fairness.py) reads the queue in. A unified engine keeps arrival
 order; a PD role with a TTFT target (Scheduler.share_prompts) lets the prompts that can still
-meet it go first (deadlines.on_time_first). With no prefill budget left in a step, only a decode's
-transfers may enter: they compute nothing here."""
+meet it go first (deadlines.on_time_first), and one OVERDUE_X targets late goes before them
+(later arrivals pass a late prompt over for at most that long). With no prefill budget left in
+a step, only a decode's transfers may enter: they compute nothing here."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ import math
 from collections.abc import Iterable
 from collections.abc import Sequence as Seq
 
-from kvfence.engine.deadlines import on_time_first
+from kvfence.engine.deadlines import OVERDUE_X, on_time_first
 from kvfence.engine.sequence import SeqMode, SeqStatus, Sequence
 from kvfence.engine.step_budget import StepCost
 
@@ -56,4 +57,4 @@ def entry_order(
         else (len(s.token_ids), ms_left(s, ttft_ms, now))
         for s in waiting
     ]
-    return on_time_first(ahead, token_ms, prompts)
+    return on_time_first(ahead, token_ms, prompts, OVERDUE_X * ttft_ms)

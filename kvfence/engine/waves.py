@@ -65,6 +65,7 @@ import enum
 import math
 from collections.abc import Iterable
 
+from kvfence.engine.deadlines import OVERDUE_X
 from kvfence.engine.step_budget import MIN_SAMPLES, StepCost
 
 # At most this share of a wave's inter-token gaps may be a long one (the leader's, an early first
@@ -80,8 +81,6 @@ EARLY_MARGIN = 0.9
 # the time is the other prompts'): benchmarks/waves_cut_sim.py, C=32: at 0.35 bf16 lost its
 # gains (2 s x 100 ms 0.75, throughput -4%); 0.7 priced like 0.5 but for fp32 "epyc" throughput.
 CUT_SHARE = 0.5
-# A prompt this many TTFT targets late is served ahead of a cut (the bound on passing it over).
-OVERDUE_X = 1.0
 
 
 class Wave(enum.Enum):
