@@ -207,3 +207,25 @@ def test_beside_is_the_last_step_at_its_target_without_floors() -> None:
     assert cost.b == pytest.approx(COST.b)
     assert (rows, budget.at_target(cost, rows)) == (8, 54)
     assert budget.at_target(cost, 0) == 512  # nothing decodes: a whole chunk
+
+
+def test_seeds_fit_until_real_steps_can_then_leave_the_fit() -> None:
+    """The boot warm-up's steps (seeds) price the first steps; once MIN_SAMPLES real steps were
+    seen the fit is theirs alone, however far off the seeds were (a warm-up timed on a busy
+    host)."""
+    from kvfence.engine.step_budget import MIN_SAMPLES, StepCost, StepCostModel
+
+    busy, real = StepCost(a=1000.0, b=5.0, c=40.0), StepCost(a=20.0, b=1.0, c=2.0)
+    shapes = [(0, 1), (0, 8), (0, 32), (256, 0), (512, 0), (128, 8), (64, 32), (32, 1)]
+    m = StepCostModel()
+    for p, d in shapes:
+        m.seed(p, d, busy.predict(p, d))
+    seeded = m.cost()
+    assert seeded is not None and seeded.a == pytest.approx(busy.a, rel=1e-6)
+    for p, d in shapes[: MIN_SAMPLES - 1]:
+        m.observe(p, d, real.predict(p, d))
+        assert m.cost() is not None  # seeds and the real steps so far
+    m.observe(*shapes[MIN_SAMPLES - 1], real.predict(*shapes[MIN_SAMPLES - 1]))
+    fit = m.cost()
+    assert fit is not None
+    assert (fit.a, fit.b, fit.c) == pytest.approx((real.a, real.b, real.c), rel=1e-6)

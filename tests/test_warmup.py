@@ -89,13 +89,13 @@ def test_after_boot_the_fit_exists_the_pool_is_whole_and_a_twin_prompt_shares_no
     warm = engine_for(model, kv_poison_on_free=True)
     try:
         cold.start()
-        assert not cold.scheduler.step_budget.model.steps  # the flag turns it off
+        assert not cold.scheduler.step_budget.model.seeds  # the flag turns it off
         seen = charge_steps(warm, monkeypatch)
         warm.start()
         model = warm.scheduler.step_budget.model
         # Every step but the cold ones was measured, at 1, 8 and 32 decode rows.
-        assert list(model.steps) == [(p, d, pytest.approx(COST.predict(p, d))) for p, d in seen[2:]]
-        assert len(model.steps) >= MIN_SAMPLES and {d for _, d, _ in model.steps} == {1, 8, 32}
+        assert model.seeds == [(p, d, pytest.approx(COST.predict(p, d))) for p, d in seen[2:]]
+        assert len(model.seeds) >= MIN_SAMPLES and {d for _, d, _ in model.seeds} == {1, 8, 32}
         fit = model.cost()
         assert fit is not None
         assert (fit.a, fit.b, fit.c) == pytest.approx((COST.a, COST.b, COST.c), rel=1e-6)
@@ -189,7 +189,7 @@ def test_both_pd_roles_warm_up_and_then_serve_exactly(checkpoint_dir, monkeypatc
     try:
         for svc in (pair.prefill, pair.decode):
             budget = svc.engine.scheduler.step_budget
-            assert len(budget.model.steps) >= MIN_SAMPLES
+            assert len(budget.model.seeds) >= MIN_SAMPLES
             fit = budget.model.cost()
             assert fit is not None and budget.beside() == (fit, 0)
             assert (fit.a, fit.b, fit.c) == pytest.approx((COST.a, COST.b, COST.c), rel=1e-6)

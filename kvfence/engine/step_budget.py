@@ -262,29 +262,47 @@ def fit_robust(rows: list[tuple[int, int, float]]) -> StepCost | None:
 
 
 class StepCostModel:
-    """The engine's recent steps and the StepCost fit on them (refit every REFIT_EVERY steps)."""
+    """The engine's recent steps and the StepCost fit on them (refit every REFIT_EVERY steps).
+    Seeds (the boot warm-up's steps, kvfence/engine/warmup.py) stand in until MIN_SAMPLES real
+    steps were seen, then leave the fit at once: a warm-up timed while the host was busy (a
+    peer booting beside it) fitted a = 1,068 ms, and as window samples that fit would have
+    priced the first waves until 64 real steps pushed it out."""
 
     def __init__(self, window: int = WINDOW) -> None:
         self.steps: deque[tuple[int, int, float]] = deque(maxlen=window)
+        self.seeds: list[tuple[int, int, float]] = []
         self._since_fit = 0
         self._cost: StepCost | None = None
 
     def observe(self, prefill_tokens: int, decode_rows: int, ms: float) -> None:
-        if prefill_tokens == 0 and decode_rows == 0:
-            return
-        if not (math.isfinite(ms) and ms >= 0):
-            return
-        self.steps.append((prefill_tokens, decode_rows, ms))
-        self._since_fit += 1
+        if _sample(prefill_tokens, decode_rows, ms):
+            self.steps.append((prefill_tokens, decode_rows, ms))
+            self._since_fit += 1
+            if len(self.steps) == MIN_SAMPLES and self.seeds:
+                self._cost = None  # the first fit of real steps alone replaces the seeded one
+
+    def seed(self, prefill_tokens: int, decode_rows: int, ms: float) -> None:
+        """A step measured before any real one, fit only until real steps can fit alone."""
+        if _sample(prefill_tokens, decode_rows, ms):
+            self.seeds.append((prefill_tokens, decode_rows, ms))
+            self._cost = None
 
     def cost(self) -> StepCost | None:
-        """The current fit; None until MIN_SAMPLES steps were seen."""
-        if len(self.steps) < MIN_SAMPLES:
+        """The current fit; None until MIN_SAMPLES steps (seeds included) were seen."""
+        samples = list(self.steps)
+        if len(samples) < MIN_SAMPLES:
+            samples = self.seeds + samples
+        if len(samples) < MIN_SAMPLES:
             return None
         if self._cost is None or self._since_fit >= REFIT_EVERY:
-            self._cost = fit_robust(list(self.steps)) or self._cost
+            self._cost = fit_robust(samples) or self._cost
             self._since_fit = 0
         return self._cost
+
+
+def _sample(prefill_tokens: int, decode_rows: int, ms: float) -> bool:
+    """A step the fit can read: it computed something, in a finite non-negative time."""
+    return (prefill_tokens or decode_rows) > 0 and math.isfinite(ms) and ms >= 0
 
 
 class ArrivalPace:
@@ -350,3 +368,6 @@ class StepBudget:
 
     def observe(self, prefill_tokens: int, decode_rows: int, ms: float) -> None:
         self.model.observe(prefill_tokens, decode_rows, ms)
+
+    def seed(self, prefill_tokens: int, decode_rows: int, ms: float) -> None:
+        self.model.seed(prefill_tokens, decode_rows, ms)

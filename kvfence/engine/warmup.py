@@ -7,8 +7,9 @@ and a mixed step takes the minimum chunk; and the very first steps of a process 
 costs (allocator growth, kernel JIT, oneDNN primitives, the OpenMP pool of the loop's thread)
 that a client's first request would otherwise pay. Like vLLM's profile run before it reports
 ready, the engine computes a handful of prefill chunks and decode steps at a few row counts,
-drops the first COLD_STEPS, and hands the rest to the step-cost model as if they were real
-steps; they leave its window as real steps arrive.
+drops the first COLD_STEPS, and hands the rest to the step-cost model as seeds: they are its
+fit until MIN_SAMPLES real steps can fit alone (a warm-up timed on a busy host would otherwise
+price the first waves until the window pushed it out).
 
 Safety: the warm-up's rows belong to WARMUP_TENANT, a name outside the tenant alphabet that no
 credential can map to (kvfence/server/auth.py), with no prefix-cache chain, so nothing they
@@ -270,7 +271,7 @@ def _step(
     for c, tok in zip(result.sampled, tokens, strict=True):
         c.seq.token_ids.append(tok)
     if measure is not None:
-        measure.step_budget.observe(prefill_tokens, decode_rows, ms)
+        measure.step_budget.seed(prefill_tokens, decode_rows, ms)
 
 
 def _ensure_page(pool: KVPool, chunk: ScheduledChunk) -> None:
