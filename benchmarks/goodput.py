@@ -168,21 +168,24 @@ def main(argv: list[str] | None = None) -> int:
     work = Path(tempfile.mkdtemp(prefix="kvfence-goodput-"))
     extra = ["--dtype", a.dtype, "--served-model-name", SERVED, *shlex.split(a.kvfence_args)]
     servers: dict[str, Server] = {}
-    for side in sides:
-        log = work / f"{side}.log"
-        if side == "vllm":
-            servers[side] = vllm_server(
-                a.vllm_python, model, ctx, log, dtype=a.dtype, extra=["--served-model-name", SERVED]
-            )
-        else:
-            mode, more = ("serve", shlex.split(a.alt_args)) if side == ALT else (side, [])
-            servers[side] = kvfence_server(
-                mode, model, ctx, a.kv_pool_tokens, log, extra=[*extra, *more]
-            )
     runs: list[dict] = []
     try:
-        for srv in servers.values():
-            srv.wait_ready()
+        # One at a time, each ready before the next starts: a boot measures the host (kvfence's
+        # warm-up fits its step cost, vLLM compiles and profiles), and a peer booting beside it
+        # would skew what it measured.
+        for side in sides:
+            log = work / f"{side}.log"
+            if side == "vllm":
+                servers[side] = vllm_server(
+                    a.vllm_python, model, ctx, log, dtype=a.dtype,
+                    extra=["--served-model-name", SERVED],
+                )  # fmt: skip
+            else:
+                mode, more = ("serve", shlex.split(a.alt_args)) if side == ALT else (side, [])
+                servers[side] = kvfence_server(
+                    mode, model, ctx, a.kv_pool_tokens, log, extra=[*extra, *more]
+                )
+            servers[side].wait_ready()
         for pas in range(a.passes):
             for ci, c in enumerate(a.concurrency):
                 # Fresh prompts per run, the same for every side of it: a run that re-sent an
