@@ -80,7 +80,7 @@ def charge_steps(engine: Engine, monkeypatch: pytest.MonkeyPatch) -> list[tuple[
     return seen
 
 
-def test_after_boot_the_fit_exists_the_pool_is_whole_and_a_twin_prompt_shares_nothing(
+def test_after_boot_the_fit_exists_the_pool_is_whole_and_a_prompt_of_its_tokens_shares_nothing(
     checkpoint_dir, monkeypatch
 ) -> None:
     monkeypatch.setattr(warmup, "FULL_PLAN_PARAMS", 1)  # the whole plan, on a tiny model too
