@@ -90,7 +90,7 @@ class EngineConfig:
     target_ttft_ms: float | None = None
     # With both targets: a wave too big for the TTFT target is cut to the prompts that can be
     # on time (kvfence/engine/waves.py CUT) instead of the step budget alone.
-    ttft_cuts: bool = False
+    ttft_cuts: bool = True
     # vLLM's --skip-tokenizer-init: no tokenizer is loaded (the model dir may have none); only
     # token-id prompts are served and outputs carry token ids with empty text.
     skip_tokenizer_init: bool = False

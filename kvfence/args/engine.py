@@ -194,8 +194,9 @@ TTFT_CUTS = _engine(
     "--ttft-cuts",
     "ttft_cuts",
     switch=True,
+    negations=("--no-ttft-cuts",),
     help="with both targets, a wave too big for the TTFT target is cut to the prompts that can "
-    "be on time, the rest computed beside them (kvfence/engine/waves.py CUT; default: off)",
+    "be on time, the rest computed beside them (kvfence/engine/waves.py CUT; on by default)",
 )
 SKIP_TOKENIZER_INIT = _engine(
     "--skip-tokenizer-init",

@@ -36,10 +36,10 @@ The modes of a step:
   drain and a wave computes it: nothing is admitted. The drain is priced from each stream's
   max_tokens, so a stream that may run long (a request without max_tokens) lets the prompts
   beside it in as if there were no waves.
-- CUT (with `--ttft-cuts`): the prompts cannot all be on time in one wave (C=32, 256 -> 64:
-  32 x 256 tokens at ~1 ms a token fp32 is ~8 s against a 4 s target) and mode says OFF: the
-  oldest prompts that can still be on time, as many as fit CUT_SHARE of the tightest one's
-  time left (`cut`), are served first in whole chunks and get their first tokens as they
+- CUT (`--ttft-cuts`, on by default): the prompts cannot all be on time in one wave (C=32,
+  256 -> 64: 32 x 256 tokens at ~1 ms a token fp32 is ~8 s against a 4 s target) and mode says
+  OFF: the oldest prompts that can still be on time, as many as fit CUT_SHARE of the tightest
+  one's time left (`cut`), are served first in whole chunks and get their first tokens as they
   finish; the rest of each chunk computes the other prompts, which hold their first tokens
   until every prompt of the cut has one (`cut_release`: then a RELEASE step), and every stream
   decodes beside them. So the cut's streams start within the TTFT target, the others start
@@ -48,12 +48,12 @@ The modes of a step:
   decode, the step budget alone (OFF) serves the rest, and no wave forms. A prompt OVERDUE_X
   targets late goes ahead of a cut (`cut_order`): later arrivals pass it over for at most
   that long. Why: without it the step budget gave all 32 first streams TPOT 150-200 ms, so
-  none met 100 ms. Off by default: benchmarks/waves_cut_sim.py prices it (C=32, 48 prompts):
-  bf16 2 s x 100 ms 0.69 -> 1.88 req/s, 1 s x 100 ms 0 -> 0.41, TTFT p50 2.8 -> 1.7 s,
-  throughput +5%; fp32 4 s x 100 ms 0.34-0.48 -> 0.46-0.56, TTFT p50 -7 to -14%, but
-  throughput -1.2 to -1.8% and a 1 s x 200 ms request fewer, which only a measured A/B
-  against vLLM can weigh (kvfence's fp32 C=32 throughput lead is 1.02x). C=8 never cuts (a
-  wave of 8 fits the target).
+  none met 100 ms. Measured against the step budget alone in the same passes (goodput.py's
+  serve_alt side, 3 quiet passes, C=32, 48 prompts, benchmarks/RESULTS.md "Goodput against
+  vLLM"): bf16 2 s x 100 ms 0.57 -> 0.74 req/s, 1 s x 100 ms 0.14 -> 0.22, TTFT p50 0.88x,
+  throughput 1.03x; fp32 4 s x 100 ms 0.04 -> 0.32, TTFT p50 0.87x, throughput 1.00x
+  (0.97-1.14). benchmarks/waves_cut_sim.py priced it first. C=8 never cuts (a wave of 8 fits
+  the target).
 - OFF: the step budget alone (kvfence/engine/step_budget.py): the wave could not keep the
   TTFT target and no prompt can still be on time (or a cut's streams still decode): the
   prompts are late either way, so mixing them with decodes at least starts the streams sooner.
