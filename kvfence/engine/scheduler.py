@@ -438,7 +438,7 @@ class Scheduler:
         if ttft is not None:
             cum = 0
             for s in self._in_service_order():
-                cum += s.num_uncomputed if s.status is SeqStatus.RUNNING else len(s.token_ids)
+                cum += _to_compute(s)
                 prompts.append((cum, _ms_left(s, ttft, now)))
         return Deadlines(slack, tuple(prompts))
 

@@ -289,12 +289,12 @@ class StepCostModel:
 
     def cost(self) -> StepCost | None:
         """The current fit; None until MIN_SAMPLES steps (seeds included) were seen."""
-        samples = list(self.steps)
-        if len(samples) < MIN_SAMPLES:
-            samples = self.seeds + samples
-        if len(samples) < MIN_SAMPLES:
+        alone = len(self.steps) >= MIN_SAMPLES
+        if not alone and len(self.steps) + len(self.seeds) < MIN_SAMPLES:
             return None
         if self._cost is None or self._since_fit >= REFIT_EVERY:
+            # The window is copied only to refit: cost() is read several times a step.
+            samples = list(self.steps) if alone else self.seeds + list(self.steps)
             self._cost = fit_robust(samples) or self._cost
             self._since_fit = 0
         return self._cost
