@@ -19,6 +19,7 @@ from kvfence.engine.waves import (
     cut_release,
     drain_ms,
     early_firsts,
+    early_rest,
     fill_ms,
     mode,
     on_time,
@@ -106,6 +107,15 @@ def test_an_early_first_token_waits_only_for_a_rest_its_tpot_can_carry() -> None
     assert fill_ms(COST, 2410, 256) == pytest.approx(2520.0)
     assert early_firsts(COST, 256, 2410, 8, 63, 100.0, early=0) == 3
     assert early_firsts(COST, 256, 2411, 8, 63, 100.0, early=0) == 0
+
+
+def test_a_fill_step_stops_where_early_first_tokens_may_come() -> None:
+    # The same wave: early first tokens may come once at most 2,410 tokens are left.
+    assert early_rest(COST, 256, 5000, 8, 63, 100.0, early=0) == 2410
+    assert early_rest(COST, 256, 1000, 8, 63, 100.0, early=0) == 1000  # they may already
+    assert early_rest(COST, 256, 5000, 8, 63, 100.0, early=3) == -1  # no long gap left
+    assert early_rest(COST, 256, 5000, 8, 63, 45.0, early=0) == -1  # the decode step alone misses
+    assert early_rest(None, 256, 5000, 8, 63, 100.0, early=0) == -1
 
 
 def test_a_cut_takes_the_oldest_prompts_that_can_be_on_time_within_its_share() -> None:
@@ -253,6 +263,66 @@ def test_with_enough_gaps_a_held_prompt_gets_its_first_token_early(checkpoint_di
     # token), and the rest of the wave is short enough for the early one's TPOT.
     steps = four_in_a_wave(str(checkpoint_dir("llama")), seed=14, max_tokens=64)
     assert [f for _, _, f in steps if f] == [{0}, {1}, {2, 3}]
+
+
+def test_a_fill_step_stops_where_early_first_tokens_may_start_then_at_each_prompt() -> None:
+    from types import SimpleNamespace
+
+    from kvfence.engine.fill import Fill
+
+    def seq(rid: str, left: int = 0, **kw: object) -> SimpleNamespace:
+        base = dict(request_id=rid, output_ids=[], in_decode=False, num_uncomputed=left,
+                    token_ids=[], admitted=SimpleNamespace(max_tokens=64))
+        return SimpleNamespace(**(base | kw))
+
+    def fill(left: int, early: int = 0, leader: bool = True) -> Fill:
+        # A wave of 8: the leader, `early` early ones, one held, the rest computing.
+        firsts = [seq(f"e{i}", output_ids=[1], in_decode=True) for i in range(leader + early)]
+        computing = [seq(f"p{i}", left) for i in range(7 - len(firsts))]
+        running = [*firsts, seq("held", in_decode=True), *computing]
+        return Fill.of(running, [], firsts, {})  # type: ignore[arg-type]
+
+    # 8 prompts x 63 more tokens at COST: early first tokens may come once 2,410 are left.
+    # 6 x 499 = 2,994 are: the step stops 584 tokens on, where they may.
+    assert fill(500).stop(COST, 256, 100.0, budget=1000) == 584
+    assert fill(500).stop(COST, 256, 100.0, budget=256) == 256
+    # Past that point: the next prompt's 299 tokens (its held one aside), then a first token.
+    assert fill(300).stop(COST, 256, 100.0, budget=1000) == 299
+    assert fill(300).firsts(COST, 256, 100.0)[0].request_id == "held"
+    # The leader's step (the wave may still be arriving) and a wave out of long gaps: whole.
+    assert fill(500, leader=False).stop(COST, 256, 100.0, budget=1000) == 1000
+    assert fill(300, early=3).stop(COST, 256, 100.0, budget=1000) == 1000
+    assert fill(300, early=3).firsts(COST, 256, 100.0) == []
+
+
+class SlowPrefill(StepCostModel):
+    def cost(self) -> StepCost:
+        return StepCost(a=10.0, b=10.0, c=5.0)
+
+
+def test_the_fill_step_that_gives_early_first_tokens_stops_where_they_may_come(
+    checkpoint_dir,
+) -> None:
+    # 6 prompts x 63 more tokens: 2 early first tokens beside the leader's. A stream decodes in
+    # 40 ms steps, so at 90% of 50 ms it can wait 315 ms for the rest of the wave: 29 tokens
+    # at 10 ms (one step and the release). The step that passes that point stops at it, and
+    # the two held prompts' first tokens come in it instead of after a whole chunk of 64.
+    model_dir = str(checkpoint_dir("llama"))
+    prompts = random_prompts([40] * 6, vocab=256, seed=17)
+    params = SamplingParams(max_tokens=64, temperature=0.0, ignore_eos=True)
+    want = [c.token_ids for c in LLM(model_dir, kv_pool_tokens=2048).generate(prompts, params)]
+    llm = waves_llm(model_dir, 1e9)
+    llm.engine.scheduler.step_budget.model = SlowPrefill()
+    steps, got = run_steps(llm, prompts, 64)
+    assert got == want, "a shorter fill step changed an answer"
+    # Three steps fill (64-token chunks; the leader's first token in the first), then 43
+    # tokens are left: a whole step would compute them all with the early first tokens, which
+    # would then come 43 tokens' compute later than their target let them. It computes 15 and
+    # leaves 28; the next step computes those, and the release follows.
+    prefill = [p for _, p, _ in steps]
+    firsts = [sorted(f) for _, _, f in steps]
+    assert prefill[:6] == [24, 64, 64, 15, 28, 0], prefill[:6]
+    assert firsts[:6] == [[0], [], [], [1, 2], [], [3, 4, 5]], firsts[:6]
 
 
 def test_a_repeated_prompt_in_a_wave_reuses_the_first_ones_pages(checkpoint_dir) -> None:

@@ -66,7 +66,7 @@ DECODE_LOCAL_PREFILL = _pd(
     type=float,
     metavar="FACTOR",
     help="a decode worker computes a prompt itself, beside its decodes, when the prefill "
-    "worker's queue of its prompts is FACTOR times its own (0: never; `kvfence up`: 1)",
+    "worker's queue of its prompts is FACTOR times its own (0: never; `kvfence up`: 3)",
 )
 TRANSFER_OPTIONS: tuple[Option, ...] = (
     TRANSFER_BACKEND,

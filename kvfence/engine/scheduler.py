@@ -18,10 +18,11 @@ from kvfence.engine.entry import by_transfer as _by_transfer
 from kvfence.engine.entry import entry_order
 from kvfence.engine.entry import ms_left as _ms_left
 from kvfence.engine.fairness import next_waiting
+from kvfence.engine.fill import Fill
 from kvfence.engine.prompt_logprobs import NO_SCORES, scored_range
 from kvfence.engine.sequence import SeqMode, SeqStatus, Sequence
-from kvfence.engine.step_budget import BudgetPolicy, Deadlines, StepBudget
-from kvfence.engine.waves import Wave, cut, cut_order, cut_release, early_firsts, mode
+from kvfence.engine.step_budget import BudgetPolicy, Deadlines, StepBudget, StepCost
+from kvfence.engine.waves import Wave, cut, cut_order, cut_release, mode
 from kvfence.faults import Faults
 from kvfence.kv.pool import KVPool, OwnershipError
 from kvfence.kv.prefix import Namespace, lora_identity
@@ -165,6 +166,8 @@ class Scheduler:
             self._backlog() if rows else 0,
             self._deadlines(decoding, now) if rows else None,
         )
+        if wave is Wave.FILL:
+            budget = self._fill_stop(budget)
         if wave is Wave.RELEASE:
             budget = 0  # the held first tokens alone (a wave's has nothing else left; a cut's
             # would add the step budget's backlog share to its streams' first gap)
@@ -386,32 +389,23 @@ class Scheduler:
 
     def _early_firsts(self, chunks: list[ScheduledChunk]) -> None:
         """In a fill: first tokens for the held prompts that may have them before the wave ends
-        (waves.early_firsts), oldest first; each such chunk computes its last prompt token."""
-        held = [s for s in self.running if not s.output_ids and s.in_decode]
-        if not held:
-            return
-        step = self.limits.step
-        assert step.target_tpot_ms is not None
+        (engine/fill.py), oldest first; each such chunk computes its last prompt token."""
         now = {c.seq.request_id: c.length for c in chunks}
-        rest = sum(
-            max(0, s.num_uncomputed - now.get(s.request_id, 0) - 1)
-            for s in self.running
-            if not s.output_ids and not s.in_decode
-        ) + sum(len(s.token_ids) for s in self.waiting)
-        size = len(self.waiting) + sum(not s.output_ids for s in self.running)
-        size += sum(bool(s.output_ids) for s in self._wave_firsts)  # the leader may have none yet
-        n = early_firsts(
-            self.step_budget.model.cost(),
-            step.max_chunk,
-            rest,
-            size,
-            min(s.admitted.max_tokens for s in held) - 1,
-            step.target_tpot_ms,
-            max(0, len(self._wave_firsts) - 1),
-        )
-        for seq in held[:n]:
+        fill = Fill.of(self.running, self.waiting, self._wave_firsts, now)
+        for seq in fill.firsts(*self._early_terms()):
             chunks.append(_chunk(seq, 1))
             self._wave_firsts.append(seq)
+
+    def _fill_stop(self, budget: int) -> int:
+        """A fill step's prompt tokens: up to where held prompts may start to have early first
+        tokens, then up to each next prompt's held token (engine/fill.py)."""
+        fill = Fill.of(self.running, self.waiting, self._wave_firsts, {})
+        return fill.stop(*self._early_terms(), budget)
+
+    def _early_terms(self) -> tuple[StepCost | None, int, float]:
+        step = self.limits.step
+        assert step.target_tpot_ms is not None
+        return self.step_budget.model.cost(), step.max_chunk, step.target_tpot_ms
 
     def _backlog(self) -> int:
         """Prompt tokens waiting to be computed: the rest of the running prefills, and the

@@ -29,7 +29,11 @@ The modes of a step:
   Once the rest of the wave is short enough for a stream to wait for it and still hold the
   TPOT target (`early_firsts`), a few held prompts get their first token early too (each one
   gap; together with the leader's under GAP_SHARE of the wave's gaps): without them the TTFT
-  p50 is the whole wave's compute (C=8: 2,048 tokens, ~2.4-2.8 s, about vLLM's).
+  p50 is the whole wave's compute (C=8: 2,048 tokens, ~2.4-2.8 s, about vLLM's). The fill
+  step that would pass the point where they may come stops at it (`early_rest`,
+  kvfence/engine/fill.py), so they come in it rather than at the end of a whole chunk (C=8
+  fp32 on EPYC, chunks of 512 tokens: ~1.9 s into a 2.5 s fill instead of the ~1.3 s their
+  target allows; with half the wave early, the TTFT p50 lies between the early and the late).
 - RELEASE: the wave has nothing left to compute but held tokens: one step computes them all
   and decodes the leader; from then the wave's streams decode in lockstep.
 - DEFER: streams decode and every waiting prompt can still meet its TTFT target after they
@@ -180,6 +184,37 @@ def early_firsts(
     step = cost.predict(0, wave_size)
     tpot = (fill_ms(cost, rest_tokens, chunk) + out_tokens * step) / out_tokens
     return gaps if tpot <= EARLY_MARGIN * target_tpot_ms else 0
+
+
+def early_rest(
+    cost: StepCost | None,
+    chunk: int,
+    rest_tokens: int,
+    wave_size: int,
+    out_tokens: int,
+    target_tpot_ms: float,
+    early: int,
+) -> int:
+    """The most prompt tokens a filling wave may have left after a step for early first tokens
+    to come in it (early_firsts' arguments, `rest_tokens` the most there are now); -1: none may
+    at any rest (no gaps left, a TPOT target the decode step alone misses, nothing measured).
+    A fill step that would pass this point stops at it (Scheduler): with whole chunks the early
+    first tokens came at the end of the first chunk past it, up to a chunk later than their TPOT
+    target asked (C=8, 256 -> 64, fp32 on EPYC: chunks of 512 tokens, ~0.6 s)."""
+
+    def allowed(rest: int) -> bool:
+        args = (wave_size, out_tokens, target_tpot_ms, early)
+        return early_firsts(cost, chunk, rest, *args) > 0
+
+    if not allowed(0):
+        return -1
+    if allowed(rest_tokens):
+        return rest_tokens
+    lo, hi = 0, rest_tokens  # allowed(lo), not allowed(hi): fill_ms grows with the rest
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        lo, hi = (mid, hi) if allowed(mid) else (lo, mid)
+    return lo
 
 
 def cut(cost: StepCost | None, chunk: int, prompts: list[tuple[int, float]]) -> list[int]:

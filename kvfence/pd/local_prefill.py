@@ -48,7 +48,7 @@ can still meet the TTFT target first (Scheduler.share_prompts). Interleaved on 2
 (diag, one pass each, a direction): C=32 fp32 TPOT 36-90 ms against 80-410, C=8 bf16 goodput
 unchanged (1.41, 1.47 against 1.34-1.48 req/s at 2 s x 100 ms).
 
-`factor` scales the local side: `kvfence up` asks 1 (the waits as priced). The view is this
+`factor` scales the local side: `kvfence up` asks UP_FACTOR (below). The view is this
 worker's own requests: with several decodes per prefill it undercounts the prefill's queue,
 which only keeps more prompts on the PD path. A decode that takes prompts keeps the narrow step
 target at any batch width (DecodeService): the wide one lets a unified engine's queued prompts
@@ -74,8 +74,16 @@ LOCAL_LIMIT_CHUNKS = 1
 # its steps (at 16, the default, a C=32 burst's local queue of ~3,300 tokens made
 # 500-750 ms steps on 2 loaded cores: ITL p99 4-5x the bounded rule's).
 LOCAL_BACKLOG_STEPS = 0
-# `kvfence up`'s default: a prompt is computed here when its first token comes sooner here.
-UP_FACTOR = 1.0
+# `kvfence up`'s default: a prompt is computed here when its first token comes three times
+# sooner here. A local prompt's tokens ride in the steps of every stream this worker decodes,
+# which the price (its own first token) leaves out; at 1 the decode worker, the one the
+# streams wait on, took a third of a closed loop's prompts while the prefill worker idled half
+# the time (1P1D bf16, C=8, 256 -> 64 on EPYC: decode 97% busy, prefill ~50%; TPOT 35 ms).
+# At 3 (goodput.py's client, one pass per factor, 2 cores, a direction): bf16 C=8 throughput
+# 931-999 tok/s against 875-906 at 1 and 894-915 at 0, TPOT 22 ms, 2 s x 100 ms goodput
+# 2.85-2.99 req/s against 2.73-2.83; C=32 1.56 against 1.49; fp32 C=8 1.29 against 1.52 and
+# C=32 0.14 against 0.23, each still above serve's (0.3 and 0 at that cell).
+UP_FACTOR = 3.0
 
 
 @dataclass(frozen=True)
