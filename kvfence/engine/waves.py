@@ -52,9 +52,9 @@ The modes of a step:
   cut's streams decode, the step budget alone (OFF) serves the rest, and no wave forms. The
   steps ending at each of the cut's prompts, against whole chunks (serve, C=32, one pass each,
   2 pairs on 2 cores, a direction): fp32 1 s x 200 ms 0.04, 0.13 req/s against 0.04, 0, ITL
-  p99 0.6-0.7x; bf16 throughput 1.03x, 2 s x 100 ms 1.01, 1.16 against 0.37, 0.97. A prompt OVERDUE_X
-  targets late goes ahead of a cut (`cut_order`): later arrivals pass it over for at most
-  that long. Why: without it the step budget gave all 32 first streams TPOT 150-200 ms, so
+  p99 0.6-0.7x; bf16 throughput 1.03x, 2 s x 100 ms 1.01, 1.16 against 0.37, 0.97. A prompt
+  OVERDUE_X targets late goes ahead of a cut (`cut_order`): later arrivals pass it over for at
+  most that long. Why: without it the step budget gave all 32 first streams TPOT 150-200 ms, so
   none met 100 ms. Measured against the step budget alone in the same passes (goodput.py's
   serve_alt side, 3 quiet passes, C=32, 48 prompts, benchmarks/RESULTS.md "Goodput against
   vLLM"): bf16 2 s x 100 ms 0.57 -> 0.74 req/s, 1 s x 100 ms 0.14 -> 0.22, TTFT p50 0.88x,
