@@ -17,7 +17,6 @@ from kvfence.engine.waves import (
     cut,
     cut_order,
     cut_release,
-    cut_stop,
     drain_ms,
     early_firsts,
     early_rest,
@@ -136,14 +135,6 @@ def test_a_cut_serves_overdue_prompts_first_then_its_own_then_the_rest() -> None
     prompts = [(50, -100.0), (50, 3000.0), (50, overdue), (50, 2000.0)]
     assert cut_order(prompts, {1}, 4000.0) == [2, 1, 0, 3]
     assert cut_order(prompts, {1, 3}, 4000.0) == [2, 3, 1, 0]
-
-
-def test_a_cut_step_ends_where_the_next_of_its_prompts_is_computed() -> None:
-    # In cut_order: an overdue prompt (30 tokens), the cut's two (50, 40), then the rest.
-    order, tokens, taken = [2, 0, 1, 3], [50, 40, 30, 500], {0, 1}
-    assert cut_stop(order, tokens, taken, 64) == 64  # the overdue one and 34 of the first
-    assert cut_stop(order, tokens, taken, 256) == 80  # ... and the first: its token comes now
-    assert cut_stop([0], [500], set(), 256) == 256  # none of the cut's left: whole chunks
 
 
 def test_a_cut_ends_when_its_prompts_all_have_a_first_token_or_one_is_late() -> None:
@@ -348,7 +339,7 @@ def test_a_repeated_prompt_in_a_wave_reuses_the_first_ones_pages(checkpoint_dir)
     assert sum(p for _, p, _ in steps) < 3 * 40, "the repeated prompt's pages were computed twice"
 
 
-def test_a_cut_starts_its_prompts_first_each_in_its_own_step(checkpoint_dir) -> None:
+def test_a_cut_starts_its_prompts_first_and_holds_the_others_to_its_end(checkpoint_dir) -> None:
     # 2 x 50 + 16 x 10 tokens, chunks of 64, a 285 ms TTFT target at COST: one wave would take
     # 320 ms, so none forms; a cut takes what fits half of it (50 + 50 + 10: 140 ms). The clock
     # stands still (every prompt arrives at 0 and is scheduled at 0): the cut ends when its
@@ -370,12 +361,9 @@ def test_a_cut_starts_its_prompts_first_each_in_its_own_step(checkpoint_dir) -> 
     steps, got = run_steps(llm, prompts, 4)
     assert got == want, "holding a prompt's last token changed an answer"
     firsts = [f for _, _, f in steps if f]
-    # The cut's three prompts first, each in a step that ends where it is computed (a whole
-    # chunk of 64 gave the first 50 tokens the second's first 14, and its first token waited for
-    # them); no other prompt is computed beside them; then the others.
-    assert firsts[:3] == [{0}, {1}, {2}], firsts[:3]
-    assert [p for _, p, _ in steps[:3]] == [0, 0, 0], "another prompt was computed in the cut"
-    assert set().union(*firsts[3:]) == set(range(3, 18))
+    # Step 1: 50 of the first and 14 of the second; step 2: the second's and the third's last
+    # tokens and two others', held; step 3 releases those two (the cut's prompts all had theirs).
+    assert firsts[:3] == [{0}, {1, 2}, {3, 4}], firsts[:3]
 
 
 def test_while_a_cuts_streams_decode_no_wave_forms() -> None:

@@ -22,7 +22,7 @@ from kvfence.engine.fill import Fill
 from kvfence.engine.prompt_logprobs import NO_SCORES, scored_range
 from kvfence.engine.sequence import SeqMode, SeqStatus, Sequence
 from kvfence.engine.step_budget import BudgetPolicy, Deadlines, StepBudget, StepCost
-from kvfence.engine.waves import Wave, cut, cut_order, cut_release, cut_stop, mode
+from kvfence.engine.waves import Wave, cut, cut_order, cut_release, mode
 from kvfence.faults import Faults
 from kvfence.kv.pool import KVPool, OwnershipError
 from kvfence.kv.prefix import Namespace, lora_identity
@@ -254,9 +254,8 @@ class Scheduler:
         return seq, late
 
     def _cut_step(self, chunks: list[ScheduledChunk], now: float) -> list[ScheduledChunk]:
-        """A CUT step (waves.py): every stream decodes, the waiting prompts enter, and a chunk
-        serves the prompts in waves.cut_order, up to the cut's next prompt's end (cut_stop);
-        the others hold their last token."""
+        """A CUT step (waves.py): every stream decodes, the waiting prompts enter, and a whole
+        chunk serves the prompts in waves.cut_order; the others hold their last token."""
         preempted_before = self.num_preemptions
         self._decode([s for s in self.running if s.in_decode and s.output_ids], chunks)
         self.step_budget.for_step(len(chunks))  # the arrival pace ticks once a step
@@ -270,9 +269,8 @@ class Scheduler:
         ]
         work = [(s.num_uncomputed, _ms_left(s, ttft, now)) for s in todo]
         taken = {i for i, s in enumerate(todo) if s.request_id in self._cut}
-        order = cut_order(work, taken, ttft)
-        budget = cut_stop(order, [t for t, _ in work], taken, self.limits.step.max_chunk)
-        for i in order:
+        budget = self.limits.step.max_chunk
+        for i in cut_order(work, taken, ttft):
             if budget == 0:
                 break
             seq = todo[i]

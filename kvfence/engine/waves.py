@@ -43,18 +43,15 @@ The modes of a step:
 - CUT (`--ttft-cuts`, on by default): the prompts cannot all be on time in one wave (C=32,
   256 -> 64: 32 x 256 tokens at ~1 ms a token fp32 is ~8 s against a 4 s target) and mode says
   OFF: the oldest prompts that can still be on time, as many as fit CUT_SHARE of the tightest
-  one's time left (`cut`), are served first, each step ending where the next of them is
-  computed (`cut_stop`: in whole chunks the cut's second prompt's first token waited for the
-  third's compute), every stream decoding beside them; the other prompts wait for them (an
-  overdue one aside) and a prompt computed meanwhile holds its first token to the cut's end
-  (`cut_release`: then a RELEASE step). So the cut's streams start within the TTFT target, and
-  nothing waits idle (the decode batch stays full: throughput is the step budget's). While a
-  cut's streams decode, the step budget alone (OFF) serves the rest, and no wave forms. The
-  steps ending at each of the cut's prompts, against whole chunks (serve, C=32, one pass each,
-  2 pairs on 2 cores, a direction): fp32 1 s x 200 ms 0.04, 0.13 req/s against 0.04, 0, ITL
-  p99 0.6-0.7x; bf16 throughput 1.03x, 2 s x 100 ms 1.01, 1.16 against 0.37, 0.97. A prompt
-  OVERDUE_X targets late goes ahead of a cut (`cut_order`): later arrivals pass it over for at
-  most that long. Why: without it the step budget gave all 32 first streams TPOT 150-200 ms, so
+  one's time left (`cut`), are served first in whole chunks and get their first tokens as they
+  finish; the rest of each chunk computes the other prompts, which hold their first tokens
+  until every prompt of the cut has one (`cut_release`: then a RELEASE step), and every stream
+  decodes beside them. So the cut's streams start within the TTFT target, the others start
+  together after them instead of one by one in every step's gaps, and nothing waits idle
+  (the decode batch stays full: throughput is the step budget's). While a cut's streams
+  decode, the step budget alone (OFF) serves the rest, and no wave forms. A prompt OVERDUE_X
+  targets late goes ahead of a cut (`cut_order`): later arrivals pass it over for at most
+  that long. Why: without it the step budget gave all 32 first streams TPOT 150-200 ms, so
   none met 100 ms. Measured against the step budget alone in the same passes (goodput.py's
   serve_alt side, 3 quiet passes, C=32, 48 prompts, benchmarks/RESULTS.md "Goodput against
   vLLM"): bf16 2 s x 100 ms 0.57 -> 0.74 req/s, 1 s x 100 ms 0.14 -> 0.22, TTFT p50 0.88x,
@@ -250,20 +247,6 @@ def cut_order(prompts: list[tuple[int, float]], taken: set[int], ttft_ms: float)
         return (1 if i in taken else 2), ms
 
     return sorted(range(len(prompts)), key=rank)
-
-
-def cut_stop(order: list[int], tokens: list[int], taken: set[int], chunk: int) -> int:
-    """A cut step's prompt tokens: up to the end of the first of the cut's prompts in `order`
-    (cut_order's; tokens[i]: what prompt i has still to compute), so that each has its first
-    token as soon as it is computed, not at the end of a whole chunk it shares with the next
-    (C=32, 256 -> 64, fp32 on EPYC, chunks of 512: the cut's second prompt at ~1.0 s instead
-    of ~0.6 s); a whole chunk once none is left."""
-    total = 0
-    for i in order:
-        total += tokens[i]
-        if i in taken:
-            return min(chunk, total)
-    return chunk
 
 
 def cut_release(members_left_ms: list[float]) -> bool:
