@@ -198,9 +198,9 @@ def early_rest(
     """The most prompt tokens a filling wave may have left after a step for early first tokens
     to come in it (early_firsts' arguments, `rest_tokens` the most there are now); -1: none may
     at any rest (no gaps left, a TPOT target the decode step alone misses, nothing measured).
-    A fill step that would pass this point stops at it (Scheduler): with whole chunks the early
-    first tokens came at the end of the first chunk past it, up to a chunk later than their TPOT
-    target asked (C=8, 256 -> 64, fp32 on EPYC: chunks of 512 tokens, ~0.6 s)."""
+    A fill step that would pass this point stops at it (fill.Fill.stop): with whole chunks the
+    early first tokens came at the end of the first chunk past it, up to a chunk later than
+    their TPOT target asked (C=8, 256 -> 64, fp32 on EPYC: chunks of 512 tokens, ~0.6 s)."""
 
     def allowed(rest: int) -> bool:
         args = (wave_size, out_tokens, target_tpot_ms, early)
