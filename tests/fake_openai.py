@@ -9,9 +9,13 @@ prompt token not already in its prefix cache, with the cache per tenant or share
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import math
-from collections.abc import AsyncIterator
+import random
+import types
+import unittest.mock
+from collections.abc import AsyncIterator, Iterator
 from typing import Any
 
 import httpx
@@ -174,7 +178,13 @@ class CachingServer:
     the namespace, as vLLM's cache_salt is; `salt_ignored=True` drops it (the salt is lost on
     the way). Caching is per whole prompt, which is what the probe's prompts need.
     `word_level=True`: a word-level tokenizer (VOCAB) with `/tokenize` ids and `/detokenize`;
-    the cache keys on token ids, so prompts of words it does not know are all one prompt."""
+    the cache keys on token ids, so prompts of words it does not know are all one prompt.
+
+    Time as the client measures it is `now()`, a clock this server keeps: each request moves it
+    on by its simulated compute plus a seeded jitter of up to `jitter_s`, so a timing verdict
+    depends on the seed alone, never on how loaded the machine running the test is
+    (`measured_by` puts leakcheck's timer on this clock, and while it does the server answers
+    without waiting out the simulated compute: the wait would add wall time and nothing else)."""
 
     def __init__(
         self,
@@ -186,6 +196,8 @@ class CachingServer:
         salt_field: str | None = None,
         salt_ignored: bool = False,
         word_level: bool = False,
+        jitter_s: float = 0.01,
+        seed: int = 0,
     ) -> None:
         self.word_level = word_level
         self.ctx = ctx
@@ -196,6 +208,24 @@ class CachingServer:
         self.salt_ignored = salt_ignored
         self.cached: set[tuple[str, str]] = set()
         self.seen = 0
+        self.jitter_s = jitter_s
+        self._rng = random.Random(seed)
+        self._now = 0.0
+        self._sleeps = True  # off while leakcheck reads this clock: waiting adds nothing then
+
+    def now(self) -> float:
+        return self._now
+
+    @contextlib.contextmanager
+    def measured_by(self) -> Iterator[None]:
+        """Within it, leakcheck times its requests on this server's clock."""
+        clock = types.SimpleNamespace(perf_counter=self.now)
+        self._sleeps = False
+        try:
+            with unittest.mock.patch("kvfence.tools.leakcheck.api.time", clock):
+                yield
+        finally:
+            self._sleeps = True
 
     def ids(self, text: str) -> list[int]:
         """Word level: one id per whitespace word, 0 (unknown) for a word not in WORDS."""
@@ -249,6 +279,8 @@ class CachingServer:
         if self.cache:
             self.cached.add(key)
         delay = (1 if hit else n) * self.per_token_s
+        self._now += delay + self._rng.uniform(0.0, self.jitter_s)
+        delay = delay if self._sleeps else 0.0
         # A constant answer: work that depends on the prompt (a regex compiled per cue is cached
         # by `re`) would be a prompt cache of its own, shared across tenants.
         answer = _answer("x: ok\nx:", chat, body, n, m)

@@ -2,7 +2,9 @@
 CachingServer, which charges simulated compute for uncached tokens): a cache per tenant is
 clean with a positive control that saw caching, a shared cache is a finding (exit 1), no cache
 is "no prefix caching detected" (exit 2 only when the timing probe runs alone), and the salt
-arms catch a salt that is dropped. The tests assert verdicts, never a time."""
+arms catch a salt that is dropped. The tests assert verdicts, never a time: leakcheck times on
+the fake server's own clock (simulated compute plus a seeded jitter), so the machine's load
+cannot move a verdict."""
 
 from __future__ import annotations
 
@@ -30,7 +32,7 @@ from kvfence.tools.leakcheck.timing_stats import auc, ks_pvalue, ks_statistic
 
 TENANTS = tuple(Tenant(t, k) for k, t in KEYS.items())
 # 320 prompt tokens at 0.25 ms each: a fresh prompt costs ~80 ms more than a cached one, far
-# above what a loaded machine adds to an asyncio sleep.
+# above the server's 10 ms of jitter.
 TIMING = {"timing_prefix_tokens": 320, "timing_pairs": 12}
 
 
@@ -39,7 +41,8 @@ def run(server: CachingServer, seed: int = 1, **kw: Any) -> Report:
     kw.setdefault("requests", 120)
     settings = Settings(base_url="http://fake:8000", tenants=TENANTS, seed=seed, **{**TIMING, **kw})
     transport = httpx.MockTransport(server.handle)
-    return asyncio.run(check(settings, transport=transport, err=io.StringIO()))
+    with server.measured_by():
+        return asyncio.run(check(settings, transport=transport, err=io.StringIO()))
 
 
 def arm(report: dict[str, Any], name: str) -> dict[str, Any]:

@@ -324,7 +324,8 @@ TIMING = {"timing_prefix_tokens": 320, "timing_pairs": 12, "probes": ("timing",)
 
 def test_word_level_server_primes_and_fresh_prompts_differ_and_caching_is_seen() -> None:
     server = CachingServer(per_token_s=0.00025, word_level=True)
-    report = _check(server.handle, requests=120, seed=3, **TIMING)
+    with server.measured_by():
+        report = _check(server.handle, requests=120, seed=3, **TIMING)
     timing = report.timing
     assert timing is not None, render_summary(report)
     assert "vocabulary" in timing.prompts, timing.prompts
@@ -342,7 +343,8 @@ def test_twin_base32_prompts_on_a_word_level_server_see_no_caching(
 
     monkeypatch.setattr("kvfence.tools.leakcheck.timing.make_prompts", base32)
     server = CachingServer(per_token_s=0.00025, word_level=True)
-    report = _check(server.handle, requests=120, seed=3, **TIMING)
+    with server.measured_by():
+        report = _check(server.handle, requests=120, seed=3, **TIMING)
     timing = report.timing
     assert timing is not None and not timing.control_saw_caching, render_summary(report)
     assert "no prefix caching detected" in timing.verdict
