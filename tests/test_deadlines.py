@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from kvfence.config import ConfigError, EngineConfig
-from kvfence.engine.deadlines import tpot_slack_ms, tpot_step_ms, ttft_floor
+from kvfence.engine.deadlines import tpot_lost, tpot_slack_ms, tpot_step_ms, ttft_floor
 from kvfence.engine.step_budget import (
     BudgetPolicy,
     Deadlines,
@@ -80,6 +80,38 @@ def test_the_tpot_target_bounds_a_mixed_step() -> None:
     assert step_target_ms(both, 8, DECODE_8, on_pace) == 70.0
 
 
+def test_a_stream_has_lost_its_tpot_target_when_even_the_fastest_steps_come_too_late() -> None:
+    # First token at 10 s, 20 out, 43 to come at a 50 ms target: the last is due by
+    # 10 + 0.05 x 62 = 13.1 s.
+    assert not tpot_lost(50.0, 10.0, 20, 43, fastest_ms=20.0, now=12.0)  # 12 + 0.86 s: on time
+    assert tpot_lost(50.0, 10.0, 20, 43, fastest_ms=20.0, now=12.3)  # 12.3 + 0.86 s: past it
+    # Fewer tokens to come leave less room to catch up; more leave more.
+    assert not tpot_lost(50.0, 10.0, 20, 200, fastest_ms=20.0, now=12.3)
+    # A stream on pace is never lost while a step can keep the target.
+    assert not tpot_lost(50.0, 10.0, 20, 43, fastest_ms=50.0, now=10.0 + 0.05 * 19)
+
+
+def test_once_every_stream_has_lost_its_tpot_target_the_target_bounds_no_step() -> None:
+    # 8 rows, 52 ms a decode-only step: lost streams leave the step what it would take without
+    # a target (the auto factor, 2 x 52 ms: (104 - 52) / 1.25 = 41 tokens), not the minimum
+    # chunk their negative slack leaves.
+    policy = BudgetPolicy(max_chunk=4096, min_chunk=1, target_tpot_ms=100.0)
+    lost = Deadlines(tpot_slack_ms=-500.0, tpot_lost=True)
+    assert step_target_ms(policy, 8, DECODE_8, lost) == 2 * DECODE_8
+    assert prefill_budget(policy, COST, 8, deadlines=lost) == 41
+    untargeted = BudgetPolicy(max_chunk=4096, min_chunk=1)
+    assert prefill_budget(policy, COST, 8, deadlines=lost) == prefill_budget(untargeted, COST, 8)
+    # As without the target: an absolute --max-decode-step-ms alone bounds the step.
+    capped = BudgetPolicy(max_chunk=4096, min_chunk=1, target_tpot_ms=100.0, max_decode_step_ms=150)
+    assert step_target_ms(capped, 8, DECODE_8, lost) == 150.0
+    # One stream still on target keeps the bound: its slack.
+    behind = Deadlines(tpot_slack_ms=-500.0)
+    assert prefill_budget(policy, COST, 8, deadlines=behind) == 1
+    # A decode worker's held steps keep theirs: its prompts have the prefill worker.
+    held = BudgetPolicy(max_chunk=4096, min_chunk=1, target_tpot_ms=100.0, tpot_over_floors=True)
+    assert prefill_budget(held, COST, 8, deadlines=lost) == 1
+
+
 def test_the_ttft_floor_wins_over_the_tpot_target() -> None:
     policy = BudgetPolicy(max_chunk=512, min_chunk=1, target_tpot_ms=60.0, target_ttft_ms=1000)
     urgent = Deadlines(tpot_slack_ms=60.0, prompts=((512, 900.0),))
@@ -118,7 +150,8 @@ def test_the_scheduler_measures_streams_and_prompts_against_the_targets() -> Non
 
     policy = BudgetPolicy(max_chunk=512, min_chunk=1, target_tpot_ms=100.0, target_ttft_ms=2000)
     sched = Scheduler(None, SchedulerLimits(512, 8, policy))  # type: ignore[arg-type]
-    stream = seq(first_token_at=9.0, num_output=5, output_ids=[1] * 5, in_decode=True)
+    stream = seq(first_token_at=9.0, num_output=5, output_ids=[1] * 5, in_decode=True,
+                 admitted=SimpleNamespace(max_tokens=64))  # fmt: skip
     prefilling = seq(num_uncomputed=200, arrived=9.5)
     queued = seq(status=SeqStatus.WAITING, token_ids=[0] * 300, arrived=9.8)
     transferred = seq(status=SeqStatus.WAITING, mode=SeqMode.DECODE_ONLY, token_ids=[0] * 999)
@@ -127,6 +160,7 @@ def test_the_scheduler_measures_streams_and_prompts_against_the_targets() -> Non
     got = sched._deadlines([stream], now=9.45)  # type: ignore[list-item]
     # The stream's 6th token is due at 9.0 + 5 * 0.1 = 9.5 s: 50 ms from now.
     assert got is not None and got.tpot_slack_ms == pytest.approx(50.0)
+    assert not got.tpot_lost
     # A prompt whose KV arrives by transfer is not computed here: not among the prompts.
     assert got.prompts == (
         (200, pytest.approx(2050.0)),
@@ -134,6 +168,33 @@ def test_the_scheduler_measures_streams_and_prompts_against_the_targets() -> Non
     )
     off = Scheduler(None, SchedulerLimits(512, 8, BudgetPolicy(512, 1)))  # type: ignore[arg-type]
     assert off._deadlines([stream], now=9.45) is None  # type: ignore[list-item]
+
+
+def test_the_scheduler_says_when_every_decoding_stream_has_lost_its_tpot_target() -> None:
+    from types import SimpleNamespace
+
+    from kvfence.engine.scheduler import Scheduler, SchedulerLimits
+    from kvfence.engine.sequence import SeqStatus
+
+    policy = BudgetPolicy(max_chunk=512, min_chunk=1, target_tpot_ms=50.0)
+    sched = Scheduler(None, SchedulerLimits(512, 8, policy))  # type: ignore[arg-type]
+    sched.step_budget.model.cost = lambda: StepCost(a=10.0, b=1.0, c=10.0)  # type: ignore[method-assign]
+
+    def stream(first_at: float) -> SimpleNamespace:
+        # 2 out of 4: 2 to come, the last due by first_at + 3 x 50 ms
+        return SimpleNamespace(status=SeqStatus.RUNNING, first_token_at=first_at, num_output=2,
+                               admitted=SimpleNamespace(max_tokens=4))  # fmt: skip
+
+    lost, kept = stream(9.0), stream(9.62)
+    # At 9.7 s: lost's last token was due at 9.15 s; kept's at 9.77 s, two decode-only steps
+    # of the two rows (10 + 2 x 10 ms each) away.
+    got = sched._deadlines([lost, kept], now=9.7)  # type: ignore[list-item]
+    assert got is not None and not got.tpot_lost
+    assert got.tpot_slack_ms == pytest.approx((9.62 - 9.7) * 1000 + 50 * 2)  # kept's alone
+    got = sched._deadlines([lost], now=9.7)  # type: ignore[list-item]
+    assert got is not None and got.tpot_lost
+    got = sched._deadlines([], now=9.7)
+    assert got is not None and not got.tpot_lost  # no stream: none lost
 
 
 def test_streams_whose_kv_is_arriving_bound_a_step_as_decoding_ones() -> None:

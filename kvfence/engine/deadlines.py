@@ -9,7 +9,10 @@ stream that got its first token at f and has n tokens out is on pace while its n
 by f + n * target, so the step may take the smallest such slack among the rows, never more than
 one target (a stream ahead of pace does not bank a long stall: the inter-token latency tail
 stays within a target) and never less than the decode-only step (a row behind its pace is
-helped by a step without prefill, not by none).
+helped by a step without prefill, not by none). A stream that cannot get back on pace even if
+every token it has left came at the decode-only step of the rows now decoding has lost its target
+(`tpot_lost`): it bounds no step, and once every decoding stream has, the steps take the auto
+target as without one (step_budget.step_target_ms).
 
 TTFT side: prompts are computed in the order they are served (FIFO), so prompt j is done once
 the C_j tokens up to and including it are. With d the decode-only step and b the cost of a
@@ -39,6 +42,16 @@ def tpot_slack_ms(target_ms: float, rows: Iterable[tuple[float, int]], now: floa
     for first_at, n_out in rows:
         slack = min(slack, (first_at - now) * 1000.0 + target_ms * n_out)
     return slack
+
+
+def tpot_lost(
+    target_ms: float, first_at: float, n_out: int, left: int, fastest_ms: float, now: float
+) -> bool:
+    """Whether a stream (first token at `first_at` s, `n_out` out, `left` more to come at most)
+    misses its TPOT target even if each of those came `fastest_ms` apart from now on: its last
+    token is due by first_at + target x (n_out + left - 1)."""
+    due_ms = (first_at - now) * 1000.0 + target_ms * (n_out + left - 1)
+    return left * fastest_ms > due_ms
 
 
 def tpot_step_ms(target_ms: float, slack_ms: float, decode_ms: float) -> float:

@@ -13,7 +13,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
-from kvfence.engine.deadlines import tpot_slack_ms
+from kvfence.engine.deadlines import tpot_lost, tpot_slack_ms
 from kvfence.engine.entry import by_transfer as _by_transfer
 from kvfence.engine.entry import entry_order
 from kvfence.engine.entry import ms_left as _ms_left
@@ -420,21 +420,25 @@ class Scheduler:
         tpot, ttft = self.limits.step.target_tpot_ms, self.limits.step.target_ttft_ms
         if tpot is None and ttft is None:
             return None
-        slack = None
+        slack, lost = None, False
         if tpot is not None:
-            rows = (
-                (s.first_token_at, s.num_output)
+            cost = self.step_budget.model.cost()
+            rows = [
+                (s.first_token_at, s.num_output, s.admitted.max_tokens - s.num_output)
                 for s in decoding
                 if s.status is SeqStatus.RUNNING and s.first_token_at is not None
-            )
-            slack = tpot_slack_ms(tpot, rows, now)
+            ]
+            # The fastest these rows can go: a decode-only step of them all.
+            fastest = cost.predict(0, len(rows)) if cost is not None else 0.0
+            kept = [(f, n) for f, n, left in rows if not tpot_lost(tpot, f, n, left, fastest, now)]
+            slack, lost = tpot_slack_ms(tpot, kept, now), bool(rows) and not kept
         prompts: list[tuple[int, float]] = []
         if ttft is not None:
             cum = 0
             for s in self._in_service_order():
                 cum += _to_compute(s)
                 prompts.append((cum, _ms_left(s, ttft, now)))
-        return Deadlines(slack, tuple(prompts))
+        return Deadlines(slack, tuple(prompts), lost)
 
     def _in_service_order(self) -> Iterable[Sequence]:
         """The prompts still to compute here, in the order their chunks are served: the
