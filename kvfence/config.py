@@ -266,6 +266,11 @@ class PdConfig:
     # worker (kvfence/pd/local_prefill.py). None: `kvfence up` on one host picks UP_FACTOR, a
     # worker started alone never does (0).
     decode_local_prefill: float | None = None
+    # CPU threads a decode adds to its own (--threads) for the steps it runs while none of its
+    # prompts is at the prefill worker (kvfence/pd/local_prefill.py). None: `kvfence up` lends
+    # the prefill worker's share to the decode of a 1P1D pair on one host, a worker started
+    # alone never borrows (0).
+    decode_borrow_threads: int | None = None
 
     def __post_init__(self) -> None:
         if self.disaggregation_mode not in DISAGGREGATION_MODES:
@@ -290,6 +295,9 @@ class PdConfig:
         local = self.decode_local_prefill
         if local is not None and not local >= 0:
             raise ConfigError(f"--decode-local-prefill {local}: must be >= 0")
+        borrow = self.decode_borrow_threads
+        if borrow is not None and borrow < 0:
+            raise ConfigError(f"--decode-borrow-threads {borrow}: must be >= 0")
 
 
 @dataclass(frozen=True)

@@ -41,7 +41,8 @@ def build_role(config: NodeConfig, faults: Faults) -> RoleService:
 
     host = "127.0.0.1" if host in ("0.0.0.0", "") else host
     local = pd.decode_local_prefill or 0.0
-    return DecodeService(cfg, timeout, backend, tls, faults, host, limits, local)
+    borrow = pd.decode_borrow_threads or 0
+    return DecodeService(cfg, timeout, backend, tls, faults, host, limits, local, borrow)
 
 
 def startup_error(e: BaseException) -> int | None:

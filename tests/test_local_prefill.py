@@ -6,8 +6,13 @@ from __future__ import annotations
 import pytest
 
 from kvfence.config import ConfigError, PdConfig
+from kvfence.engine.request import FinishReason, RequestOutput
 from kvfence.engine.step_budget import StepCost
-from kvfence.pd.local_prefill import LocalPace, PendingPrompts, computes_here
+from kvfence.pd.local_prefill import IDLE_FACTOR, LocalPace, PendingPrompts, computes_here
+
+
+def _out(final: bool = False) -> RequestOutput:
+    return RequestOutput("r", (1,), "x", FinishReason.LENGTH if final else None, 4, 1)
 
 
 def test_an_idle_prefill_keeps_every_prompt():
@@ -36,6 +41,7 @@ def test_factor_zero_is_the_pd_path_only():
 
 def test_claims_balance_the_two_queues():
     q = PendingPrompts(2.0)
+    q.streams = 1  # the factor stands for the streams a local prompt delays
     where = [q.claim(256) for _ in range(8)]
     # Two go to the prefill first (256 * 2 is not < 256 + 256); then about one in three here.
     assert where[:3] == [False, False, True]
@@ -50,10 +56,66 @@ def test_the_first_output_settles_a_claim_once():
     local = q.claim(100)
     sink = q.sink(local, 100, seen.append)
     assert q.there == 100
-    sink(1)
-    sink(2)
-    assert seen == [1, 2]
+    first, second = _out(), _out()
+    sink(first)
+    sink(second)
+    assert seen == [first, second]
     assert (q.here, q.there) == (0, 0)
+
+
+def test_a_request_is_a_stream_from_its_first_output_to_its_final_one():
+    q = PendingPrompts(2.0)
+    a = q.sink(q.claim(100), 100, lambda _out: None)
+    b = q.sink(q.claim(100), 100, lambda _out: None)
+    assert q.streams == 0  # claimed, no first token yet
+    a(_out())
+    b(_out())
+    a(_out())
+    assert q.streams == 2
+    a(_out(final=True))
+    assert q.streams == 1
+    # A request whose first output is its last (one token, an error) never decodes here.
+    c = q.sink(q.claim(100), 100, lambda _out: None)
+    c(_out(final=True))
+    assert q.streams == 1
+    b(_out(final=True))
+    assert q.streams == 0
+
+
+def test_the_factor_holds_only_while_streams_decode_here():
+    # (0 + 256) * 2 = 512 is not < 200 + 256, but 256 < 456: the factor decides
+    assert IDLE_FACTOR == 1.0
+    q = PendingPrompts(2.0)
+    q.there, q.streams = 200, 1
+    assert not q.claim(256)
+    q.settle(False, 256)
+    q.streams = 0  # nobody would wait through the prompt's tokens here
+    assert q.claim(256)
+    # A factor below the idle one stays: the operator asked for more local prompts than that.
+    low = PendingPrompts(0.5)
+    assert low.claim(256)
+
+
+def test_a_burst_into_an_idle_pair_is_split_between_the_workers():
+    idle, busy = PendingPrompts(3.0), PendingPrompts(3.0)
+    busy.streams = 1
+    pace = LocalPace(here_ms=1.0, there_ms=1.0)
+    at_idle = [idle.claim(256, lambda _r: pace) for _ in range(8)]
+    at_busy = [busy.claim(256, lambda _r: pace) for _ in range(8)]
+    assert at_idle.count(True) == 4
+    assert at_busy.count(True) == 2
+
+
+def test_a_decode_borrows_threads_only_while_none_of_its_prompts_is_at_the_prefill():
+    q = PendingPrompts(0.5)
+    assert q.step_threads(1, 1) == 2
+    assert q.claim(256)  # computed here: the prefill worker still has none of them
+    assert q.step_threads(1, 1) == 2
+    assert not q.claim(256, lambda _r: LocalPace(here_ms=10.0, there_ms=1.0))  # sent there
+    assert q.step_threads(1, 1) == 1
+    q.settle(False, 256)  # its first token is out: the prefill worker is done with it
+    assert q.step_threads(1, 1) == 2
+    assert q.step_threads(2, 0) == 2
 
 
 def test_settle_undoes_a_refused_claim():

@@ -160,6 +160,7 @@ def test_pd_decode_computes_a_prompt_itself_when_the_prefill_queue_is_long(
     assert pair.decode.transfer_stats.get("transfers_committed") == 0
     assert pair.decode.transfer_stats.get("reserved") == 0
     assert (pair.decode.pending.here, pair.decode.pending.there) == (0, 10**6)
+    assert pair.decode.pending.streams == 0  # each stream counted out at its final output
 
 
 def test_pd_a_decode_taking_prompts_keeps_the_narrow_step_target(model_dir: str) -> None:
@@ -185,6 +186,30 @@ def test_pd_a_decode_taking_prompts_keeps_the_narrow_step_target(model_dir: str)
             assert svc.engine.scheduler.limits.step.wide_factor == wide
             assert svc.engine.scheduler.limits.step.backlog_steps == backlog
             assert svc.pending.limit == node.engine.chunked_prefill_size
+        finally:
+            svc.shutdown()
+
+
+def test_pd_decode_borrows_threads_only_with_its_own_set_and_a_borrow(model_dir: str) -> None:
+    from dataclasses import replace
+
+    from pd_harness import decode_service, pd_node
+
+    from kvfence.config import EngineConfig
+    from kvfence.faults import Faults
+
+    cfg = EngineConfig(model=model_dir, kv_pool_tokens=1024, context_length=CTX, threads=1)
+    node = pd_node(cfg, "decode", 5.0)
+    for threads, borrow, idle in ((1, 1, 2), (1, 0, None), (None, 1, None)):
+        engine = replace(cfg, threads=threads)
+        pd = replace(node.pd, decode_borrow_threads=borrow)
+        svc = decode_service(replace(node, engine=engine, pd=pd), Faults())
+        try:
+            step_threads = svc.engine.step_threads
+            assert (step_threads and step_threads()) == idle
+            if step_threads is not None:
+                svc.pending.remote = 1  # a prompt of its own at the prefill worker
+                assert step_threads() == 1
         finally:
             svc.shutdown()
 

@@ -29,6 +29,7 @@ from kvfence.tools.up import (
     StartupError,
     UpConfig,
     add_up_args,
+    host_shares,
     router_command,
     threads_per_worker,
     wait_healthy,
@@ -127,6 +128,62 @@ def test_engine_runs_its_kernels_on_the_threads_it_was_given() -> None:
         )
         assert torch.get_num_threads() == 1
     finally:
+        torch.set_num_threads(before)
+
+
+def test_up_lends_the_prefill_share_to_the_decode_of_a_1p1d_pair_only(tmp_path: Path) -> None:
+    from kvfence.cli import build_parser
+
+    def shares(*argv: str) -> UpConfig:
+        return host_shares(up_config("--model", str(tmp_path), *argv), cores=2)
+
+    pair = shares()
+    assert pair.node.engine.threads == 1 and pair.node.pd.decode_borrow_threads == 1
+    back = build_parser().parse_args(["serve", *worker_args(pair, "decode")])
+    assert (back.threads, back.decode_borrow_threads) == (1, 1)
+    # Another worker's cores may be busy while this decode's prompts are not there.
+    assert shares("--prefill", "2").node.pd.decode_borrow_threads is None
+    assert shares("--decode", "2").node.pd.decode_borrow_threads is None
+    # Threads the operator chose are not added to, nor a borrow they set.
+    assert shares("--threads", "2").node.pd.decode_borrow_threads is None
+    assert shares("--decode-borrow-threads", "0").node.pd.decode_borrow_threads == 0
+    assert shares("--device", "cuda").node.pd.decode_borrow_threads is None
+
+
+def test_engine_runs_each_step_on_the_threads_step_threads_asks() -> None:
+    import torch
+
+    from kvfence.config import EngineConfig
+    from kvfence.engine.admission import Admitted
+    from kvfence.engine.engine import Engine
+    from kvfence.engine.request import GenerateRequest, RequestOutput, SamplingParams
+
+    before = torch.get_num_threads()
+    engine = Engine(
+        EngineConfig(model=str(TINY_MODEL), threads=1, context_length=256, kv_pool_tokens=4096)
+    )
+    want, seen = [2], []  # seen: torch's count on the engine thread after each pass
+    engine.step_threads = lambda: want[0]
+    engine.step_end_hooks.append(lambda: seen.append(torch.get_num_threads()))
+    done: queue.SimpleQueue[RequestOutput] = queue.SimpleQueue()
+
+    def generate(rid: str) -> None:
+        params = SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True)
+        out = engine.submit(
+            GenerateRequest(rid, "t", (5, 6, 7), params), lambda o: o.finished and done.put(o)
+        )
+        assert isinstance(out, Admitted), out
+        assert done.get(timeout=60).request_id == rid
+
+    try:
+        engine.start()
+        generate("a")
+        assert seen[-1] == 2, seen
+        want[0] = 1
+        generate("b")
+        assert seen[-1] == 1, seen
+    finally:
+        engine.shutdown()
         torch.set_num_threads(before)
 
 

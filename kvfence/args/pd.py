@@ -68,9 +68,20 @@ DECODE_LOCAL_PREFILL = _pd(
     help="a decode worker computes a prompt itself, beside its decodes, when the prefill "
     "worker's queue of its prompts is FACTOR times its own (0: never; `kvfence up`: 3)",
 )
+DECODE_BORROW_THREADS = _pd(
+    ("--decode-borrow-threads",),
+    "decode_borrow_threads",
+    type=int,
+    metavar="N",
+    help="a decode worker's steps run on N more CPU threads while none of its prompts is at "
+    "the prefill worker, whose cores are idle then on a host the two share (on top of "
+    "--threads, without which it is off; 0: never; `kvfence up` with one prefill and one "
+    "decode on CPU: the prefill worker's share)",
+)
 TRANSFER_OPTIONS: tuple[Option, ...] = (
     TRANSFER_BACKEND,
     DECODE_LOCAL_PREFILL,
+    DECODE_BORROW_THREADS,
     DISAGGREGATION_TIMEOUT,
     TLS_HANDSHAKE_TIMEOUT,
     MAX_PENDING_HANDSHAKES,

@@ -184,6 +184,11 @@ class Engine:
         # Called on the engine thread after each pass of the loop (add them before start()): a
         # sink that batches (kvfence/engine/outbox.py) sends one step's outputs at once.
         self.step_end_hooks: list[Callable[[], None]] = []
+        # The CPU threads each step's kernels run on, asked before it (None: cfg.threads
+        # throughout): a PD decode lends itself its prefill worker's idle cores
+        # (kvfence/pd/local_prefill.py, PendingPrompts.step_threads).
+        self.step_threads: Callable[[], int] | None = None
+        self._threads = cfg.threads
 
     # ---- called from any thread -------------------------------------------------------------
 
@@ -345,12 +350,21 @@ class Engine:
             return
         decode_rows = sum(c.seq.in_decode for c in chunks)
         prefill_tokens = sum(c.length for c in chunks if not c.seq.in_decode)
+        if self.step_threads is not None:
+            self._use_threads(self.step_threads())
         t0 = time.perf_counter()
         result = self.runner.run(chunks)
         self._postprocess(chunks, result)
         # What a stream waits between two tokens: the forward and everything after it.
         ms = (time.perf_counter() - t0) * 1000
         self.scheduler.step_budget.observe(prefill_tokens, decode_rows, ms)
+
+    def _use_threads(self, n: int) -> None:
+        """Later parallel regions of this thread run on `n` threads (OpenMP's count is the
+        calling thread's: so it is set here, on the engine thread)."""
+        if n != self._threads:
+            torch.set_num_threads(n)
+            self._threads = n
 
     def _drain_inbox(self) -> None:
         while True:

@@ -59,10 +59,13 @@ class DecodeService(PdService):
         host: str = "127.0.0.1",
         limits: LinkLimits | None = None,
         local_prefill: float = 0.0,
+        borrow_threads: int = 0,
     ) -> None:
         """host: where this worker is reachable (a Mooncake peer's one-sided writes go there);
         local_prefill: --decode-local-prefill, how much slower a prompt computed here may be than
-        at the prefill worker and still go here (pd/local_prefill.py; 0: never)."""
+        at the prefill worker and still go here (pd/local_prefill.py; 0: never);
+        borrow_threads: --decode-borrow-threads, the threads its steps add to --threads while
+        none of its prompts is at the prefill worker (PendingPrompts.step_threads; 0: never)."""
         # Waived preflight (tests only) lets the two roles' pools differ (the incident's fault
         # 1): a prompt's fate must not then depend on which side computes it.
         local_prefill = 0.0 if cfg.unsafe_skip_preflight else local_prefill
@@ -76,6 +79,9 @@ class DecodeService(PdService):
         super().__init__(cfg, backend, tls, faults, timeout_s, limits)
         limit = LOCAL_LIMIT_CHUNKS * cfg.chunked_prefill_size
         self.pending = PendingPrompts(local_prefill, limit)
+        own = cfg.threads
+        if borrow_threads > 0 and own is not None and cfg.device == "cpu" and cfg.tp_size == 1:
+            self.engine.step_threads = lambda: self.pending.step_threads(own, borrow_threads)
         self.chunk = cfg.chunked_prefill_size
         self.ranks = cfg.tp_size  # a run's payload carries every rank's slice
         # One-sided writes land anywhere in the registered pool: no grant to check them by (I3

@@ -48,12 +48,27 @@ can still meet the TTFT target first (Scheduler.share_prompts). Interleaved on 2
 (diag, one pass each, a direction): C=32 fp32 TPOT 36-90 ms against 80-410, C=8 bf16 goodput
 unchanged (1.41, 1.47 against 1.34-1.48 req/s at 2 s x 100 ms).
 
-`factor` scales the local side: `kvfence up` asks UP_FACTOR (below). The view is this
+`factor` scales the local side: `kvfence up` asks UP_FACTOR (below), and while no stream
+decodes here IDLE_FACTOR stands in for it (a local prompt then delays nobody). The view is this
 worker's own requests: with several decodes per prefill it undercounts the prefill's queue,
 which only keeps more prompts on the PD path. A decode that takes prompts keeps the narrow step
 target at any batch width (DecodeService): the wide one lets a unified engine's queued prompts
 through a wide batch, which a decode's prompts need not, having the prefill worker. Arithmetic
 and counters only (no clock, no engine).
+
+BORROWING: `kvfence up` gives each worker its share of the host's cores (1P1D on 2 cores: one
+thread each), so that the prefill's and the decode's parallel regions never wait on each
+other's descheduled threads. But in a closed loop the two mostly take turns: a wave's prompts
+are computed (on both workers: the burst is split, IDLE_FACTOR), then its streams decode while
+the prefill worker has nothing of this worker's to do and its core idles. So while no prompt
+of this worker's is at the prefill worker, the decode's steps run on the prefill worker's
+threads too (--decode-borrow-threads; `up` lends its share to the decode of a 1P1D pair, where
+this worker's prompts are all the prefill worker's work). A bf16 8-row decode step on EPYC takes
+22.5 ms on one thread and 18.8 on two. The count is set before each step, so a prompt sent to
+the prefill worker shares a core with the decode for one step at most. Interleaved A/B (bf16
+C=8, 256 -> 64, 3 pairs of 2 passes): 2 s x 100 ms 2.69-3.11 req/s against 2.60-2.88; 5 quiet
+passes: 1P1D / serve goodput at 2 s x 100 ms 0.92x, 0.83x before (benchmarks/RESULTS.md
+"Goodput against vLLM at its defaults").
 """
 
 from __future__ import annotations
@@ -61,8 +76,8 @@ from __future__ import annotations
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
 
+from kvfence.engine.request import RequestOutput
 from kvfence.engine.step_budget import StepCost
 
 # Before its step cost is fit, a decode holds at most this many chunks (--chunked-prefill-size)
@@ -84,6 +99,16 @@ LOCAL_BACKLOG_STEPS = 0
 # 2.85-2.99 req/s against 2.73-2.83; C=32 1.56 against 1.49; fp32 C=8 1.29 against 1.52 and
 # C=32 0.14 against 0.23, each still above serve's (0.3 and 0 at that cell).
 UP_FACTOR = 3.0
+# With no stream decoding here a local prompt delays none, so the factor that stands for them
+# (UP_FACTOR's "every stream waits through its tokens") is off: the prompt goes where its first
+# token comes first, and a burst into an idle pair is split between the two workers. At
+# UP_FACTOR throughout, a closed loop's first C=8 prompts left the decode worker one of them and
+# the prefill worker's single core the rest: the wave's last first tokens at 2.2-2.9 s, three
+# of 48 requests past 2 s in every pass (1P1D bf16, 256 -> 64 on EPYC). Interleaved A/B
+# (diag through goodput.py's client, 3 pairs of 2 passes, 2 s x 100 ms): 2.88-3.03 req/s
+# against 2.47-2.73, TTFT p50 855-972 ms against 1,132-1,317, throughput 922-971 tok/s
+# against 843-910, every first token of the burst within 1.8 s.
+IDLE_FACTOR = 1.0
 
 
 @dataclass(frozen=True)
@@ -134,6 +159,7 @@ class PendingPrompts:
     here: int = 0
     there: int = 0
     remote: int = 0  # prompts counted in `there`: each holds a decode row once its KV is in
+    streams: int = 0  # this worker's requests past their first output and not yet finished
 
     def __post_init__(self) -> None:
         self._lock = threading.Lock()
@@ -145,13 +171,19 @@ class PendingPrompts:
         counted as they are claimed, not at the last step."""
         with self._lock:
             pace = price(self.remote) if price is not None else None
-            local = computes_here(self.here, self.there, prompt, self.factor, self.limit, pace)
+            factor = self.factor if self.streams else min(self.factor, IDLE_FACTOR)
+            local = computes_here(self.here, self.there, prompt, factor, self.limit, pace)
             if local:
                 self.here += prompt
             else:
                 self.there += prompt
                 self.remote += 1
             return local
+
+    def step_threads(self, own: int, borrow: int) -> int:
+        """The CPU threads of this worker's next step: its `own`, and `borrow` more while none
+        of its prompts is at the prefill worker (BORROWING above)."""
+        return own if self.remote else own + borrow
 
     def settle(self, local: bool, prompt: int) -> None:
         """The prompt is computed (its first token is out) or will never be (refused, failed)."""
@@ -162,15 +194,27 @@ class PendingPrompts:
                 self.there -= prompt
                 self.remote -= 1
 
-    def sink(self, local: bool, prompt: int, sink: Callable[[Any], None]) -> Callable[[Any], None]:
-        """sink, settling the claim at its first output (a token, or the end of the request)."""
+    def sink(
+        self, local: bool, prompt: int, sink: Callable[[RequestOutput], None]
+    ) -> Callable[[RequestOutput], None]:
+        """sink, settling the claim at its first output (a token, or the end of the request)
+        and counting the request among the streams from then until its final output (I5: there
+        is exactly one)."""
         settled = False
 
-        def first_settles(out: Any) -> None:
+        def first_settles(out: RequestOutput) -> None:
             nonlocal settled
             if not settled:
                 settled = True
                 self.settle(local, prompt)
+                if not out.finished:
+                    self._stream(1)
+            elif out.finished:
+                self._stream(-1)
             sink(out)
 
         return first_settles
+
+    def _stream(self, delta: int) -> None:
+        with self._lock:
+            self.streams += delta

@@ -281,12 +281,15 @@ def run_up(args: argparse.Namespace) -> int:
         return 2
 
     engine = up.node.engine
+    up = host_shares(up)
     if engine.device == "cpu" and engine.threads is None:
-        up = up.with_engine(threads=threads_per_worker(up.prefill + up.decode))
         say(f"kvfence up: {up.node.engine.threads} CPU thread(s) per worker (--threads to change)")
-    if up.node.pd.decode_local_prefill is None:
-        # Every worker of `up` shares this host: decode's spare step time is the prefill's too.
-        up = up.with_pd(decode_local_prefill=UP_FACTOR)
+    if up.node.pd.decode_borrow_threads:
+        say(
+            f"kvfence up: the decode worker borrows the prefill worker's "
+            f"{up.node.pd.decode_borrow_threads} thread(s) while none of its prompts is there "
+            f"(--decode-borrow-threads)"
+        )
     if engine.device == "cpu":
         # Build the native kernels once here, not in N+M workers racing on torch's build lock.
         from kvfence.model import kernels
@@ -352,6 +355,23 @@ def run_up(args: argparse.Namespace) -> int:
         stop_all(stages, up.shutdown_grace + up.node.server.drain_timeout)
         for s, handler in previous.items():
             signal.signal(s, handler)
+
+
+def host_shares(up: UpConfig, cores: int | None = None) -> UpConfig:
+    """What `up` fills in, left unset, for workers that share this host: each worker's share of
+    the cores; on one prefill and one decode, the prefill's share lent to the decode's steps
+    while none of its prompts is at the prefill worker (pd/local_prefill.py BORROWING: with
+    more workers, another's cores may be busy then); a decode that computes prompts itself
+    (UP_FACTOR: the decode's spare step time is the prefill's too)."""
+    engine = up.node.engine
+    if engine.device == "cpu" and engine.threads is None:
+        share = threads_per_worker(up.prefill + up.decode, cores)
+        up = up.with_engine(threads=share)
+        if up.node.pd.decode_borrow_threads is None and up.prefill == up.decode == 1:
+            up = up.with_pd(decode_borrow_threads=share)
+    if up.node.pd.decode_local_prefill is None:
+        up = up.with_pd(decode_local_prefill=UP_FACTOR)
+    return up
 
 
 def threads_per_worker(workers: int, cores: int | None = None) -> int:
@@ -460,6 +480,7 @@ __all__ = [
     "UpConfig",
     "add_up_args",
     "free_port",
+    "host_shares",
     "main",
     "router_command",
     "run_up",
