@@ -366,18 +366,20 @@ def vllm_server(
     model: str | Path,
     context_length: int,
     log: Path,
-    prefix_caching: bool = False,
+    prefix_caching: bool | None = False,
     extra: Sequence[str] = (),
     dtype: str = "float32",
     eager: bool = False,
 ) -> Server:
     """vLLM's OpenAI API server on a free port, started (not yet ready), as its users run it:
-    compiled (`eager` only for a run that says why). `vllm serve` resolves once
-    benchmarks/setup_vllm.sh has made the venv."""
+    compiled (`eager` only for a run that says why). prefix_caching: on, off, or None for no
+    flag (vLLM's own default). `vllm serve` resolves once benchmarks/setup_vllm.sh has made the
+    venv."""
     port = free_port()
     argv = [str(Path(python).with_name("vllm")), "serve", str(model)]
     argv += ["--port", str(port), "--dtype", dtype, *(["--enforce-eager"] if eager else [])]
-    argv += ["--enable-prefix-caching" if prefix_caching else "--no-enable-prefix-caching"]
+    if prefix_caching is not None:
+        argv += ["--enable-prefix-caching" if prefix_caching else "--no-enable-prefix-caching"]
     argv += ["--max-model-len", str(context_length), *extra]
     return Server(argv, port, VLLM_ENV, log=log)
 

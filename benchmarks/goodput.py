@@ -12,8 +12,9 @@ How each peer runs, and why:
 - vLLM: `vllm serve` at its defaults (compiled graphs, not --enforce-eager; its scheduler and
   chunked prefill as shipped), with what its CPU build needs to run here at all: the dtype of the
   comparison, --max-model-len of the checkpoint, VLLM_CPU_OMP_THREADS_BIND=0-1 (all cores),
-  VLLM_CPU_KVCACHE_SPACE (enough for the workload), loopback. The random workload shares no
-  prefix, so its prefix caching (on by default) is left as it is.
+  VLLM_CPU_KVCACHE_SPACE (enough for the workload), loopback. Its prefix caching is left at
+  vLLM's default (no flag either way; runs recorded before this read --no-enable-prefix-caching
+  in "servers"): the random workload's prompts share no prefix, and each run's are fresh.
 - kvfence serve and kvfence up (1 prefill + 1 decode, the cores split by `up`): their defaults,
   plus --kvfence-args when given (the latency targets an operator would set:
   `--kvfence-args "--target-tpot-ms 50 --target-ttft-ms 1000"`), recorded in the JSON.
@@ -177,7 +178,7 @@ def main(argv: list[str] | None = None) -> int:
             log = work / f"{side}.log"
             if side == "vllm":
                 servers[side] = vllm_server(
-                    a.vllm_python, model, ctx, log, dtype=a.dtype,
+                    a.vllm_python, model, ctx, log, dtype=a.dtype, prefix_caching=None,
                     extra=["--served-model-name", SERVED],
                 )  # fmt: skip
             else:
@@ -190,7 +191,7 @@ def main(argv: list[str] | None = None) -> int:
             for ci, c in enumerate(a.concurrency):
                 # Fresh prompts per run, the same for every side of it: a run that re-sent an
                 # earlier run's prompts (one seed per pass, as before) found them in kvfence's
-                # prefix cache (vLLM runs with it off), so C=32 came after C=8 half computed.
+                # prefix cache (vLLM's was off), so C=32 came after C=8 half computed.
                 seed = pas * len(a.concurrency) + ci
                 order = sides[pas % len(sides) :] + sides[: pas % len(sides)]
                 for side in order:
@@ -224,6 +225,7 @@ def main(argv: list[str] | None = None) -> int:
             "machine": machine(),
             "model": str(model),
             "servers": {s: srv.command for s, srv in servers.items()},
+            "kvfence_args": a.kvfence_args,
             "workload": {
                 "input_len": a.input_len,
                 "output_len": a.output_len,

@@ -47,3 +47,30 @@ def test_a_peer_that_did_not_run_is_shown_as_such_never_as_a_ratio():
     assert "| 500 | not run (vLLM not run) | - |" in out[4]
     assert "| 50 | 100 (vLLM) | 0.50 |" in out[5]
     assert all("`x.json`, `abc1234`" in line for line in out[4:6])
+
+
+def test_a_run_with_latency_targets_says_them_and_reports_goodput_at_them():
+    def cell(x: float) -> dict:
+        return {"median": x, "min": x, "max": x}
+
+    metrics = ["throughput", "ttft_p50_ms", "itl_p99_ms", "goodput_ttft2s_tpot100ms"]
+    side = {m: cell(1.0) for m in [*metrics, "goodput_ttft4s_tpot50ms"]}
+    run = {
+        "command": "goodput.py --kvfence-args '--target-tpot-ms 50 --target-ttft-ms 4000'",
+        "machine": {"git": "abc1234", "date": "2026-12-06T00:00", "nproc": "2"},
+        "workload": {"num_prompts": 48, "input_len": 256, "output_len": 64},
+        "summary": {"c8": {"serve": side, "vllm": {**side, "goodput_ttft4s_tpot50ms": cell(0.5)}}},
+    }
+    # Recorded before goodput.py wrote kvfence_args: read back from its command.
+    rows = headline.http_rows(Path("goodput_waves.json"), run)
+    assert {r["workload"] for r in rows} == {
+        "HTTP 48 x 256 -> 64, C=8, kvfence serve, `--target-tpot-ms 50 --target-ttft-ms 4000`"
+    }
+    at_target = [r for r in rows if "(the targets)" in str(r["metric"])]
+    assert [(r["metric"], r["kvfence"], r["peer"]) for r in at_target] == [
+        ("goodput at TTFT 4 s + TPOT 50 ms (the targets), req/s", 1.0, 0.5)
+    ]
+    # A run at the defaults says no flags and has no targets' cell.
+    plain = headline.http_rows(Path("goodput.json"), {**run, "kvfence_args": ""})
+    assert len(plain) == len(metrics)
+    assert all(str(r["workload"]).endswith("C=8, kvfence serve") for r in plain)
