@@ -296,8 +296,7 @@ class Engine:
         if not boot(self, booted):
             return
         while not self._stopping.is_set():
-            for hook in self.step_end_hooks:  # what the last step emitted leaves before the
-                hook()  # loop waits or steps
+            self._send_outputs()  # what the last step emitted leaves before the loop waits or steps
             if not self.has_work():
                 self._go_idle()
                 self._wake.wait(timeout=0.5)
@@ -322,6 +321,9 @@ class Engine:
                 log.exception("engine step failed; failing the running requests closed")
                 for seq in list(self.scheduler.running):
                     self._finish(seq, FinishReason.ERROR, "internal engine error", "engine_error")
+        self._send_outputs()
+
+    def _send_outputs(self) -> None:
         for hook in self.step_end_hooks:
             hook()
 
@@ -344,6 +346,10 @@ class Engine:
         if self.tp is not None and self.tp.broken is not None:
             raise TpBroken(self.tp.broken)
         self._drain_inbox()
+        # What the inbox emitted leaves now, not behind this step's forward: a PD decode's first
+        # token, computed by the prefill and shown at commit, waited a whole decode step in the
+        # outbox (fp32 135M, one 256-token request at a time on 2 cores: ~40 ms of PD's TTFT).
+        self._send_outputs()
         chunks = self.scheduler.schedule(time.monotonic())
         self._hand_off_reserved()
         if not chunks:
